@@ -1,0 +1,96 @@
+"""Activation checkpoints: the input of every unit for every micro-batch, kept between the forward
+and the backward pass, on the host or in one SSD file per unit (one page-aligned slot per micro-batch).
+
+Following greedysnake.md section 3, the first and last ``host_ends`` micro-batches of each unit stay in
+memory: they are the schedule's turning points, where the next task needs the tensor at once and an
+SSD round trip could not be hidden. The SSD fraction applies to the micro-batches in between.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from snake_strategy.config import TierSplit
+from snake_strategy.storage import IOEngine, SsdDirectory, TrafficCounters, aligned_empty, round_up
+from snake_strategy.storage.aligned import padded_bytes
+
+
+class ActivationStore:
+    STATE = "checkpoints"
+
+    def __init__(
+        self,
+        split: TierSplit,
+        host_ends: int,
+        num_micro: int,
+        device: torch.device,
+        counters: TrafficCounters,
+        io: IOEngine | None,
+        ssd: SsdDirectory | None,
+    ) -> None:
+        self._device, self._counters, self._io, self._ssd = device, counters, io, ssd
+        middle = [m for m in range(num_micro) if host_ends <= m < num_micro - host_ends]
+        num_ssd = min(len(middle), round(split.ssd * num_micro))
+        num_device = min(len(middle) - num_ssd, round(split.device * num_micro))
+        self._ssd_micro = set(middle[len(middle) - num_ssd:]) if num_ssd else set()
+        # On a GPU, "device" checkpoints stay in GPU memory; "host" ones move to (pinned) host memory.
+        self._device_micro = set(middle[:num_device])
+        self._in_memory: dict[tuple[int, int], Tensor] = {}
+        self._on_ssd: dict[tuple[int, int], tuple[torch.Size, torch.dtype]] = {}
+        self._files: dict[int, tuple[int, int]] = {}  # unit -> (fd, slot bytes)
+
+    def tier_of(self, micro: int) -> str:
+        if micro in self._ssd_micro:
+            return "ssd"
+        return "device" if micro in self._device_micro else "host"
+
+    def put(self, unit: int, micro: int, hidden: Tensor) -> None:
+        hidden = hidden.detach()
+        num_bytes = hidden.numel() * hidden.element_size()
+        tier = self.tier_of(micro)
+        self._counters.add(tier, self.STATE, "write", num_bytes)
+        if tier == "device":
+            self._in_memory[(unit, micro)] = hidden
+        elif tier == "host":
+            # On CPU the host tier is the same memory: keep the tensor, count the bytes.
+            self._in_memory[(unit, micro)] = hidden if self._device.type == "cpu" else hidden.to("cpu")
+        else:
+            fd, slot_bytes = self._file(unit, num_bytes)
+            staging = aligned_empty(hidden.numel(), hidden.dtype)
+            staging.copy_(hidden.reshape(-1))  # a copy into a page-aligned buffer (O_DIRECT needs it)
+            self._io.submit_write(fd, micro * slot_bytes, padded_bytes(staging)).wait()
+            self._on_ssd[(unit, micro)] = (hidden.shape, hidden.dtype)
+
+    def get(self, unit: int, micro: int) -> Tensor:
+        key = (unit, micro)
+        if key in self._in_memory:
+            hidden = self._in_memory[key]
+            self._counters.add(self.tier_of(micro), self.STATE, "read", hidden.numel() * hidden.element_size())
+            return hidden.to(self._device, non_blocking=True)
+        shape, dtype = self._on_ssd[key]
+        fd, slot_bytes = self._files[unit]
+        buffer = aligned_empty(shape.numel(), dtype)
+        self._io.submit_read(fd, micro * slot_bytes, padded_bytes(buffer)).wait()
+        self._counters.add("ssd", self.STATE, "read", shape.numel() * buffer.element_size())
+        return buffer.view(shape).to(self._device)
+
+    def drop(self, unit: int, micro: int) -> None:
+        self._in_memory.pop((unit, micro), None)
+        self._on_ssd.pop((unit, micro), None)
+
+    def clear(self) -> None:
+        self._in_memory.clear()
+        self._on_ssd.clear()
+
+    def _file(self, unit: int, num_bytes: int) -> tuple[int, int]:
+        slot_bytes = round_up(num_bytes)
+        if unit not in self._files:
+            if self._ssd is None or self._io is None:
+                raise AssertionError("SSD checkpoints need an SsdDirectory and an IOEngine")
+            num_slots = max(self._ssd_micro) + 1
+            self._files[unit] = (self._ssd.open(f"{self.STATE}/unit{unit:05d}.bin", slot_bytes * num_slots), slot_bytes)
+        fd, known = self._files[unit]
+        if known != slot_bytes:
+            raise ValueError(f"unit {unit} produced activations of {num_bytes} bytes after {known}-byte ones; "
+                             "all micro-batches of a step must have the same shape")
+        return fd, slot_bytes

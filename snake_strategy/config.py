@@ -1,0 +1,133 @@
+"""Small, validated configuration objects, one per component.
+
+Plain dataclasses so the library works from a notebook; the Hydra app builds them from YAML.
+Every user error raises ValueError naming the field and the fix.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+TIERS = ("device", "host", "ssd")
+# The offloadable training states. "master" only has its own storage when the compute weights are
+# not fp32/fp64 (bf16-true); otherwise the compute weights are the master copy and are stored once.
+STATES = ("weights", "master", "optimizer", "gradients", "checkpoints")
+
+
+@dataclass(frozen=True)
+class TierSplit:
+    """Fractions of one state's bytes on each tier; they must add up to 1."""
+
+    device: float = 0.0
+    host: float = 1.0
+    ssd: float = 0.0
+
+    def __post_init__(self) -> None:
+        for tier in TIERS:
+            value = getattr(self, tier)
+            if not 0.0 <= value <= 1.0:
+                raise ValueError(f"tier fraction {tier}={value} must lie in [0, 1]")
+        total = self.device + self.host + self.ssd
+        if abs(total - 1.0) > 1e-6:
+            raise ValueError(
+                f"tier fractions device={self.device}, host={self.host}, ssd={self.ssd} add up to {total}, not 1"
+            )
+
+    @classmethod
+    def coerce(cls, value: Any, name: str) -> TierSplit:
+        if isinstance(value, TierSplit):
+            return value
+        if isinstance(value, str):
+            if value not in TIERS:
+                raise ValueError(f"storage.{name}='{value}' is not a tier; use one of {TIERS} or a mapping")
+            return cls(**{t: float(t == value) for t in TIERS})
+        if isinstance(value, Mapping):
+            unknown = set(value) - set(TIERS)
+            if unknown:
+                raise ValueError(f"storage.{name} has unknown tiers {sorted(unknown)}; known: {TIERS}")
+            given = {k: float(v) for k, v in value.items()}
+            # Unspecified tiers default to 0, except host takes whatever is left.
+            given.setdefault("device", 0.0)
+            given.setdefault("ssd", 0.0)
+            given.setdefault("host", 1.0 - given["device"] - given["ssd"])
+            try:
+                return cls(**given)
+            except ValueError as err:
+                raise ValueError(f"storage.{name}: {err}") from None
+        raise ValueError(f"storage.{name} must be a tier name or a mapping of tier fractions, got {value!r}")
+
+
+@dataclass
+class StorageConfig:
+    """Where each training state lives.
+
+    ``ssd_dir=None`` puts the SSD tier in a fresh temporary directory that teardown removes.
+    ``checkpoint_host_ends`` keeps the activation checkpoints of the first and last that many
+    micro-batches of each unit on the host: they sit at the schedule's turning points, where an
+    SSD round trip would stall the next task.
+    """
+
+    ssd_dir: str | None = None
+    weights: TierSplit = field(default_factory=TierSplit)
+    master: TierSplit = field(default_factory=TierSplit)
+    optimizer: TierSplit = field(default_factory=TierSplit)
+    gradients: TierSplit = field(default_factory=TierSplit)
+    checkpoints: TierSplit = field(default_factory=TierSplit)
+    checkpoint_host_ends: int = 2
+    use_o_direct: bool = True
+    num_io_threads: int = 2
+    keep_ssd_files: bool = False
+
+    def __post_init__(self) -> None:
+        for state in STATES:
+            setattr(self, state, TierSplit.coerce(getattr(self, state), state))
+        if self.checkpoint_host_ends < 0:
+            raise ValueError(f"storage.checkpoint_host_ends={self.checkpoint_host_ends} must be >= 0")
+        if self.num_io_threads < 1:
+            raise ValueError(f"storage.num_io_threads={self.num_io_threads} must be >= 1")
+        if self.ssd_dir is not None:
+            self.ssd_dir = str(self.ssd_dir)
+
+    def uses_ssd(self) -> bool:
+        return any(getattr(self, state).ssd > 0 for state in STATES)
+
+
+SCHEDULES = ("vertical", "horizontal")
+
+
+@dataclass
+class ScheduleConfig:
+    """How one optimizer step is ordered.
+
+    ``kind="vertical"`` is the GreedySnake order (all micro-batches of a unit before the next unit);
+    ``"horizontal"`` is ZeRO-Infinity-style gradient accumulation (one micro-batch through all units).
+    A unit is ``blocks_per_unit`` consecutive blocks: the grain of every transfer and optimizer step.
+    """
+
+    kind: str = "vertical"
+    num_micro_batches: int = 4
+    blocks_per_unit: int = 1
+
+    def __post_init__(self) -> None:
+        if self.kind not in SCHEDULES:
+            raise ValueError(f"schedule.kind='{self.kind}' is not one of {SCHEDULES}")
+        if self.num_micro_batches < 1:
+            raise ValueError(f"schedule.num_micro_batches={self.num_micro_batches} must be >= 1")
+        if self.blocks_per_unit < 1:
+            raise ValueError(f"schedule.blocks_per_unit={self.blocks_per_unit} must be >= 1")
+
+
+def coerce_config(cls: type, value: Any, name: str) -> Any:
+    """Accept an instance, a mapping (e.g. an OmegaConf DictConfig) or None (defaults)."""
+    if value is None:
+        return cls()
+    if isinstance(value, cls):
+        return value
+    if isinstance(value, Mapping):
+        known = {f.name for f in fields(cls)}
+        unknown = set(value) - known - {"_target_"}
+        if unknown:
+            raise ValueError(f"{name} has unknown fields {sorted(unknown)}; known: {sorted(known)}")
+        return cls(**{k: v for k, v in value.items() if k != "_target_"})
+    raise ValueError(f"{name} must be a {cls.__name__} or a mapping, got {type(value).__name__}")

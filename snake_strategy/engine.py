@@ -1,0 +1,411 @@
+"""The engine: runs one optimizer step's task schedule over the tiered stores.
+
+It owns every offloaded state of the blocks (compute weights, fp32 master, Adam moments, gradient
+accumulators, activation checkpoints) and the non-layer parameters' optimizer state. Lightning glue
+lives in ``strategy.py``; the task order comes from ``schedule.py`` as plain data.
+
+Weights: one unit is resident at a time. A task on another unit releases the resident one (weights do
+not change during the step, so nothing is written back) and fetches the new one: the engine's weight
+traffic is exactly ``schedule.weight_fetches``. Gradients: the resident unit accumulates into one fp32
+buffer; when the schedule moves to another unit the buffer is flushed to the gradient store (added to
+what an earlier micro-batch left there, in the horizontal schedule).
+"""
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+from torch import Tensor, nn
+
+from snake_strategy.activations import ActivationStore
+from snake_strategy.config import ScheduleConfig, StorageConfig
+from snake_strategy.contract import check_contract, split_micro_batches
+from snake_strategy.optim import adam_step, check_optimizer, snapshot_hyper_params
+from snake_strategy.schedule import BACKWARD, Task, build_tasks
+from snake_strategy.storage import IOEngine, SsdDirectory, TieredTensor, TrafficCounters
+from snake_strategy.units import UnitLayout, build_layouts, materialize_unit_blocks
+
+
+@dataclass(frozen=True)
+class DtypePolicy:
+    """Which dtypes the engine stores and computes in (set by the precision plugin)."""
+
+    compute: torch.dtype  # the weights the blocks run with
+    master: torch.dtype  # master weights, moments and gradient accumulators
+    autocast: torch.dtype | None = None  # bf16-mixed: run the stages under autocast
+
+
+@dataclass
+class _UnitState:
+    layout: UnitLayout
+    weights: TieredTensor
+    master: TieredTensor  # the same object as ``weights`` when compute dtype == master dtype
+    exp_avg: TieredTensor
+    exp_avg_sq: TieredTensor
+    grads: TieredTensor
+
+
+class SnakeEngine:
+    def __init__(
+        self,
+        module: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        storage: StorageConfig,
+        schedule: ScheduleConfig,
+        dtypes: DtypePolicy,
+        device: torch.device,
+    ) -> None:
+        check_contract(module)
+        check_optimizer(optimizer)
+        self.module, self.optimizer, self.storage, self.schedule = module, optimizer, storage, schedule
+        self.dtypes, self.device = dtypes, device
+        self.counters = TrafficCounters()
+        self.step_count = 0
+        self.last_step_stats: dict[str, Any] = {}
+        self.io: IOEngine | None = None
+        self.ssd: SsdDirectory | None = None
+        if storage.uses_ssd():
+            self.ssd = SsdDirectory(storage.ssd_dir, storage.use_o_direct, storage.keep_ssd_files)
+            self.io = IOEngine(storage.num_io_threads)
+        try:
+            self._build()
+        except BaseException:
+            self.close()
+            raise
+
+    # ------------------------------------------------------------------ setup
+    def _build(self) -> None:
+        group_of = {id(p): g for g, group in enumerate(self.optimizer.param_groups) for p in group["params"]}
+        self.layouts = build_layouts(self.module.blocks, self.schedule.blocks_per_unit, group_of)
+        block_param_ids = {id(p) for p in self.module.blocks.parameters()}
+        self.nonlayer = [p for p in self.module.parameters() if id(p) not in block_param_ids]
+        missing = [n for n, p in self.module.named_parameters() if id(p) not in block_param_ids and id(p) not in group_of]
+        if missing:
+            raise ValueError(f"parameters {missing} are not in the optimizer; configure_optimizers must cover them")
+        self.nonlayer_group = [group_of[id(p)] for p in self.nonlayer]
+        self.tasks = build_tasks(self.schedule.kind, len(self.layouts), self.schedule.num_micro_batches)
+        self._check_ssd_space()
+        self._materialize()
+        self.activations = ActivationStore(
+            self.storage.checkpoints, self.storage.checkpoint_host_ends, self.schedule.num_micro_batches,
+            self.device, self.counters, self.io, self.ssd,
+        )
+        self._resident: tuple[int, Tensor] | None = None
+
+    def _tiered(self, name: str, state: str, numel: int, dtype: torch.dtype) -> TieredTensor:
+        split = getattr(self.storage, "optimizer" if state in ("exp_avg", "exp_avg_sq") else state)
+        return TieredTensor(name, state, numel, dtype, split, self.device, self.counters, self.io, self.ssd)
+
+    def _check_ssd_space(self) -> None:
+        if self.ssd is None:
+            return
+        numel = sum(layout.numel for layout in self.layouts)
+        master_bytes = torch.empty((), dtype=self.dtypes.master).element_size()
+        compute_bytes = torch.empty((), dtype=self.dtypes.compute).element_size()
+        s = self.storage
+        needed = numel * (compute_bytes * s.weights.ssd + 2 * master_bytes * s.optimizer.ssd + master_bytes * s.gradients.ssd)
+        if self.dtypes.compute != self.dtypes.master:
+            needed += numel * master_bytes * s.master.ssd
+        self.ssd.check_free_space(int(needed), "weights, master weights, optimizer moments and gradients")
+
+    def _materialize(self) -> None:
+        """Give every parameter real storage in its tiers, initialising meta ones in ``apply`` order."""
+        init_fn = getattr(self.module, "init_module_weights", None) or _reset_parameters
+        nonlayer_meta = [p.is_meta for p in self.nonlayer]
+        if any(nonlayer_meta) and not all(nonlayer_meta):
+            raise ValueError("the embedding/head parameters are partly on the meta device; build them all in "
+                             "configure_model() or all in __init__()")
+        init_nonlayer = any(nonlayer_meta)
+        for p in self.nonlayer:
+            # swap_tensors keeps the Parameter object the optimizer and tied modules refer to.
+            real = torch.empty_like(p, device=self.device) if p.is_meta else p.detach().to(self.device)
+            torch.utils.swap_tensors(p, nn.Parameter(real, requires_grad=p.requires_grad))
+        for name, buf in self.module.named_buffers():
+            if buf.is_meta and not any(buf is b for layout in self.layouts for d in layout.buffers for b in d.values()):
+                raise ValueError(f"buffer '{name}' is on the meta device; non-layer modules must not need buffers "
+                                 "initialised outside reset_parameters")
+        self.units: list[_UnitState] = []
+
+        def walk(mod: nn.Module) -> None:
+            if mod is self.module.blocks:
+                for layout in self.layouts:
+                    self.units.append(self._materialize_unit(layout, init_fn))
+            else:
+                for child in mod.children():
+                    walk(child)
+            if init_nonlayer and mod is not self.module.blocks:
+                init_fn(mod)
+
+        with torch.no_grad():
+            walk(self.module)
+            master = self.dtypes.master
+            self.nonlayer_master = [p if p.dtype == master else p.detach().to(master) for p in self.nonlayer]
+            for p in self.nonlayer:
+                if p.dtype != self.dtypes.compute:
+                    torch.utils.swap_tensors(p, nn.Parameter(p.detach().to(self.dtypes.compute), p.requires_grad))
+            self.nonlayer_exp_avg = [torch.zeros_like(m) for m in self.nonlayer_master]
+            self.nonlayer_exp_avg_sq = [torch.zeros_like(m) for m in self.nonlayer_master]
+            self.nonlayer_grads = [torch.zeros_like(m, device=self.device) for m in self.nonlayer_master]
+
+    def _materialize_unit(self, layout: UnitLayout, init_fn: Callable[[nn.Module], None]) -> _UnitState:
+        flat = materialize_unit_blocks(layout, init_fn, self.dtypes.master)
+        layout.buffers = [{k: v.to(self.device) for k, v in d.items()} for d in layout.buffers]
+        name, n = f"unit{layout.index:05d}", layout.numel
+        weights = self._tiered(name, "weights", n, self.dtypes.compute)
+        weights.evict(flat.to(self.dtypes.compute))
+        if self.dtypes.compute == self.dtypes.master:
+            master = weights  # fp32/fp64 training: the compute copy is the master copy, stored once
+        else:
+            master = self._tiered(name, "master", n, self.dtypes.master)
+            master.evict(flat)
+        zeros = torch.zeros(n, dtype=self.dtypes.master)
+        exp_avg = self._tiered(name, "exp_avg", n, self.dtypes.master)
+        exp_avg.evict(zeros)
+        exp_avg_sq = self._tiered(name, "exp_avg_sq", n, self.dtypes.master)
+        exp_avg_sq.evict(zeros)
+        grads = self._tiered(name, "gradients", n, self.dtypes.master)
+        return _UnitState(layout, weights, master, exp_avg, exp_avg_sq, grads)
+
+    # ------------------------------------------------------------------ one optimizer step
+    def train_step(self, batch: Any) -> Tensor:
+        """Forward and backward of one global batch; gradients end in the gradient stores.
+
+        Returns the mean micro-batch loss (detached). Call ``optimizer_step`` afterwards.
+        """
+        num_micro = self.schedule.num_micro_batches
+        micro_batches = split_micro_batches(batch, num_micro)
+        start_s = time.perf_counter()
+        before = self.counters.snapshot()
+        self._resident = None  # a cache left by evaluation may hold inference tensors
+        self._acc: tuple[int, Tensor] | None = None
+        self._grad_partial = [False] * len(self.units)
+        self._bwd_done = [0] * len(self.units)
+        self._act_grads: dict[int, Tensor] = {}
+        self._rng: dict[tuple[int, int], Any] = {}
+        self._nonlayer_used = [False] * len(self.nonlayer)
+        for g in self.nonlayer_grads:
+            g.zero_()
+        losses = []
+        for task in self.tasks:
+            if task.kind == BACKWARD:
+                loss = self._backward_task(task, micro_batches[task.micro], num_micro)
+                if loss is not None:
+                    losses.append(loss)
+            else:
+                self._forward_task(task, micro_batches[task.micro])
+        self._flush_grad_accumulator()
+        self._resident = None
+        self.activations.clear()
+        mean_loss = torch.stack(losses).sum() / num_micro
+        self.last_step_stats = {
+            "compute_s": time.perf_counter() - start_s,
+            "traffic": _delta(before, self.counters.snapshot()),
+        }
+        return mean_loss
+
+    def _forward_task(self, task: Task, micro_batch: Any) -> None:
+        u, m = task.unit, task.micro
+        with torch.no_grad(), self._autocast():
+            if u == 0:
+                self._rng[(-1, m)] = _rng_state(self.device)
+                self.activations.put(0, m, self.module.pre_stage(micro_batch))
+            x = self.activations.get(u, m)
+            w = self._weights(u)
+            self._rng[(u, m)] = _rng_state(self.device)
+            y = self.units[u].layout.forward(w, x)
+        self.activations.put(u + 1, m, y)
+
+    def _backward_task(self, task: Task, micro_batch: Any, num_micro: int) -> Tensor | None:
+        u, m = task.unit, task.micro
+        last = u == len(self.units) - 1
+        w = self._weights(u)
+        loss = None
+        with torch.enable_grad():
+            if last and u == 0:
+                # A single-unit model: the embedding joins the fused task's graph directly.
+                with self._autocast():
+                    x = self.module.pre_stage(micro_batch)
+                    loss = self._post_loss(self.units[u].layout.forward(w, x), micro_batch)
+                grads = torch.autograd.grad(loss / num_micro, [w] + self.nonlayer, allow_unused=True)
+                self._accumulate_nonlayer(grads[1:])
+                self._accumulate_unit(u, grads[0])
+                return loss.detach()
+            x = self.activations.get(u, m).detach().requires_grad_(True)
+            if last:
+                with self._autocast():
+                    loss = self._post_loss(self.units[u].layout.forward(w, x), micro_batch)
+                grads = torch.autograd.grad(loss / num_micro, [x, w] + self.nonlayer, allow_unused=True)
+                self._accumulate_nonlayer(grads[2:])
+                loss = loss.detach()
+            else:
+                with _restored_rng(self._rng.pop((u, m)), self.device), self._autocast():
+                    y = self.units[u].layout.forward(w, x)
+                grads = torch.autograd.grad(y, [x, w], self._act_grads.pop(m))
+            self._accumulate_unit(u, grads[1])
+            self.activations.drop(u, m)
+            if u > 0:
+                self._act_grads[m] = grads[0]
+            else:
+                with _restored_rng(self._rng.pop((-1, m)), self.device), self._autocast():
+                    h = self.module.pre_stage(micro_batch)
+                self._accumulate_nonlayer(torch.autograd.grad(h, self.nonlayer, grads[0], allow_unused=True))
+        return loss
+
+    def _post_loss(self, hidden: Tensor, micro_batch: Any) -> Tensor:
+        return self.module.compute_loss(self.module.post_stage(hidden), micro_batch)
+
+    def _weights(self, u: int) -> Tensor:
+        """The resident unit's compute weights as a grad-requiring leaf (fetching them if needed)."""
+        if self._resident is None or self._resident[0] != u:
+            self._resident = None  # release first: at most one unit's weights are held
+            self._resident = (u, _acquire(self.units[u].weights).detach().requires_grad_(True))
+        return self._resident[1]
+
+    def _accumulate_unit(self, u: int, grad: Tensor) -> None:
+        if self._acc is not None and self._acc[0] != u:
+            self._flush_grad_accumulator()
+        if self._acc is None:
+            self._acc = (u, torch.zeros(self.units[u].layout.numel, dtype=self.dtypes.master, device=self.device))
+        self._acc[1].add_(grad)
+        self._bwd_done[u] += 1
+
+    def _flush_grad_accumulator(self) -> None:
+        if self._acc is None:
+            return
+        u, acc = self._acc
+        self._acc = None
+        store = self.units[u].grads
+        if self._grad_partial[u]:
+            # Horizontal schedule: an earlier micro-batch left a partial gradient; read, add, write back.
+            acc.add_(_acquire(store))
+        store.evict(acc)
+        self._grad_partial[u] = True
+
+    def _accumulate_nonlayer(self, grads: tuple[Tensor | None, ...]) -> None:
+        for i, g in enumerate(grads):
+            if g is not None:
+                self.nonlayer_grads[i].add_(g)
+                self._nonlayer_used[i] = True
+
+    @torch.no_grad()
+    def optimizer_step(self) -> None:
+        """Apply AdamW to every unit and the non-layer parameters with the accumulated gradients."""
+        start_s = time.perf_counter()
+        before = self.counters.snapshot()
+        hps = snapshot_hyper_params(self.optimizer)
+        for unit in self.units:
+            grad = _acquire(unit.grads)
+            master, exp_avg, exp_avg_sq = _acquire(unit.master), _acquire(unit.exp_avg), _acquire(unit.exp_avg_sq)
+            for group, s, e in unit.layout.group_ranges:
+                adam_step([master[s:e]], [grad[s:e]], [exp_avg[s:e]], [exp_avg_sq[s:e]], self.step_count, hps[group])
+            _release(unit.master, master)
+            _release(unit.exp_avg, exp_avg)
+            _release(unit.exp_avg_sq, exp_avg_sq)
+            if unit.weights is not unit.master:
+                unit.weights.evict(master.to(self.dtypes.compute))
+        for group, hp in enumerate(hps):
+            idx = [i for i, g in enumerate(self.nonlayer_group) if g == group and self._nonlayer_used[i]]
+            adam_step([self.nonlayer_master[i] for i in idx], [self.nonlayer_grads[i] for i in idx],
+                      [self.nonlayer_exp_avg[i] for i in idx], [self.nonlayer_exp_avg_sq[i] for i in idx],
+                      self.step_count, hp)
+            for i in idx:
+                if self.nonlayer[i] is not self.nonlayer_master[i]:
+                    self.nonlayer[i].copy_(self.nonlayer_master[i])
+        self.step_count += 1
+        self.last_step_stats["optimizer_s"] = time.perf_counter() - start_s
+        self.last_step_stats["optimizer_traffic"] = _delta(before, self.counters.snapshot())
+
+    # ------------------------------------------------------------------ evaluation
+    @torch.no_grad()
+    def streamed_forward(self, batch: Any) -> Tensor:
+        """Model outputs for ``batch`` with the blocks streamed in one unit at a time (no checkpoints)."""
+        with self._autocast():
+            hidden = self.module.pre_stage(batch)
+            for unit in self.units:
+                hidden = unit.layout.forward(_acquire(unit.weights), hidden)
+            return self.module.post_stage(hidden)
+
+    # ------------------------------------------------------------------ introspection and teardown
+    def unit_parameters(self, u: int) -> dict[str, Tensor]:
+        """Unit ``u``'s master parameters by their module names (a CPU copy; tests and consolidation)."""
+        unit = self.units[u]
+        flat = unit.master.read_full()
+        start = u * self.schedule.blocks_per_unit
+        return {f"{start + s.block}.{s.name}": flat[s.offset:s.offset + s.numel].view(s.shape).clone()
+                for s in unit.layout.slots}
+
+    def state_dict(self) -> dict[str, Tensor]:
+        """Every trainable parameter's master value by its module name (CPU copies, one unit at a time)."""
+        blocks_prefix = next(name for name, mod in self.module.named_modules() if mod is self.module.blocks)
+        block_ids = {id(p) for p in self.module.blocks.parameters()}
+        out = {}
+        for (name, p), master in zip(
+            ((n, p) for n, p in self.module.named_parameters() if id(p) not in block_ids), self.nonlayer_master
+        ):
+            out[name] = master.detach().cpu().clone()
+        for u in range(len(self.units)):
+            out.update({f"{blocks_prefix}.{k}": v for k, v in self.unit_parameters(u).items()})
+        return out
+
+    def ssd_files(self) -> list[str]:
+        return self.ssd.files() if self.ssd is not None else []
+
+    def _autocast(self):
+        if self.dtypes.autocast is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.dtypes.autocast)
+
+    def close(self) -> None:
+        """Release every buffer, thread and file (idempotent). A Hydra multirun relies on it."""
+        self._resident = None
+        self.units = []
+        if getattr(self, "activations", None) is not None:
+            self.activations.clear()
+        if self.io is not None:
+            self.io.close()
+            self.io = None
+        if self.ssd is not None:
+            self.ssd.close()
+            self.ssd = None
+
+
+def _acquire(t: TieredTensor) -> Tensor:
+    return t.device_tensor() if t.resident else t.fetch(t.new_buffer())
+
+
+def _release(t: TieredTensor, value: Tensor) -> None:
+    if not t.resident:
+        t.evict(value)
+
+
+def _reset_parameters(module: nn.Module) -> None:
+    reset = getattr(module, "reset_parameters", None)
+    if callable(reset):
+        reset()
+
+
+def _delta(before: dict, after: dict) -> dict[str, int]:
+    return {"/".join(k): v - before.get(k, 0) for k, v in sorted(after.items()) if v - before.get(k, 0)}
+
+
+def _rng_state(device: torch.device) -> tuple[Tensor, Tensor | None]:
+    cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+    return torch.get_rng_state(), cuda
+
+
+@contextlib.contextmanager
+def _restored_rng(state: tuple[Tensor, Tensor | None], device: torch.device):
+    """Replay the RNG stream a forward task saw (dropout masks), then put the outer stream back."""
+    outer = _rng_state(device)
+    torch.set_rng_state(state[0])
+    if state[1] is not None:
+        torch.cuda.set_rng_state(state[1], device)
+    try:
+        yield
+    finally:
+        torch.set_rng_state(outer[0])
+        if outer[1] is not None:
+            torch.cuda.set_rng_state(outer[1], device)

@@ -1,0 +1,178 @@
+"""The SSD tier: a directory of state files and a pure-Python asynchronous I/O engine.
+
+Worker threads issue ``os.preadv``/``os.pwritev`` on files opened with O_DIRECT; both calls release
+the GIL, so plain threads keep the disk busy while the main thread computes. Requests are split into
+chunks so several threads work on one large transfer at once (a single O_DIRECT stream does not
+reach this class of disk's bandwidth).
+"""
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import shutil
+import tempfile
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+
+from snake_strategy.storage.aligned import PAGE_BYTES, aligned_empty, padded_bytes
+
+log = logging.getLogger(__name__)
+
+CHUNK_BYTES = 4 * 2**20
+
+
+class Ticket:
+    """A handle on one submitted transfer; ``wait()`` blocks until every chunk is done (a sync point)."""
+
+    def __init__(self, futures: list[Future]) -> None:
+        self._futures = futures
+
+    def done(self) -> bool:
+        return all(f.done() for f in self._futures)
+
+    def wait(self) -> None:
+        for future in self._futures:
+            future.result()  # re-raises the worker's OSError here, in the caller's thread
+
+
+DONE = Ticket([])
+
+
+class IOEngine:
+    """Submit page-aligned reads and writes; get a Ticket back. Shut down with ``close()``."""
+
+    def __init__(self, num_threads: int = 2, chunk_bytes: int = CHUNK_BYTES) -> None:
+        if chunk_bytes % PAGE_BYTES:
+            raise ValueError(f"chunk_bytes={chunk_bytes} must be a multiple of {PAGE_BYTES}")
+        self._pool = ThreadPoolExecutor(max_workers=num_threads, thread_name_prefix="snake-io")
+        self._chunk_bytes = chunk_bytes
+
+    def submit_read(self, fd: int, offset: int, buffer: torch.Tensor) -> Ticket:
+        """Fill the uint8 CPU tensor ``buffer`` from ``fd`` at byte ``offset``."""
+        return self._submit(_read_exact, fd, offset, buffer)
+
+    def submit_write(self, fd: int, offset: int, buffer: torch.Tensor) -> Ticket:
+        """Write the uint8 CPU tensor ``buffer`` to ``fd`` at byte ``offset``."""
+        return self._submit(_write_exact, fd, offset, buffer)
+
+    def _submit(self, fn, fd: int, offset: int, buffer: torch.Tensor) -> Ticket:
+        if buffer.dtype != torch.uint8 or buffer.dim() != 1:
+            raise AssertionError("I/O buffers are 1-D uint8 views")
+        futures = []
+        for start in range(0, buffer.numel(), self._chunk_bytes):
+            piece = buffer[start:start + self._chunk_bytes]
+            futures.append(self._pool.submit(fn, fd, offset + start, piece))
+        return Ticket(futures)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+
+
+def _read_exact(fd: int, offset: int, buffer: torch.Tensor) -> None:
+    view = memoryview(buffer.numpy())
+    done = 0
+    while done < len(view):
+        got = os.preadv(fd, [view[done:]], offset + done)
+        if got == 0:
+            raise OSError(errno.EIO, f"short read: file ends {len(view) - done} bytes early at offset {offset + done}")
+        done += got
+
+
+def _write_exact(fd: int, offset: int, buffer: torch.Tensor) -> None:
+    view = memoryview(buffer.numpy())
+    done = 0
+    while done < len(view):
+        done += os.pwritev(fd, [view[done:]], offset + done)
+
+
+class SsdDirectory:
+    """Owns the directory of state files: checks it, opens files (O_DIRECT when the filesystem allows
+    it), and removes what it created on ``close()``."""
+
+    def __init__(self, path: str | None, use_o_direct: bool = True, keep_files: bool = False) -> None:
+        self._owns_dir = path is None
+        self.path = tempfile.mkdtemp(prefix="snake-ssd-") if path is None else os.path.abspath(path)
+        self._keep_files = keep_files and not self._owns_dir
+        self._fds: dict[str, int] = {}
+        self._lock = threading.Lock()
+        self._check_writable()
+        self.o_direct = use_o_direct and self._probe_o_direct()
+
+    def _check_writable(self) -> None:
+        try:
+            os.makedirs(self.path, exist_ok=True)
+            probe = os.path.join(self.path, ".snake-write-probe")
+            with open(probe, "wb") as f:
+                f.write(b"\0" * PAGE_BYTES)
+            os.remove(probe)
+        except OSError as err:
+            raise ValueError(
+                f"storage.ssd_dir='{self.path}' is not a writable directory ({err.strerror}); "
+                "point storage.ssd_dir at a directory on a local SSD you can write to, or leave it "
+                "unset to use a temporary directory"
+            ) from None
+
+    def _probe_o_direct(self) -> bool:
+        if not hasattr(os, "O_DIRECT"):
+            log.warning("O_DIRECT is not available on this platform; SSD files go through the page cache")
+            return False
+        probe = os.path.join(self.path, ".snake-odirect-probe")
+        try:
+            fd = os.open(probe, os.O_RDWR | os.O_CREAT | os.O_DIRECT, 0o600)
+            try:
+                os.pwritev(fd, [memoryview(padded_bytes(aligned_empty(PAGE_BYTES, torch.uint8)).numpy())], 0)
+            finally:
+                os.close(fd)
+            return True
+        except OSError as err:
+            log.warning("filesystem at %s refuses O_DIRECT (%s); SSD files go through the page cache",
+                        self.path, err.strerror)
+            return False
+        finally:
+            if os.path.exists(probe):
+                os.remove(probe)
+
+    def check_free_space(self, needed_bytes: int, what: str) -> None:
+        free_bytes = shutil.disk_usage(self.path).free
+        if needed_bytes > free_bytes:
+            raise ValueError(
+                f"storage.ssd_dir='{self.path}' has {free_bytes / 2**30:.2f} GiB free but the plan puts "
+                f"{needed_bytes / 2**30:.2f} GiB of {what} there; free space, point storage.ssd_dir "
+                "elsewhere, or move a share of the states to the host tier"
+            )
+
+    def open(self, relative_path: str, size_bytes: int) -> int:
+        """Create (truncate) a state file of ``size_bytes`` and return its descriptor."""
+        full = os.path.join(self.path, relative_path)
+        os.makedirs(os.path.dirname(full), exist_ok=True)
+        flags = os.O_RDWR | os.O_CREAT | os.O_TRUNC | (os.O_DIRECT if self.o_direct else 0)
+        fd = os.open(full, flags, 0o600)
+        os.ftruncate(fd, size_bytes)
+        with self._lock:
+            self._fds[full] = fd
+        return fd
+
+    def files(self) -> list[str]:
+        with self._lock:
+            return sorted(self._fds)
+
+    def close(self) -> None:
+        with self._lock:
+            fds, self._fds = self._fds, {}
+        for full, fd in fds.items():
+            os.close(fd)
+            if not self._keep_files and os.path.exists(full):
+                os.remove(full)
+        if self._owns_dir:
+            shutil.rmtree(self.path, ignore_errors=True)
+        elif not self._keep_files:
+            # Remove the per-state sub-directories we created, only if empty.
+            for root, dirs, _ in os.walk(self.path, topdown=False):
+                for d in dirs:
+                    try:
+                        os.rmdir(os.path.join(root, d))
+                    except OSError:
+                        pass

@@ -1,0 +1,204 @@
+"""Lightning glue: ``Trainer(strategy="greedysnake")``.
+
+One Lightning batch is one optimizer step: ``training_step`` splits the global batch into
+``schedule.num_micro_batches`` micro-batches and runs the whole schedule through the engine;
+``optimizer_step`` then lets Lightning run its hooks and applies the engine's AdamW step. The user's
+optimizer only holds hyper-parameters (see ``optim.py``), so LR schedulers keep working.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Generator
+from typing import Any, Callable
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies import Strategy
+from lightning.pytorch.trainer.states import TrainerFn
+from torch import Tensor
+from typing_extensions import override
+
+from snake_strategy.config import ScheduleConfig, StorageConfig, coerce_config
+from snake_strategy.contract import check_contract
+from snake_strategy.engine import SnakeEngine
+from snake_strategy.precision import GreedySnakePrecision
+
+log = logging.getLogger(__name__)
+
+
+class GreedySnakeStrategy(Strategy):
+    """Train a layered model whose state lives on device, host and SSD tiers, with the snake schedule.
+
+    Args:
+        storage: where each state lives (``StorageConfig`` or a mapping of its fields).
+        schedule: task order, micro-batches per step and blocks per unit (``ScheduleConfig`` or mapping).
+    """
+
+    strategy_name = "greedysnake"
+
+    def __init__(
+        self,
+        storage: StorageConfig | dict | None = None,
+        schedule: ScheduleConfig | dict | None = None,
+        accelerator: pl.accelerators.Accelerator | None = None,
+        precision_plugin: Precision | None = None,
+    ) -> None:
+        self.storage = coerce_config(StorageConfig, storage, "storage")
+        self.schedule = coerce_config(ScheduleConfig, schedule, "schedule")
+        self.engine: SnakeEngine | None = None
+        self.parallel_devices: list[torch.device] | None = None  # filled by Lightning's connector
+        self.global_rank, self.local_rank, self.world_size = 0, 0, 1
+        super().__init__(accelerator=accelerator, precision_plugin=precision_plugin)
+
+    # ------------------------------------------------------------------ plugins and devices
+    @property
+    @override
+    def precision_plugin(self) -> GreedySnakePrecision:
+        return self._precision_plugin if self._precision_plugin is not None else GreedySnakePrecision()
+
+    @precision_plugin.setter
+    @override
+    def precision_plugin(self, plugin: Precision | None) -> None:
+        # Lightning hands a registry-built strategy a generic plugin; keep only its precision string.
+        if plugin is None or isinstance(plugin, GreedySnakePrecision):
+            self._precision_plugin = plugin
+        else:
+            self._precision_plugin = GreedySnakePrecision(getattr(plugin, "precision", "32-true"))
+
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        if self.parallel_devices:
+            return self.parallel_devices[0]
+        return torch.device("cpu")
+
+    @property
+    @override
+    def is_global_zero(self) -> bool:
+        return True
+
+    @override
+    def setup_environment(self) -> None:
+        if self.parallel_devices and len(self.parallel_devices) > 1:
+            raise ValueError(
+                f"strategy='greedysnake' runs on one device per process; got devices={len(self.parallel_devices)}. "
+                "Pass devices=1"
+            )
+        super().setup_environment()
+
+    @override
+    def model_to_device(self) -> None:
+        """Nothing: moving the whole model to the device is exactly what must not happen."""
+
+    @override
+    @contextlib.contextmanager
+    def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
+        # Build on the meta device; the engine materializes one unit at a time into its tiers.
+        with torch.device("meta"), self.precision_plugin.tensor_init_context():
+            yield
+
+    # ------------------------------------------------------------------ setup and teardown
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        module = self.lightning_module
+        check_contract(module)
+        if trainer.state.fn != TrainerFn.FITTING:
+            raise ValueError("strategy='greedysnake' currently supports Trainer.fit (with validation) only")
+        if not module.automatic_optimization:
+            raise ValueError("strategy='greedysnake' runs the backward itself and needs automatic optimization; "
+                             "remove `self.automatic_optimization = False` from the LightningModule")
+        if trainer.accumulate_grad_batches != 1:
+            raise ValueError(
+                f"Trainer(accumulate_grad_batches={trainer.accumulate_grad_batches}) is not used with "
+                "strategy='greedysnake': one Lightning batch is one optimizer step, split into "
+                "schedule.num_micro_batches micro-batches. Set accumulate_grad_batches=1 and make the "
+                "DataLoader batch size the global batch (micro-batch size x num_micro_batches)"
+            )
+        if trainer.gradient_clip_val:
+            raise ValueError("gradient clipping (Trainer(gradient_clip_val=...)) is not supported by "
+                             "strategy='greedysnake' yet; remove gradient_clip_val")
+        self.accelerator.setup(trainer)
+        self.setup_optimizers(trainer)
+        if len(self.optimizers) != 1:
+            raise ValueError(f"strategy='greedysnake' needs exactly one optimizer; configure_optimizers "
+                             f"returned {len(self.optimizers)}")
+        self.engine = SnakeEngine(module, self.optimizers[0], self.storage, self.schedule,
+                                  self.precision_plugin.dtypes, self.root_device)
+        module._device = self.root_device  # so `self.device` inside the module means the compute device
+        self.setup_precision_plugin()
+
+    @override
+    def teardown(self) -> None:
+        if self.engine is not None:
+            self.engine.close()
+            self.engine = None
+        self.precision_plugin.teardown()
+        if self.accelerator is not None:
+            self.accelerator.teardown()
+        self.checkpoint_io.teardown()
+
+    # ------------------------------------------------------------------ the step
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Tensor:
+        batch = args[0] if args else kwargs["batch"]
+        loss = self.engine.train_step(batch)
+        self.lightning_module.log("train_loss", loss, prog_bar=True)
+        return loss
+
+    @override
+    def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
+        # Runs the closure (training_step + the hook chain) through the user's optimizer, which holds no
+        # gradients and so changes nothing, then applies the engine's step over the tiers.
+        result = super().optimizer_step(optimizer, closure, model, **kwargs)
+        self.engine.optimizer_step()
+        return result
+
+    def streamed_forward(self, batch: Any) -> Tensor:
+        """Outputs of the whole model, blocks streamed from their tiers (used by LayeredModule.forward)."""
+        if self.engine is None:
+            raise RuntimeError("streamed_forward needs a set-up strategy (inside Trainer.fit)")
+        return self.engine.streamed_forward(batch)
+
+    # ------------------------------------------------------------------ collectives (single process)
+    @override
+    def reduce(self, tensor: Any, *args: Any, **kwargs: Any) -> Any:
+        return tensor
+
+    @override
+    def barrier(self, name: str | None = None) -> None:
+        pass
+
+    @override
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        return obj
+
+    @override
+    def all_gather(self, tensor: Tensor, group: Any = None, sync_grads: bool = False) -> Tensor:
+        return tensor
+
+    # ------------------------------------------------------------------ ownership flags
+    @property
+    @override
+    def handles_gradient_accumulation(self) -> bool:
+        return True
+
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True
+
+    @property
+    @override
+    def lightning_restore_optimizer(self) -> bool:
+        return False
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        if cls.strategy_name not in strategy_registry:
+            strategy_registry.register(
+                cls.strategy_name, cls,
+                description="GreedySnake: SSD-offloaded training with the vertical (snake) schedule",
+            )

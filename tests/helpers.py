@@ -1,0 +1,76 @@
+"""Shared test fixtures: a very small GPT, fixed data, and runners for the reference and greedysnake."""
+from __future__ import annotations
+
+import lightning as L
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+import snake_strategy
+from snake_strategy.gpt import GPTConfig, GPTModule
+
+SMALL_GPT = GPTConfig(vocab_size=64, d_model=32, num_layers=4, num_heads=4, context_len=16, tied_head=True)
+
+
+def token_data(num_samples: int, seq_len: int = 16, vocab: int = 64, seed: int = 1234) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, vocab, (num_samples, seq_len + 1), generator=g)
+    return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+
+
+class ParamRecorder(L.Callback):
+    """Records the parameters after every optimizer step."""
+
+    def __init__(self, every_n_batches: int = 1) -> None:
+        self.every = every_n_batches
+        self.states: list[dict[str, torch.Tensor]] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if (batch_idx + 1) % self.every:
+            return
+        engine = getattr(trainer.strategy, "engine", None)
+        if engine is not None:
+            self.states.append(engine.state_dict())
+        else:
+            self.states.append({n: p.detach().clone() for n, p in pl_module.named_parameters()})
+
+
+def trainer_kwargs(**overrides) -> dict:
+    kw = dict(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+              enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+              limit_val_batches=0)
+    kw.update(overrides)
+    return kw
+
+
+def run_reference(config: GPTConfig, steps: int, micro: int, micro_size: int, precision: str, lr: float = 1e-3,
+                  seed: int = 0, **module_kw) -> list[dict[str, torch.Tensor]]:
+    """Plain Lightning: micro-batches from the loader, accumulate_grad_batches=micro, torch.optim.AdamW."""
+    x, y = token_data(steps * micro * micro_size, config.context_len, config.vocab_size)
+    loader = DataLoader(TensorDataset(x, y), batch_size=micro_size, shuffle=False)
+    torch.manual_seed(seed)
+    module = GPTModule(config, learning_rate=lr, **module_kw)
+    rec = ParamRecorder(every_n_batches=micro)
+    trainer = L.Trainer(strategy="auto", precision=precision, max_steps=steps, accumulate_grad_batches=micro,
+                        callbacks=[rec], **trainer_kwargs())
+    trainer.fit(module, train_dataloaders=loader)
+    return rec.states
+
+
+def run_snake(config: GPTConfig, steps: int, micro: int, micro_size: int, precision: str, storage=None,
+              schedule_kind: str = "vertical", blocks_per_unit: int = 1, lr: float = 1e-3, seed: int = 0,
+              **module_kw) -> tuple[list[dict[str, torch.Tensor]], snake_strategy.GreedySnakeStrategy]:
+    x, y = token_data(steps * micro * micro_size, config.context_len, config.vocab_size)
+    loader = DataLoader(TensorDataset(x, y), batch_size=micro * micro_size, shuffle=False)
+    torch.manual_seed(seed)
+    module = GPTModule(config, learning_rate=lr, **module_kw)
+    strategy = snake_strategy.GreedySnakeStrategy(
+        storage=storage, schedule={"kind": schedule_kind, "num_micro_batches": micro, "blocks_per_unit": blocks_per_unit})
+    rec = ParamRecorder()
+    trainer = L.Trainer(strategy=strategy, precision=precision, max_steps=steps, callbacks=[rec], **trainer_kwargs())
+    trainer.fit(module, train_dataloaders=loader)
+    return rec.states, strategy
+
+
+def max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys(), (sorted(a), sorted(b))
+    return max((a[k].double() - b[k].double()).abs().max().item() for k in a)
