@@ -108,10 +108,25 @@ class ScheduleConfig:
     kind: str = "vertical"
     num_micro_batches: int = 4
     blocks_per_unit: int = 1
+    # Fraction of each unit's parameters whose optimizer step is deferred to the next iteration's
+    # forward (greedysnake.md section 5); the rest is stepped during this iteration's backward.
+    alpha: float = 0.25
+    # Backward of a unit as one batched pass over all its micro-batches (one weight-gradient product
+    # per Linear; vertical schedule only; blocks must be deterministic, e.g. dropout 0).
+    split_backward: bool = False
+    # How many upcoming units' weights are fetched ahead of use (0 = fetch on demand, no overlap).
+    prefetch_depth: int = 1
 
     def __post_init__(self) -> None:
         if self.kind not in SCHEDULES:
             raise ValueError(f"schedule.kind='{self.kind}' is not one of {SCHEDULES}")
+        if not 0.0 <= self.alpha <= 0.5:
+            raise ValueError(f"schedule.alpha={self.alpha} must lie in [0, 0.5]")
+        if self.split_backward and self.kind != "vertical":
+            raise ValueError("schedule.split_backward=true needs schedule.kind='vertical' (it batches all "
+                             "micro-batches of a unit, which only the vertical order has at hand)")
+        if self.prefetch_depth < 0:
+            raise ValueError(f"schedule.prefetch_depth={self.prefetch_depth} must be >= 0")
         if self.num_micro_batches < 1:
             raise ValueError(f"schedule.num_micro_batches={self.num_micro_batches} must be >= 1")
         if self.blocks_per_unit < 1:

@@ -1,19 +1,28 @@
-"""The engine: runs one optimizer step's task schedule over the tiered stores.
+"""The engine: runs one optimizer step's task schedule over the tiered stores, with overlap.
 
 It owns every offloaded state of the blocks (compute weights, fp32 master, Adam moments, gradient
 accumulators, activation checkpoints) and the non-layer parameters' optimizer state. Lightning glue
 lives in ``strategy.py``; the task order comes from ``schedule.py`` as plain data.
 
-Weights: one unit is resident at a time. A task on another unit releases the resident one (weights do
-not change during the step, so nothing is written back) and fetches the new one: the engine's weight
-traffic is exactly ``schedule.weight_fetches``. Gradients: the resident unit accumulates into one fp32
-buffer; when the schedule moves to another unit the buffer is flushed to the gradient store (added to
-what an earlier micro-batch left there, in the horizontal schedule).
+Threads (all started here, all joined by ``close``):
+- the main thread computes, one task after the other;
+- a prefetch thread fetches the weights of the next ``prefetch_depth`` units in task order while the
+  current unit computes (it first waits for that unit's pending forward-part optimizer step);
+- the optimizer worker (``overlap.py``) steps backward parts during the backward and forward parts
+  during the next forward;
+- the I/O engine's threads run the SSD reads and writes all of the above submit.
+
+Weights do not change during a step, so leaving a unit writes nothing back: the weight traffic is
+exactly ``schedule.weight_fetches``. Gradients: the resident unit accumulates into one buffer; when the
+schedule moves to another unit it is flushed to the gradient store (added to the partial sum an
+earlier micro-batch left, in the horizontal schedule); when the unit's last micro-batch is done its
+backward part goes to the optimizer worker.
 """
 from __future__ import annotations
 
 import contextlib
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -24,7 +33,8 @@ from snake_strategy.activations import ActivationStore
 from snake_strategy.config import ScheduleConfig, StorageConfig
 from snake_strategy.contract import check_contract, split_micro_batches
 from snake_strategy.optim import adam_step, check_optimizer, snapshot_hyper_params
-from snake_strategy.schedule import BACKWARD, Task, build_tasks
+from snake_strategy.overlap import OptimizerOverlap, UnitStore, forward_split
+from snake_strategy.schedule import BACKWARD, build_tasks
 from snake_strategy.storage import IOEngine, SsdDirectory, TieredTensor, TrafficCounters
 from snake_strategy.units import UnitLayout, build_layouts, materialize_unit_blocks
 
@@ -36,16 +46,6 @@ class DtypePolicy:
     compute: torch.dtype  # the weights the blocks run with
     master: torch.dtype  # master weights, moments and gradient accumulators
     autocast: torch.dtype | None = None  # bf16-mixed: run the stages under autocast
-
-
-@dataclass
-class _UnitState:
-    layout: UnitLayout
-    weights: TieredTensor
-    master: TieredTensor  # the same object as ``weights`` when compute dtype == master dtype
-    exp_avg: TieredTensor
-    exp_avg_sq: TieredTensor
-    grads: TieredTensor
 
 
 class SnakeEngine:
@@ -67,6 +67,9 @@ class SnakeEngine:
         self.last_step_stats: dict[str, Any] = {}
         self.io: IOEngine | None = None
         self.ssd: SsdDirectory | None = None
+        self.overlap: OptimizerOverlap | None = None
+        self._prefetcher: ThreadPoolExecutor | None = None
+        self.units: list[UnitStore] = []
         if storage.uses_ssd():
             self.ssd = SsdDirectory(storage.ssd_dir, storage.use_o_direct, storage.keep_ssd_files)
             self.io = IOEngine(storage.num_io_threads)
@@ -85,6 +88,11 @@ class SnakeEngine:
         missing = [n for n, p in self.module.named_parameters() if id(p) not in block_param_ids and id(p) not in group_of]
         if missing:
             raise ValueError(f"parameters {missing} are not in the optimizer; configure_optimizers must cover them")
+        if self.schedule.split_backward:
+            dropouts = [m for m in self.module.blocks.modules() if isinstance(m, nn.Dropout) and m.p > 0]
+            if dropouts:
+                raise ValueError("schedule.split_backward=true recomputes a unit over all micro-batches at once, "
+                                 "which cannot replay per-micro-batch dropout masks; set the blocks' dropout to 0")
         self.nonlayer_group = [group_of[id(p)] for p in self.nonlayer]
         self.tasks = build_tasks(self.schedule.kind, len(self.layouts), self.schedule.num_micro_batches)
         self._check_ssd_space()
@@ -93,6 +101,9 @@ class SnakeEngine:
             self.storage.checkpoints, self.storage.checkpoint_host_ends, self.schedule.num_micro_batches,
             self.device, self.counters, self.io, self.ssd,
         )
+        self.overlap = OptimizerOverlap(self.units, self.dtypes.compute)
+        self._prefetcher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="snake-prefetch")
+        self._prefetched: dict[int, Future] = {}
         self._resident: tuple[int, Tensor] | None = None
 
     def _tiered(self, name: str, state: str, numel: int, dtype: torch.dtype) -> TieredTensor:
@@ -123,26 +134,28 @@ class SnakeEngine:
             # swap_tensors keeps the Parameter object the optimizer and tied modules refer to.
             real = torch.empty_like(p, device=self.device) if p.is_meta else p.detach().to(self.device)
             torch.utils.swap_tensors(p, nn.Parameter(real, requires_grad=p.requires_grad))
+        block_buffers = {id(b) for b in self.module.blocks.buffers()}
         for name, buf in self.module.named_buffers():
-            if buf.is_meta and not any(buf is b for layout in self.layouts for d in layout.buffers for b in d.values()):
+            if buf.is_meta and id(buf) not in block_buffers:
                 raise ValueError(f"buffer '{name}' is on the meta device; non-layer modules must not need buffers "
                                  "initialised outside reset_parameters")
-        self.units: list[_UnitState] = []
 
         def walk(mod: nn.Module) -> None:
+            # The same post-order as nn.Module.apply, so a seeded init draws the same numbers.
             if mod is self.module.blocks:
                 for layout in self.layouts:
                     self.units.append(self._materialize_unit(layout, init_fn))
-            else:
-                for child in mod.children():
-                    walk(child)
-            if init_nonlayer and mod is not self.module.blocks:
+                return
+            for child in mod.children():
+                walk(child)
+            if init_nonlayer:
                 init_fn(mod)
 
         with torch.no_grad():
             walk(self.module)
             master = self.dtypes.master
-            self.nonlayer_master = [p if p.dtype == master else p.detach().to(master) for p in self.nonlayer]
+            self.nonlayer_master = [p if p.dtype == master and self.dtypes.compute == master
+                                    else p.detach().to(master, copy=True) for p in self.nonlayer]
             for p in self.nonlayer:
                 if p.dtype != self.dtypes.compute:
                     torch.utils.swap_tensors(p, nn.Parameter(p.detach().to(self.dtypes.compute), p.requires_grad))
@@ -150,7 +163,7 @@ class SnakeEngine:
             self.nonlayer_exp_avg_sq = [torch.zeros_like(m) for m in self.nonlayer_master]
             self.nonlayer_grads = [torch.zeros_like(m, device=self.device) for m in self.nonlayer_master]
 
-    def _materialize_unit(self, layout: UnitLayout, init_fn: Callable[[nn.Module], None]) -> _UnitState:
+    def _materialize_unit(self, layout: UnitLayout, init_fn: Callable[[nn.Module], None]) -> UnitStore:
         flat = materialize_unit_blocks(layout, init_fn, self.dtypes.master)
         layout.buffers = [{k: v.to(self.device) for k, v in d.items()} for d in layout.buffers]
         name, n = f"unit{layout.index:05d}", layout.numel
@@ -167,11 +180,11 @@ class SnakeEngine:
         exp_avg_sq = self._tiered(name, "exp_avg_sq", n, self.dtypes.master)
         exp_avg_sq.evict(zeros)
         grads = self._tiered(name, "gradients", n, self.dtypes.master)
-        return _UnitState(layout, weights, master, exp_avg, exp_avg_sq, grads)
+        return UnitStore(layout, weights, master, exp_avg, exp_avg_sq, grads, forward_split(n, self.schedule.alpha))
 
     # ------------------------------------------------------------------ one optimizer step
     def train_step(self, batch: Any) -> Tensor:
-        """Forward and backward of one global batch; gradients end in the gradient stores.
+        """Forward and backward of one global batch, with backward-part optimizer steps overlapped.
 
         Returns the mean micro-batch loss (detached). Call ``optimizer_step`` afterwards.
         """
@@ -179,7 +192,10 @@ class SnakeEngine:
         micro_batches = split_micro_batches(batch, num_micro)
         start_s = time.perf_counter()
         before = self.counters.snapshot()
+        self._io_wait_s = 0.0
+        self.activations.wait_s = 0.0
         self._resident = None  # a cache left by evaluation may hold inference tensors
+        self._hps = snapshot_hyper_params(self.optimizer)
         self._acc: tuple[int, Tensor] | None = None
         self._grad_partial = [False] * len(self.units)
         self._bwd_done = [0] * len(self.units)
@@ -188,26 +204,27 @@ class SnakeEngine:
         self._nonlayer_used = [False] * len(self.nonlayer)
         for g in self.nonlayer_grads:
             g.zero_()
+        self.overlap.submit_forward_parts()
         losses = []
-        for task in self.tasks:
+        for index, task in enumerate(self.tasks):
+            self._prefetch_ahead(index)
             if task.kind == BACKWARD:
-                loss = self._backward_task(task, micro_batches[task.micro], num_micro)
-                if loss is not None:
-                    losses.append(loss)
+                losses += self._backward_task(index, micro_batches)
             else:
-                self._forward_task(task, micro_batches[task.micro])
+                self._forward_task(task.unit, task.micro, micro_batches[task.micro])
         self._flush_grad_accumulator()
+        self.overlap.end_forward_parts()
         self._resident = None
         self.activations.clear()
         mean_loss = torch.stack(losses).sum() / num_micro
         self.last_step_stats = {
-            "compute_s": time.perf_counter() - start_s,
+            "train_s": time.perf_counter() - start_s,
+            "io_wait_s": self._io_wait_s + self.activations.wait_s,
             "traffic": _delta(before, self.counters.snapshot()),
         }
         return mean_loss
 
-    def _forward_task(self, task: Task, micro_batch: Any) -> None:
-        u, m = task.unit, task.micro
+    def _forward_task(self, u: int, m: int, micro_batch: Any) -> None:
         with torch.no_grad(), self._autocast():
             if u == 0:
                 self._rng[(-1, m)] = _rng_state(self.device)
@@ -218,59 +235,103 @@ class SnakeEngine:
             y = self.units[u].layout.forward(w, x)
         self.activations.put(u + 1, m, y)
 
-    def _backward_task(self, task: Task, micro_batch: Any, num_micro: int) -> Tensor | None:
-        u, m = task.unit, task.micro
+    def _backward_task(self, index: int, micro_batches: list[Any]) -> list[Tensor]:
+        task = self.tasks[index]
+        u = task.unit
+        if self.schedule.split_backward:
+            if self._bwd_done[u]:
+                return []  # the unit's first backward task already did every micro-batch
+            order = [t.micro for t in self.tasks[index:] if t.kind == BACKWARD and t.unit == u]
+        else:
+            order = [task.micro]
+        num_micro = self.schedule.num_micro_batches
         last = u == len(self.units) - 1
         w = self._weights(u)
-        loss = None
+        batches = [micro_batches[m] for m in order]
+        losses = []
         with torch.enable_grad():
             if last and u == 0:
                 # A single-unit model: the embedding joins the fused task's graph directly.
                 with self._autocast():
-                    x = self.module.pre_stage(micro_batch)
-                    loss = self._post_loss(self.units[u].layout.forward(w, x), micro_batch)
-                grads = torch.autograd.grad(loss / num_micro, [w] + self.nonlayer, allow_unused=True)
+                    x = torch.cat([self.module.pre_stage(b) for b in batches])
+                    losses = self._post_losses(self.units[u].layout.forward(w, x), batches)
+                grads = torch.autograd.grad(sum(losses) / num_micro, [w] + self.nonlayer, allow_unused=True)
                 self._accumulate_nonlayer(grads[1:])
-                self._accumulate_unit(u, grads[0])
-                return loss.detach()
-            x = self.activations.get(u, m).detach().requires_grad_(True)
+                self._accumulate_unit(u, grads[0], len(order))
+                return [loss.detach() for loss in losses]
+            if len(order) > 1:
+                x = torch.cat([self.activations.get(u, m) for m in order]).detach().requires_grad_(True)
+            else:
+                x = self.activations.get(u, order[0]).detach().requires_grad_(True)
             if last:
                 with self._autocast():
-                    loss = self._post_loss(self.units[u].layout.forward(w, x), micro_batch)
-                grads = torch.autograd.grad(loss / num_micro, [x, w] + self.nonlayer, allow_unused=True)
+                    losses = self._post_losses(self.units[u].layout.forward(w, x), batches)
+                grads = torch.autograd.grad(sum(losses) / num_micro, [x, w] + self.nonlayer, allow_unused=True)
                 self._accumulate_nonlayer(grads[2:])
-                loss = loss.detach()
+                losses = [loss.detach() for loss in losses]
             else:
-                with _restored_rng(self._rng.pop((u, m)), self.device), self._autocast():
+                with _restored_rng(self._rng.pop((u, order[0])), self.device), self._autocast():
                     y = self.units[u].layout.forward(w, x)
-                grads = torch.autograd.grad(y, [x, w], self._act_grads.pop(m))
-            self._accumulate_unit(u, grads[1])
-            self.activations.drop(u, m)
-            if u > 0:
-                self._act_grads[m] = grads[0]
-            else:
-                with _restored_rng(self._rng.pop((-1, m)), self.device), self._autocast():
-                    h = self.module.pre_stage(micro_batch)
-                self._accumulate_nonlayer(torch.autograd.grad(h, self.nonlayer, grads[0], allow_unused=True))
-        return loss
+                for m in order[1:]:
+                    self._rng.pop((u, m))
+                g = torch.cat([self._act_grads.pop(m) for m in order]) if len(order) > 1 else self._act_grads.pop(order[0])
+                grads = torch.autograd.grad(y, [x, w], g)
+            self._accumulate_unit(u, grads[1], len(order))
+            for m, dx in zip(order, grads[0].chunk(len(order))):
+                self.activations.drop(u, m)
+                if u > 0:
+                    self._act_grads[m] = dx
+                else:
+                    with _restored_rng(self._rng.pop((-1, m)), self.device), self._autocast():
+                        h = self.module.pre_stage(micro_batches[m])
+                    self._accumulate_nonlayer(torch.autograd.grad(h, self.nonlayer, dx, allow_unused=True))
+        return losses
 
-    def _post_loss(self, hidden: Tensor, micro_batch: Any) -> Tensor:
-        return self.module.compute_loss(self.module.post_stage(hidden), micro_batch)
+    def _post_losses(self, hidden: Tensor, batches: list[Any]) -> list[Tensor]:
+        outputs = self.module.post_stage(hidden)
+        return [self.module.compute_loss(out, b) for out, b in zip(outputs.chunk(len(batches)), batches)]
+
+    # ------------------------------------------------------------------ weights: fetch and prefetch
+    def _prefetch_ahead(self, index: int) -> None:
+        """Make sure the weights of the next ``prefetch_depth`` units after task ``index`` are on their way."""
+        upcoming, resident = [], self.tasks[index].unit
+        for task in self.tasks[index:]:
+            if len(upcoming) >= self.schedule.prefetch_depth + 1:
+                break
+            if not upcoming or task.unit != upcoming[-1]:
+                upcoming.append(task.unit)
+        for u in upcoming[1:]:
+            if u != resident and u not in self._prefetched and not self.units[u].weights.resident:
+                self._prefetched[u] = self._prefetcher.submit(self._fetch_weights, u)
+
+    def _fetch_weights(self, u: int) -> Tensor:
+        self.overlap.wait_forward_part(u)  # the deferred update of this unit must land first
+        weights = self.units[u].weights
+        if weights.resident:
+            return weights.device_tensor()
+        return weights.fetch(weights.new_buffer())
 
     def _weights(self, u: int) -> Tensor:
         """The resident unit's compute weights as a grad-requiring leaf (fetching them if needed)."""
         if self._resident is None or self._resident[0] != u:
-            self._resident = None  # release first: at most one unit's weights are held
-            self._resident = (u, _acquire(self.units[u].weights).detach().requires_grad_(True))
+            self._resident = None  # release first: at most one unit is held besides the prefetched ones
+            start_s = time.perf_counter()
+            job = self._prefetched.pop(u, None)
+            flat = job.result() if job is not None else self._fetch_weights(u)  # sync point if late
+            self._io_wait_s += time.perf_counter() - start_s
+            self._resident = (u, flat.detach().requires_grad_(True))
         return self._resident[1]
 
-    def _accumulate_unit(self, u: int, grad: Tensor) -> None:
+    # ------------------------------------------------------------------ gradients
+    def _accumulate_unit(self, u: int, grad: Tensor, num_tasks: int) -> None:
         if self._acc is not None and self._acc[0] != u:
             self._flush_grad_accumulator()
         if self._acc is None:
             self._acc = (u, torch.zeros(self.units[u].layout.numel, dtype=self.dtypes.master, device=self.device))
         self._acc[1].add_(grad)
-        self._bwd_done[u] += 1
+        self._bwd_done[u] += num_tasks
+        if self._bwd_done[u] == self.schedule.num_micro_batches:
+            self._flush_grad_accumulator()  # complete: hand it to the optimizer worker right away
 
     def _flush_grad_accumulator(self) -> None:
         if self._acc is None:
@@ -279,10 +340,14 @@ class SnakeEngine:
         self._acc = None
         store = self.units[u].grads
         if self._grad_partial[u]:
-            # Horizontal schedule: an earlier micro-batch left a partial gradient; read, add, write back.
-            acc.add_(_acquire(store))
-        store.evict(acc)
-        self._grad_partial[u] = True
+            # Horizontal schedule: an earlier micro-batch left a partial gradient; read, add.
+            acc.add_(store.device_tensor() if store.resident else store.fetch(store.new_buffer()))
+        if self._bwd_done[u] == self.schedule.num_micro_batches:
+            # Complete: the worker steps the backward part and parks the forward part's gradient.
+            self.overlap.submit_backward_part(u, acc, self._hps, self.step_count)
+        else:
+            store.evict(acc)
+            self._grad_partial[u] = True
 
     def _accumulate_nonlayer(self, grads: tuple[Tensor | None, ...]) -> None:
         for i, g in enumerate(grads):
@@ -290,22 +355,13 @@ class SnakeEngine:
                 self.nonlayer_grads[i].add_(g)
                 self._nonlayer_used[i] = True
 
+    # ------------------------------------------------------------------ optimizer
     @torch.no_grad()
     def optimizer_step(self) -> None:
-        """Apply AdamW to every unit and the non-layer parameters with the accumulated gradients."""
+        """Finish the step: the non-layer parameters, the last backward parts; defer the forward parts."""
         start_s = time.perf_counter()
         before = self.counters.snapshot()
         hps = snapshot_hyper_params(self.optimizer)
-        for unit in self.units:
-            grad = _acquire(unit.grads)
-            master, exp_avg, exp_avg_sq = _acquire(unit.master), _acquire(unit.exp_avg), _acquire(unit.exp_avg_sq)
-            for group, s, e in unit.layout.group_ranges:
-                adam_step([master[s:e]], [grad[s:e]], [exp_avg[s:e]], [exp_avg_sq[s:e]], self.step_count, hps[group])
-            _release(unit.master, master)
-            _release(unit.exp_avg, exp_avg)
-            _release(unit.exp_avg_sq, exp_avg_sq)
-            if unit.weights is not unit.master:
-                unit.weights.evict(master.to(self.dtypes.compute))
         for group, hp in enumerate(hps):
             idx = [i for i, g in enumerate(self.nonlayer_group) if g == group and self._nonlayer_used[i]]
             adam_step([self.nonlayer_master[i] for i in idx], [self.nonlayer_grads[i] for i in idx],
@@ -314,23 +370,38 @@ class SnakeEngine:
             for i in idx:
                 if self.nonlayer[i] is not self.nonlayer_master[i]:
                     self.nonlayer[i].copy_(self.nonlayer_master[i])
+        wait_s = self.overlap.wait_backward_parts()
+        # Lightning steps the LR scheduler right after this returns: the forward parts keep this snapshot.
+        self.overlap.defer_forward_parts(self._hps, self.step_count)
         self.step_count += 1
         self.last_step_stats["optimizer_s"] = time.perf_counter() - start_s
+        self.last_step_stats["optimizer_wait_s"] = wait_s
+        self.last_step_stats["optimizer_busy_s"] = self.overlap.take_busy_s()
         self.last_step_stats["optimizer_traffic"] = _delta(before, self.counters.snapshot())
+
+    def flush(self) -> None:
+        """Apply every pending optimizer update (call before anything reads weights outside training)."""
+        if self.overlap is not None:
+            self.overlap.flush()
+        for job in self._prefetched.values():
+            job.result()
+        self._prefetched = {}
 
     # ------------------------------------------------------------------ evaluation
     @torch.no_grad()
     def streamed_forward(self, batch: Any) -> Tensor:
         """Model outputs for ``batch`` with the blocks streamed in one unit at a time (no checkpoints)."""
+        self.flush()
         with self._autocast():
             hidden = self.module.pre_stage(batch)
-            for unit in self.units:
-                hidden = unit.layout.forward(_acquire(unit.weights), hidden)
+            for u, unit in enumerate(self.units):
+                hidden = unit.layout.forward(self._fetch_weights(u), hidden)
             return self.module.post_stage(hidden)
 
     # ------------------------------------------------------------------ introspection and teardown
     def unit_parameters(self, u: int) -> dict[str, Tensor]:
         """Unit ``u``'s master parameters by their module names (a CPU copy; tests and consolidation)."""
+        self.flush()
         unit = self.units[u]
         flat = unit.master.read_full()
         start = u * self.schedule.blocks_per_unit
@@ -339,13 +410,11 @@ class SnakeEngine:
 
     def state_dict(self) -> dict[str, Tensor]:
         """Every trainable parameter's master value by its module name (CPU copies, one unit at a time)."""
+        self.flush()
         blocks_prefix = next(name for name, mod in self.module.named_modules() if mod is self.module.blocks)
         block_ids = {id(p) for p in self.module.blocks.parameters()}
-        out = {}
-        for (name, p), master in zip(
-            ((n, p) for n, p in self.module.named_parameters() if id(p) not in block_ids), self.nonlayer_master
-        ):
-            out[name] = master.detach().cpu().clone()
+        named = [n for n, p in self.module.named_parameters() if id(p) not in block_ids]
+        out = {name: master.detach().cpu().clone() for name, master in zip(named, self.nonlayer_master)}
         for u in range(len(self.units)):
             out.update({f"{blocks_prefix}.{k}": v for k, v in self.unit_parameters(u).items()})
         return out
@@ -361,24 +430,22 @@ class SnakeEngine:
     def close(self) -> None:
         """Release every buffer, thread and file (idempotent). A Hydra multirun relies on it."""
         self._resident = None
-        self.units = []
+        if self._prefetcher is not None:
+            self._prefetcher.shutdown(wait=True)
+            self._prefetcher = None
+            self._prefetched = {}
+        if self.overlap is not None:
+            self.overlap.close()
+            self.overlap = None
         if getattr(self, "activations", None) is not None:
             self.activations.clear()
+        self.units = []
         if self.io is not None:
             self.io.close()
             self.io = None
         if self.ssd is not None:
             self.ssd.close()
             self.ssd = None
-
-
-def _acquire(t: TieredTensor) -> Tensor:
-    return t.device_tensor() if t.resident else t.fetch(t.new_buffer())
-
-
-def _release(t: TieredTensor, value: Tensor) -> None:
-    if not t.resident:
-        t.evict(value)
 
 
 def _reset_parameters(module: nn.Module) -> None:

@@ -20,6 +20,10 @@ from snake_strategy.storage.counters import TrafficCounters
 from snake_strategy.storage.io_engine import DONE, IOEngine, SsdDirectory, Ticket
 from snake_strategy.config import TierSplit
 
+# Range boundaries (the SSD segment's start, the forward/backward split of a unit) are multiples of
+# this many elements: a whole number of pages for every dtype of 1 to 8 bytes.
+ALIGN_ELEMS = PAGE_BYTES
+
 
 class _Joined(Ticket):
     def __init__(self, tickets: list[Ticket], keepalive: tuple = ()) -> None:
@@ -43,7 +47,7 @@ class TieredTensor:
         self.name, self.state, self.numel, self.dtype, self.device = name, state, numel, dtype, device
         self.elem_bytes = torch.empty((), dtype=dtype).element_size()
         self._counters, self._io = counters, io
-        elems_per_page = PAGE_BYTES // self.elem_bytes
+        elems_per_page = ALIGN_ELEMS
         self.device_end = min(numel, round(split.device * numel))
         host_end = min(numel, self.device_end + round(split.host * numel))
         if host_end < numel:
@@ -80,48 +84,75 @@ class TieredTensor:
             return aligned_empty(self.numel, self.dtype)
         return torch.empty(self.numel, dtype=self.dtype, device=self.device)
 
-    def start_fetch(self, out: torch.Tensor) -> Ticket:
-        """Begin filling ``out`` (numel elements on the device); the SSD part runs on the I/O threads."""
-        a, b, n = self.device_end, self.host_end, self.numel
+    def start_fetch(self, out: torch.Tensor, lo: int = 0, hi: int | None = None) -> Ticket:
+        """Begin filling ``out`` with elements [lo, hi); the SSD part runs on the I/O threads.
+
+        ``lo`` and ``hi`` must be multiples of ``ALIGN_ELEMS`` (or ``hi == numel``) so the SSD part
+        stays page-aligned; ``out`` must be page-aligned on CPU (``new_buffer`` or ``aligned_empty``).
+        """
+        hi = self.numel if hi is None else hi
+        segments = self._segments(lo, hi)
+        (d0, d1), (h0, h1), (s0, s1) = segments
         es = self.elem_bytes
-        out[:a].copy_(self._device_seg)
-        self._counters.add("device", self.state, "read", a * es)
-        out[a:b].copy_(self._host_seg, non_blocking=True)
-        self._counters.add("host", self.state, "read", (b - a) * es)
-        if b == n:
+        out[d0 - lo:d1 - lo].copy_(self._device_seg[d0:d1])
+        self._counters.add("device", self.state, "read", (d1 - d0) * es)
+        out[h0 - lo:h1 - lo].copy_(self._host_seg[h0 - self.device_end:h1 - self.device_end], non_blocking=True)
+        self._counters.add("host", self.state, "read", (h1 - h0) * es)
+        if s1 == s0:
             return DONE
-        self._counters.add("ssd", self.state, "read", self.ssd_bytes)
+        offset = (s0 - self.host_end) * es
+        dst = out[s0 - lo:s1 - lo]
+        self._counters.add("ssd", self.state, "read", round_up((s1 - s0) * es))
         if out.device.type == "cpu":
-            return self._io.submit_read(self._fd, 0, padded_bytes(out[b:]))
-        # CUDA: the SSD part lands in a pinned bounce buffer, then crosses the host link. This copy is
-        # issued after the read completes, inside wait(); see _StagedFetch.
-        staging = aligned_empty(n - b, self.dtype, pin_memory=True)
-        return _StagedFetch(self._io.submit_read(self._fd, 0, padded_bytes(staging)), staging, out[b:])
+            return self._io.submit_read(self._fd, offset, padded_bytes(dst))
+        # CUDA: the SSD part lands in a pinned bounce buffer, then crosses the host link; that copy
+        # is issued inside wait(), after the read completes (see _StagedFetch).
+        staging = aligned_empty(s1 - s0, self.dtype, pin_memory=True)
+        return _StagedFetch(self._io.submit_read(self._fd, offset, padded_bytes(staging)), staging, dst)
 
-    def start_evict(self, src: torch.Tensor) -> Ticket:
-        """Begin writing ``src`` back; ``src`` must stay untouched until the ticket is waited on."""
-        a, b, n = self.device_end, self.host_end, self.numel
+    def start_evict(self, src: torch.Tensor, lo: int = 0, hi: int | None = None) -> Ticket:
+        """Begin writing ``src`` (elements [lo, hi)) back; ``src`` must stay untouched until the ticket
+        is waited on (the ticket keeps it alive)."""
+        hi = self.numel if hi is None else hi
+        (d0, d1), (h0, h1), (s0, s1) = self._segments(lo, hi)
         es = self.elem_bytes
-        if not (self.resident and src.data_ptr() == self._device_seg.data_ptr()):
-            self._device_seg.copy_(src[:a])
-            self._counters.add("device", self.state, "write", a * es)
-        self._host_seg.copy_(src[a:b])
-        self._counters.add("host", self.state, "write", (b - a) * es)
-        if b == n:
+        dev_dst = self._device_seg[d0:d1]
+        dev_src = src[d0 - lo:d1 - lo]
+        if dev_dst.numel() and dev_src.data_ptr() != dev_dst.data_ptr():
+            dev_dst.copy_(dev_src)
+            self._counters.add("device", self.state, "write", (d1 - d0) * es)
+        self._host_seg[h0 - self.device_end:h1 - self.device_end].copy_(src[h0 - lo:h1 - lo])
+        self._counters.add("host", self.state, "write", (h1 - h0) * es)
+        if s1 == s0:
             return DONE
-        self._counters.add("ssd", self.state, "write", self.ssd_bytes)
-        if src.device.type == "cpu" and src[b:].data_ptr() % PAGE_BYTES == 0 and _storage_reaches(src[b:]):
-            return _Joined([self._io.submit_write(self._fd, 0, padded_bytes(src[b:]))], keepalive=(src,))
-        staging = aligned_empty(n - b, self.dtype, pin_memory=src.device.type == "cuda")
-        staging.copy_(src[b:])  # a sync point on CUDA: the D2H copy must finish before the write starts
-        return _Joined([self._io.submit_write(self._fd, 0, padded_bytes(staging))], keepalive=(staging,))
+        offset = (s0 - self.host_end) * es
+        part = src[s0 - lo:s1 - lo]
+        self._counters.add("ssd", self.state, "write", round_up((s1 - s0) * es))
+        if part.device.type == "cpu" and part.data_ptr() % PAGE_BYTES == 0 and _storage_reaches(part):
+            return _Joined([self._io.submit_write(self._fd, offset, padded_bytes(part))], keepalive=(src,))
+        staging = aligned_empty(s1 - s0, self.dtype, pin_memory=part.device.type == "cuda")
+        staging.copy_(part)  # a sync point on CUDA: the D2H copy must finish before the write starts
+        return _Joined([self._io.submit_write(self._fd, offset, padded_bytes(staging))], keepalive=(staging,))
 
-    def fetch(self, out: torch.Tensor) -> torch.Tensor:
-        self.start_fetch(out).wait()
+    def _segments(self, lo: int, hi: int) -> tuple[tuple[int, int], tuple[int, int], tuple[int, int]]:
+        """[lo, hi) cut at the tier boundaries: (device range, host range, ssd range) in element indices."""
+        if not (0 <= lo <= hi <= self.numel):
+            raise AssertionError(f"range [{lo}, {hi}) outside [0, {self.numel})")
+        if (lo % ALIGN_ELEMS or (hi % ALIGN_ELEMS and hi != self.numel)) and hi > self.host_end:
+            raise AssertionError(f"SSD ranges must be aligned to {ALIGN_ELEMS} elements: [{lo}, {hi})")
+
+        def cut(a: int, b: int) -> tuple[int, int]:
+            x, y = max(lo, a), min(hi, b)
+            return (x, y) if x < y else (x, x)
+
+        return cut(0, self.device_end), cut(self.device_end, self.host_end), cut(self.host_end, self.numel)
+
+    def fetch(self, out: torch.Tensor, lo: int = 0, hi: int | None = None) -> torch.Tensor:
+        self.start_fetch(out, lo, hi).wait()
         return out
 
-    def evict(self, src: torch.Tensor) -> None:
-        self.start_evict(src).wait()
+    def evict(self, src: torch.Tensor, lo: int = 0, hi: int | None = None) -> None:
+        self.start_evict(src, lo, hi).wait()
 
     def read_full(self) -> torch.Tensor:
         """A fresh CPU copy of the whole tensor (tests, consolidation)."""
