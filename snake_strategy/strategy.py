@@ -130,8 +130,20 @@ class GreedySnakeStrategy(Strategy):
         self.setup_precision_plugin()
 
     @override
+    def on_validation_start(self) -> None:
+        # Deferred forward-part updates must land before anything reads the weights.
+        if self.engine is not None:
+            self.engine.flush()
+
+    @override
+    def on_train_end(self) -> None:
+        if self.engine is not None:
+            self.engine.flush()
+
+    @override
     def teardown(self) -> None:
         if self.engine is not None:
+            self.engine.flush()
             self.engine.close()
             self.engine = None
         self.precision_plugin.teardown()

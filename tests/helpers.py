@@ -18,14 +18,21 @@ def token_data(num_samples: int, seq_len: int = 16, vocab: int = 64, seed: int =
 
 
 class ParamRecorder(L.Callback):
-    """Records the parameters after every optimizer step."""
+    """Records the parameters after every optimizer step (or only after the last one).
 
-    def __init__(self, every_n_batches: int = 1) -> None:
+    Reading greedysnake's parameters flushes its deferred optimizer work, so ``only_last=True`` is how
+    a test lets the overlap run undisturbed for all steps but the final one.
+    """
+
+    def __init__(self, every_n_batches: int = 1, only_last: bool = False) -> None:
         self.every = every_n_batches
+        self.only_last = only_last
         self.states: list[dict[str, torch.Tensor]] = []
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         if (batch_idx + 1) % self.every:
+            return
+        if self.only_last and trainer.global_step < trainer.max_steps:
             return
         engine = getattr(trainer.strategy, "engine", None)
         if engine is not None:
@@ -58,16 +65,24 @@ def run_reference(config: GPTConfig, steps: int, micro: int, micro_size: int, pr
 
 def run_snake(config: GPTConfig, steps: int, micro: int, micro_size: int, precision: str, storage=None,
               schedule_kind: str = "vertical", blocks_per_unit: int = 1, lr: float = 1e-3, seed: int = 0,
-              **module_kw) -> tuple[list[dict[str, torch.Tensor]], snake_strategy.GreedySnakeStrategy]:
+              schedule_extra: dict | None = None, only_last: bool = False, validate_every_step: bool = False,
+              callbacks: list | None = None, **module_kw) -> tuple[list[dict[str, torch.Tensor]], snake_strategy.GreedySnakeStrategy]:
     x, y = token_data(steps * micro * micro_size, config.context_len, config.vocab_size)
     loader = DataLoader(TensorDataset(x, y), batch_size=micro * micro_size, shuffle=False)
     torch.manual_seed(seed)
     module = GPTModule(config, learning_rate=lr, **module_kw)
-    strategy = snake_strategy.GreedySnakeStrategy(
-        storage=storage, schedule={"kind": schedule_kind, "num_micro_batches": micro, "blocks_per_unit": blocks_per_unit})
-    rec = ParamRecorder()
-    trainer = L.Trainer(strategy=strategy, precision=precision, max_steps=steps, callbacks=[rec], **trainer_kwargs())
-    trainer.fit(module, train_dataloaders=loader)
+    schedule = {"kind": schedule_kind, "num_micro_batches": micro, "blocks_per_unit": blocks_per_unit}
+    schedule.update(schedule_extra or {})
+    strategy = snake_strategy.GreedySnakeStrategy(storage=storage, schedule=schedule)
+    rec = ParamRecorder(only_last=only_last)
+    extra = {}
+    if validate_every_step:
+        vx, vy = token_data(micro * micro_size, config.context_len, config.vocab_size, seed=99)
+        extra = dict(val_dataloaders=DataLoader(TensorDataset(vx, vy), batch_size=micro * micro_size))
+    kw = trainer_kwargs(**(dict(limit_val_batches=1, val_check_interval=1) if validate_every_step else {}))
+    trainer = L.Trainer(strategy=strategy, precision=precision, max_steps=steps,
+                        callbacks=[rec] + list(callbacks or []), **kw)
+    trainer.fit(module, train_dataloaders=loader, **extra)
     return rec.states, strategy
 
 
