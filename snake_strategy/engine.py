@@ -105,6 +105,7 @@ class SnakeEngine:
         self._prefetcher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="snake-prefetch")
         self._prefetched: dict[int, Future] = {}
         self._resident: tuple[int, Tensor] | None = None
+        self.checkpoint_bytes = 0  # one unit input of one micro-batch, known after the first forward
 
     def _tiered(self, name: str, state: str, numel: int, dtype: torch.dtype) -> TieredTensor:
         split = getattr(self.storage, "optimizer" if state in ("exp_avg", "exp_avg_sq") else state)
@@ -234,6 +235,7 @@ class SnakeEngine:
             self._rng[(u, m)] = _rng_state(self.device)
             y = self.units[u].layout.forward(w, x)
         self.activations.put(u + 1, m, y)
+        self.checkpoint_bytes = y.numel() * y.element_size()
 
     def _backward_task(self, index: int, micro_batches: list[Any]) -> list[Tensor]:
         task = self.tasks[index]
@@ -418,6 +420,24 @@ class SnakeEngine:
         for u in range(len(self.units)):
             out.update({f"{blocks_prefix}.{k}": v for k, v in self.unit_parameters(u).items()})
         return out
+
+    def model_shape(self, micro_batch: Any, checkpoint_bytes: int) -> "ModelShape":
+        """The planner's view of this model for the given micro-batch (shapes only, no compute)."""
+        from snake_strategy.planner import ModelShape
+        from snake_strategy.contract import _tensors
+
+        block_ids = {id(p) for p in self.module.blocks.parameters()}
+        head = {id(m.weight): m.weight.numel() for m in self.module.modules()
+                if isinstance(m, nn.Linear) and id(m.weight) not in block_ids}
+        tokens = max((t.numel() for t in _tensors(micro_batch) if not t.is_floating_point()), default=0)
+        tokens = tokens or _tensors(micro_batch)[0].shape[0]
+        return ModelShape(
+            num_units=len(self.units), params_per_unit=max(u.layout.numel for u in self.units),
+            nonlayer_params=sum(p.numel() for p in self.nonlayer), head_params=sum(head.values()),
+            tokens_per_micro=tokens, num_micro=self.schedule.num_micro_batches, checkpoint_bytes=checkpoint_bytes,
+            weight_bytes=torch.empty((), dtype=self.dtypes.compute).element_size(),
+            master_bytes=torch.empty((), dtype=self.dtypes.master).element_size(),
+        )
 
     def ssd_files(self) -> list[str]:
         return self.ssd.files() if self.ssd is not None else []

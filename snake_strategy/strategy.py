@@ -23,6 +23,7 @@ from typing_extensions import override
 from snake_strategy.config import ScheduleConfig, StorageConfig, coerce_config
 from snake_strategy.contract import check_contract
 from snake_strategy.engine import SnakeEngine
+from snake_strategy.planner import HardwareProfile, StepPrediction, predict
 from snake_strategy.precision import GreedySnakePrecision
 
 log = logging.getLogger(__name__)
@@ -42,11 +43,16 @@ class GreedySnakeStrategy(Strategy):
         self,
         storage: StorageConfig | dict | None = None,
         schedule: ScheduleConfig | dict | None = None,
+        hardware: HardwareProfile | dict | str | None = None,
         accelerator: pl.accelerators.Accelerator | None = None,
         precision_plugin: Precision | None = None,
     ) -> None:
         self.storage = coerce_config(StorageConfig, storage, "storage")
         self.schedule = coerce_config(ScheduleConfig, schedule, "schedule")
+        if isinstance(hardware, str) and hardware != "probe":
+            raise ValueError(f"hardware='{hardware}' is not understood; pass 'probe', a HardwareProfile, a mapping or None")
+        self.hardware = hardware if hardware in (None, "probe") else coerce_config(HardwareProfile, hardware, "hardware")
+        self.prediction: StepPrediction | None = None  # the planner's floor for this run's step
         self.engine: SnakeEngine | None = None
         self.parallel_devices: list[torch.device] | None = None  # filled by Lightning's connector
         self.global_rank, self.local_rank, self.world_size = 0, 0, 1
@@ -126,6 +132,12 @@ class GreedySnakeStrategy(Strategy):
                              f"returned {len(self.optimizers)}")
         self.engine = SnakeEngine(module, self.optimizers[0], self.storage, self.schedule,
                                   self.precision_plugin.dtypes, self.root_device)
+        if self.storage.checkpoints.ssd > 0 and self.schedule.num_micro_batches <= 2 * self.storage.checkpoint_host_ends:
+            log.warning(
+                "storage.checkpoints puts %.0f%% on the SSD, but with schedule.num_micro_batches=%d and "
+                "storage.checkpoint_host_ends=%d every micro-batch is a turning point kept on the host: no "
+                "activation checkpoint will reach the SSD. Lower checkpoint_host_ends or raise num_micro_batches",
+                100 * self.storage.checkpoints.ssd, self.schedule.num_micro_batches, self.storage.checkpoint_host_ends)
         module._device = self.root_device  # so `self.device` inside the module means the compute device
         self.setup_precision_plugin()
 
@@ -143,8 +155,10 @@ class GreedySnakeStrategy(Strategy):
     @override
     def teardown(self) -> None:
         if self.engine is not None:
-            self.engine.flush()
-            self.engine.close()
+            try:
+                self.engine.flush()
+            finally:
+                self.engine.close()
             self.engine = None
         self.precision_plugin.teardown()
         if self.accelerator is not None:
@@ -156,8 +170,30 @@ class GreedySnakeStrategy(Strategy):
     def training_step(self, *args: Any, **kwargs: Any) -> Tensor:
         batch = args[0] if args else kwargs["batch"]
         loss = self.engine.train_step(batch)
+        if self.prediction is None:
+            self.prediction = self._predict(batch)
         self.lightning_module.log("train_loss", loss, prog_bar=True)
         return loss
+
+    def _predict(self, batch: Any) -> StepPrediction:
+        """The planner's roofline for this run, from the shapes seen in the first step."""
+        from snake_strategy.contract import split_micro_batches
+
+        hardware = self.hardware
+        if hardware == "probe":
+            from snake_strategy.hardware import probe_hardware
+
+            hardware = probe_hardware(self.engine.ssd.path if self.engine.ssd else None, self.root_device)
+        elif hardware is None:
+            hardware = HardwareProfile(device_is_cpu=self.root_device.type == "cpu")
+        self.hardware = hardware
+        micro = split_micro_batches(batch, self.schedule.num_micro_batches)[0]
+        shape = self.engine.model_shape(micro, self.engine.checkpoint_bytes)
+        self.model_shape = shape
+        prediction = predict(shape, hardware, self.storage, self.schedule.kind, self.schedule.alpha)
+        log.info("planner: predicted floor %.3f s/step (%s-bound; compute %.3f s, ssd %.3f s, optimizer %.3f s)",
+                 prediction.roofline_s, prediction.bound, prediction.compute_s, prediction.ssd_s, prediction.optimizer_s)
+        return prediction
 
     @override
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
@@ -172,6 +208,39 @@ class GreedySnakeStrategy(Strategy):
         if self.engine is None:
             raise RuntimeError("streamed_forward needs a set-up strategy (inside Trainer.fit)")
         return self.engine.streamed_forward(batch)
+
+    # ------------------------------------------------------------------ checkpoints
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """The consolidated weights (master values), gathered one unit at a time.
+
+        Costs a full copy of the parameters in host memory: fine for models that fit in RAM. Resumable
+        directory checkpoints of the SSD-resident state are not implemented yet.
+        """
+        if self.engine is None:
+            return self.lightning_module.state_dict()
+        state = self.engine.state_dict()
+        module_state = self.lightning_module.state_dict()
+        # Keep every key the module has (tied weights appear under both names, buffers too).
+        params = dict(self.lightning_module.named_parameters(remove_duplicate=False))
+        by_id = {id(p): name for name, p in self.lightning_module.named_parameters()}
+        for key in module_state:
+            if key in params:
+                module_state[key] = state[by_id[id(params[key])]]
+        return module_state
+
+    @override
+    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        # The Adam moments live in the engine's tiers; they are not part of this checkpoint format yet.
+        return {}
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        raise ValueError(
+            f"resuming strategy='greedysnake' from {checkpoint_path} is not supported yet: its checkpoints hold "
+            "the consolidated weights but not the optimizer moments. Load the weights with "
+            "YourModule.load_from_checkpoint(path) (e.g. to evaluate or fine-tune), or start without ckpt_path"
+        )
 
     # ------------------------------------------------------------------ collectives (single process)
     @override

@@ -1,0 +1,105 @@
+"""A short probe of this machine's rates for the planner, cached on disk.
+
+Measures (about 3 s in all): SSD O_DIRECT write and read GB/s through the package's own I/O engine,
+host memory copy GB/s, fp32 matmul FLOP/s at transformer-like shapes, and fused AdamW params/s.
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+from dataclasses import asdict
+
+import torch
+
+from snake_strategy.optim import AdamHyperParams, adam_step
+from snake_strategy.planner import HardwareProfile
+from snake_strategy.storage import IOEngine, SsdDirectory, aligned_empty
+from snake_strategy.storage.aligned import padded_bytes
+
+DEFAULT_CACHE = os.path.join(os.path.expanduser("~"), ".cache", "snake_strategy", "hardware.json")
+
+
+def probe_hardware(ssd_dir: str | None = None, device: torch.device | None = None, probe_bytes: int = 256 * 2**20,
+                   cache_path: str | None = DEFAULT_CACHE, refresh: bool = False) -> HardwareProfile:
+    device = device or torch.device("cpu")
+    key = f"{socket.gethostname()}|{os.path.abspath(ssd_dir) if ssd_dir else 'tmp'}|{device}|{torch.get_num_threads()}"
+    cache = _load(cache_path)
+    if not refresh and key in cache:
+        return HardwareProfile(**cache[key])
+    read_gbps, write_gbps = _probe_ssd(ssd_dir, probe_bytes)
+    profile = HardwareProfile(
+        ssd_read_gb_per_s=read_gbps, ssd_write_gb_per_s=write_gbps, host_copy_gb_per_s=_probe_copy(),
+        flops_per_s=_probe_matmul(device), optimizer_params_per_s=_probe_adam(),
+        device_is_cpu=device.type == "cpu",
+    )
+    if cache_path:
+        cache[key] = asdict(profile)
+        os.makedirs(os.path.dirname(cache_path), exist_ok=True)
+        with open(cache_path, "w") as f:
+            json.dump(cache, f, indent=1)
+    return profile
+
+
+def _load(path: str | None) -> dict:
+    if not path or not os.path.exists(path):
+        return {}
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return {}  # a corrupt cache is only a cache: probe again
+
+
+def _probe_ssd(ssd_dir: str | None, num_bytes: int) -> tuple[float, float]:
+    ssd, io = SsdDirectory(ssd_dir), IOEngine(num_threads=4)
+    try:
+        buffer = aligned_empty(num_bytes, torch.uint8)
+        buffer.fill_(7)
+        fd = ssd.open("probe/probe.bin", num_bytes)
+        start = time.perf_counter()
+        io.submit_write(fd, 0, padded_bytes(buffer)).wait()
+        os.fsync(fd)
+        write_s = time.perf_counter() - start
+        start = time.perf_counter()
+        io.submit_read(fd, 0, padded_bytes(buffer)).wait()
+        read_s = time.perf_counter() - start
+        return num_bytes / read_s / 1e9, num_bytes / write_s / 1e9
+    finally:
+        io.close()
+        ssd.close()
+
+
+def _probe_copy(num_bytes: int = 256 * 2**20) -> float:
+    src, dst = torch.ones(num_bytes // 4), torch.empty(num_bytes // 4)
+    dst.copy_(src)
+    start = time.perf_counter()
+    for _ in range(3):
+        dst.copy_(src)
+    return 3 * num_bytes / (time.perf_counter() - start) / 1e9
+
+
+def _probe_matmul(device: torch.device) -> float:
+    a = torch.randn(1024, 1024, device=device)
+    b = torch.randn(1024, 4096, device=device)
+    a @ b
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    start, reps = time.perf_counter(), 5
+    for _ in range(reps):
+        a @ b
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)  # sync point: only to time the kernels
+    return reps * 2 * 1024 * 1024 * 4096 / (time.perf_counter() - start)
+
+
+def _probe_adam(numel: int = 8 * 2**20) -> float:
+    p, g = torch.zeros(numel), torch.ones(numel)
+    m, v = torch.zeros(numel), torch.zeros(numel)
+    hp = AdamHyperParams(1e-3, 0.9, 0.999, 1e-8, 0.0, True)
+    adam_step([p], [g], [m], [v], 0, hp)
+    start = time.perf_counter()
+    for step in range(3):
+        adam_step([p], [g], [m], [v], step + 1, hp)
+    return 3 * numel / (time.perf_counter() - start)

@@ -1,0 +1,178 @@
+"""The planner: predict a step's time from the model's shape and the hardware, and choose alpha,
+placement and prefetch depth. Pure functions of plain data, so every choice can be checked by hand.
+
+Traffic per optimizer step (greedysnake.md section 4; P = block params, L = units, M = micro-batches):
+
+    weights read   vertical  (2L-1) fetches x P/L x e_w      horizontal  M(2L-1)-(M-1) fetches
+    optimizer      read and write master + 2 moments once per step     (3 x P x e_m each way)
+    gradients      vertical: the forward part (alpha x P x e_m) written and read back once;
+                   horizontal: also a partial sum written per micro-batch and read back (M-1 times)
+    checkpoints    each SSD-resident (unit, micro) input written once and read once
+
+Roofline, per resource: the step cannot be faster than the busiest resource's total work.
+- ``compute``: block FLOPs (forward, recompute, backward = 4 x forward per unit except the last,
+  which needs 3) plus the head, at the measured FLOP rate;
+- ``ssd``: read bytes / read bandwidth + write bytes / write bandwidth (one device does both);
+- ``optimizer``: parameters / fused-AdamW rate;
+- ``cpu``: on a CPU-only machine compute and the optimizer share the same cores, so their sum.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from snake_strategy.config import StorageConfig, TierSplit
+
+
+@dataclass(frozen=True)
+class HardwareProfile:
+    ssd_read_gb_per_s: float = 1.2
+    ssd_write_gb_per_s: float = 1.8
+    host_copy_gb_per_s: float = 8.0
+    flops_per_s: float = 75e9
+    optimizer_params_per_s: float = 740e6
+    device_is_cpu: bool = True
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    num_units: int
+    params_per_unit: int
+    nonlayer_params: int
+    head_params: int  # parameters of the output projection (its matmul runs for every token)
+    tokens_per_micro: int
+    num_micro: int
+    checkpoint_bytes: int  # one unit input of one micro-batch
+    attention_flops_per_token_per_unit: float = 0.0
+    weight_bytes: int = 4  # e_w: bytes per compute weight
+    master_bytes: int = 4  # e_m: bytes per master weight / moment / gradient element
+
+
+@dataclass(frozen=True)
+class StepPrediction:
+    compute_s: float
+    ssd_s: float
+    host_copy_s: float
+    optimizer_s: float
+    roofline_s: float
+    bound: str
+    ssd_read_bytes: int
+    ssd_write_bytes: int
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def weight_fetches_per_step(kind: str, num_units: int, num_micro: int) -> int:
+    if kind == "vertical":
+        return 2 * num_units - 1
+    return num_micro * (2 * num_units - 1) - (num_micro - 1)
+
+
+def step_flops(shape: ModelShape) -> float:
+    """FLOPs of one optimizer step: 2 per parameter per token forward, 4 backward, plus recompute."""
+    fwd_unit = (2 * shape.params_per_unit + shape.attention_flops_per_token_per_unit) * shape.tokens_per_micro
+    per_micro = fwd_unit * (4 * shape.num_units - 1)  # every unit 3x fwd, all but the last recomputed once more
+    head = 6 * shape.head_params * shape.tokens_per_micro
+    return shape.num_micro * (per_micro + head)
+
+
+def predict(shape: ModelShape, hw: HardwareProfile, storage: StorageConfig, kind: str, alpha: float) -> StepPrediction:
+    """Predicted floor of one step's time for this placement and schedule."""
+    P = shape.params_per_unit * shape.num_units
+    e_w, e_m = shape.weight_bytes, shape.master_bytes
+    fetches = weight_fetches_per_step(kind, shape.num_units, shape.num_micro)
+    read = write = 0.0
+    read += fetches * shape.params_per_unit * e_w * storage.weights.ssd
+    separate_master = e_w != e_m
+    master_split = storage.master if separate_master else storage.weights
+    read += P * e_m * master_split.ssd + 2 * P * e_m * storage.optimizer.ssd
+    write += P * e_m * master_split.ssd + 2 * P * e_m * storage.optimizer.ssd
+    if separate_master:
+        write += P * e_w * storage.weights.ssd  # the refreshed compute copy
+    grad_trips = alpha + (shape.num_micro - 1 if kind == "horizontal" else 0)
+    read += grad_trips * P * e_m * storage.gradients.ssd
+    write += grad_trips * P * e_m * storage.gradients.ssd
+    ckpt_ssd = _ssd_checkpoints_per_unit(storage, shape.num_micro)
+    read += ckpt_ssd * shape.num_units * shape.checkpoint_bytes
+    write += ckpt_ssd * shape.num_units * shape.checkpoint_bytes
+    ssd_s = read / (hw.ssd_read_gb_per_s * 1e9) + write / (hw.ssd_write_gb_per_s * 1e9)
+    host_bytes = fetches * shape.params_per_unit * e_w * storage.weights.host + 6 * P * e_m * storage.optimizer.host
+    host_copy_s = host_bytes / (hw.host_copy_gb_per_s * 1e9)
+    compute_s = step_flops(shape) / hw.flops_per_s
+    optimizer_s = (P + shape.nonlayer_params) / hw.optimizer_params_per_s
+    bounds = {"compute": compute_s, "ssd": ssd_s, "host_copy": host_copy_s, "optimizer": optimizer_s}
+    if hw.device_is_cpu:
+        bounds["cpu"] = compute_s + optimizer_s
+    bound = max(bounds, key=bounds.get)
+    return StepPrediction(compute_s, ssd_s, host_copy_s, optimizer_s, bounds[bound], bound, int(read), int(write))
+
+
+def _ssd_checkpoints_per_unit(storage: StorageConfig, num_micro: int) -> int:
+    ends = storage.checkpoint_host_ends
+    middle = max(0, num_micro - 2 * ends)
+    return min(middle, round(storage.checkpoints.ssd * num_micro))
+
+
+@dataclass(frozen=True)
+class Plan:
+    storage: StorageConfig
+    alpha: float
+    prefetch_depth: int
+    prediction: StepPrediction
+    host_bytes: int
+
+
+def choose_alpha(shape: ModelShape) -> float:
+    """The forward pass's share of the block compute, capped at 0.5.
+
+    The forward part's update runs during the forward and the backward part's during the backward;
+    splitting the parameters in proportion to the two passes' durations hides both equally.
+    """
+    fwd = shape.num_units - 1  # forward-only unit passes
+    total = fwd + 3 * shape.num_units  # recompute + backward (2x) for every unit, plus the forwards
+    return min(0.5, round(fwd / total, 3)) if total else 0.0
+
+
+def plan(shape: ModelShape, hw: HardwareProfile, host_budget_bytes: int, kind: str = "vertical",
+         ssd_dir: str | None = None) -> Plan:
+    """Fill the host budget with the states that move the most bytes per byte stored; the rest on SSD.
+
+    Order: weights (read twice per step by compute, once more by the optimizer: ~4 bytes moved per
+    byte stored), then Adam moments (read + written: 2), then activation checkpoints (2). Gradients'
+    forward parts and the working buffers always stay on the host. Raises ValueError when even the
+    working set does not fit.
+    """
+    P = shape.params_per_unit * shape.num_units
+    unit_w, unit_m = shape.params_per_unit * shape.weight_bytes, shape.params_per_unit * shape.master_bytes
+    alpha = choose_alpha(shape)
+    # Working set: two units of weights in flight (resident + one prefetched), one gradient accumulator,
+    # the optimizer's fetched master + moments + gradient for one unit, the checkpoints kept on the host.
+    working = 2 * unit_w + unit_m + 4 * unit_m + shape.nonlayer_params * shape.master_bytes * 4
+    host_ckpts = min(shape.num_micro, 2 * 2) * shape.num_units * shape.checkpoint_bytes
+    grads_host = int(alpha * P * shape.master_bytes)
+    fixed = working + host_ckpts + grads_host
+    if fixed > host_budget_bytes:
+        raise ValueError(
+            f"host_budget_bytes={host_budget_bytes / 2**30:.2f} GiB cannot hold the working set of "
+            f"{fixed / 2**30:.2f} GiB (two units of weights, one unit's optimizer state, gradient buffers, "
+            "turning-point checkpoints); raise the budget, use more, smaller units (schedule.blocks_per_unit), "
+            "or fewer micro-batches"
+        )
+    free = host_budget_bytes - fixed
+    fractions = {}
+    for state, nbytes in (("weights", P * shape.weight_bytes), ("optimizer", 2 * P * shape.master_bytes)):
+        on_host = min(1.0, free / nbytes) if nbytes else 1.0
+        on_host = int(on_host * 1000) / 1000  # keep it a clean fraction
+        fractions[state] = TierSplit(host=on_host, ssd=1.0 - on_host)
+        free -= int(on_host * nbytes)
+    ckpt_total = shape.num_micro * shape.num_units * shape.checkpoint_bytes - host_ckpts
+    ckpt_host = 1.0 if ckpt_total <= free else max(0.0, free / max(ckpt_total, 1))
+    fractions["checkpoints"] = TierSplit(host=round(ckpt_host, 3), ssd=round(1 - round(ckpt_host, 3), 3))
+    storage = StorageConfig(ssd_dir=ssd_dir, weights=fractions["weights"], master=fractions["weights"],
+                            optimizer=fractions["optimizer"], gradients=TierSplit(host=1.0),
+                            checkpoints=fractions["checkpoints"])
+    prediction = predict(shape, hw, storage, kind, alpha)
+    compute_per_unit = prediction.compute_s / max(1, 2 * shape.num_units)
+    fetch_per_unit = unit_w * storage.weights.ssd / (hw.ssd_read_gb_per_s * 1e9)
+    depth = 1 if fetch_per_unit <= compute_per_unit else 2
+    return Plan(storage, alpha, depth, prediction, host_budget_bytes - free)

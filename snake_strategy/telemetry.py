@@ -1,0 +1,209 @@
+"""Per-step throughput and traffic telemetry for a Lightning run (no Hydra here).
+
+``StepReport`` times every training batch (one batch is one optimizer step under greedysnake),
+counts its tokens, records the bytes the engine moved during the step, and keeps the losses. Its
+``summary()`` is a plain dict, ready for ``json.dump``::
+
+    report = StepReport()
+    trainer = lightning.Trainer(strategy=GreedySnakeStrategy(...), callbacks=[report], ...)
+    trainer.fit(model, datamodule)
+    report.summary()["tokens_per_s"]
+
+The engine's cumulative counters are captured in ``on_train_end``: the strategy's teardown, which runs
+right after, closes the engine.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import statistics
+import time
+from collections import defaultdict
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+
+log = logging.getLogger(__name__)
+
+TIERS = ("device", "host", "ssd")
+
+
+def count_tokens(batch: Any) -> int:
+    """Tokens in a batch: the element count of its first tensor (the inputs of an (inputs, targets) pair)."""
+    if isinstance(batch, torch.Tensor):
+        return batch.numel()
+    if isinstance(batch, dict):
+        batch = list(batch.values())
+    if isinstance(batch, (list, tuple)):
+        for item in batch:
+            found = count_tokens(item)
+            if found:
+                return found
+    return 0
+
+
+def _merge(*traffic: dict[str, int] | None) -> dict[str, int]:
+    out: dict[str, int] = defaultdict(int)
+    for part in traffic:
+        for key, value in (part or {}).items():
+            out[key] += int(value)
+    return dict(out)
+
+
+def bytes_per_tier(flat: dict[str, int]) -> dict[str, int]:
+    """``{"ssd/weights/read": n, ...}`` -> ``{"device": n, "host": n, "ssd": n}`` (reads + writes)."""
+    out = {tier: 0 for tier in TIERS}
+    for key, value in flat.items():
+        tier = key.split("/", 1)[0]
+        out[tier] = out.get(tier, 0) + int(value)
+    return out
+
+
+def bytes_per_tier_state(flat: dict[str, int]) -> dict[str, int]:
+    """``{"ssd/weights/read": n, "ssd/weights/write": m}`` -> ``{"ssd/weights": n + m}``."""
+    out: dict[str, int] = defaultdict(int)
+    for key, value in flat.items():
+        out[key.rsplit("/", 1)[0]] += int(value)
+    return dict(sorted(out.items()))
+
+
+def _fmt_bytes(num: float) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if abs(num) < 1000 or unit == "GB":
+            return f"{num:.0f} {unit}" if unit == "B" else f"{num:.1f} {unit}"
+        num /= 1000
+    return f"{num:.1f} GB"
+
+
+class StepReport(pl.Callback):
+    """Times each training step and records its tokens, loss and tier traffic.
+
+    Args:
+        log_every_n_steps: also write a one-line progress message through ``logging`` every this many
+            steps (0 disables it). The per-step numbers are always logged to the Lightning loggers as
+            ``perf/s_per_step``, ``perf/tokens_per_s``, ``io/ssd_bytes`` and ``io/host_bytes``.
+        warmup_steps: steps left out of the throughput figures (the first step pays one-off costs),
+            as long as at least one step remains.
+    """
+
+    def __init__(self, log_every_n_steps: int = 10, warmup_steps: int = 1) -> None:
+        super().__init__()
+        self.log_every_n_steps = log_every_n_steps
+        self.warmup_steps = warmup_steps
+        self.reset()
+
+    def reset(self) -> None:
+        self.step_seconds: list[float] = []
+        self.step_tokens: list[int] = []
+        self.losses: list[float] = []
+        self.val_losses: list[float] = []
+        self.step_traffic: list[dict[str, int]] = []
+        self.total_traffic: dict[str, int] | None = None
+        self._start: float | None = None
+
+    # ------------------------------------------------------------------ hooks
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.reset()
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
+                             batch_idx: int) -> None:
+        self._start = time.perf_counter()
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        if self._start is None:
+            return
+        seconds = time.perf_counter() - self._start
+        self._start = None
+        tokens = count_tokens(batch)
+        loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
+        if isinstance(loss, torch.Tensor):
+            self.losses.append(float(loss.detach()))
+        engine = getattr(trainer.strategy, "engine", None)
+        stats = getattr(engine, "last_step_stats", None) or {}
+        traffic = _merge(stats.get("traffic"), stats.get("optimizer_traffic"))
+        self.step_seconds.append(seconds)
+        self.step_tokens.append(tokens)
+        self.step_traffic.append(traffic)
+        per_tier = bytes_per_tier(traffic)
+        pl_module.log_dict(
+            {
+                "perf/s_per_step": seconds,
+                "perf/tokens_per_s": tokens / seconds if seconds > 0 else 0.0,
+                "io/ssd_bytes": float(per_tier["ssd"]),
+                "io/host_bytes": float(per_tier["host"]),
+            },
+            on_step=True, on_epoch=False, batch_size=1,
+        )
+        step = len(self.step_seconds)
+        if self.log_every_n_steps and step % self.log_every_n_steps == 0:
+            loss_text = f"{self.losses[-1]:.4f}" if self.losses else "n/a"
+            log.info("step %d | loss %s | %.3f s | %.0f tokens/s | ssd %s | host %s", step, loss_text, seconds,
+                     tokens / seconds if seconds > 0 else 0.0, _fmt_bytes(per_tier["ssd"]),
+                     _fmt_bytes(per_tier["host"]))
+
+    def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.sanity_checking:
+            return
+        value = trainer.callback_metrics.get("val_loss")
+        if value is not None:
+            self.val_losses.append(float(value))
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # The last moment the engine is alive: the strategy's teardown closes it right after.
+        engine = getattr(trainer.strategy, "engine", None)
+        counters = getattr(engine, "counters", None)
+        if counters is not None:
+            self.total_traffic = counters.as_flat_dict()
+
+    # ------------------------------------------------------------------ results
+    def summary(self) -> dict[str, Any]:
+        """Plain-Python results of the run so far (JSON-serialisable).
+
+        median_s_per_step: median wall time of one training step (forward, backward, optimizer).
+        tokens_per_s: tokens / seconds summed over the steps after ``warmup_steps``.
+        bytes_total: the engine's cumulative counters ("tier/state/direction" -> bytes), setup and
+            validation traffic included; captured at the end of training (None without an engine).
+        bytes_per_tier / bytes_per_tier_state: the same, reads and writes added up.
+        step_bytes_mean: mean bytes per training step ("tier/state/direction"), optimizer step included.
+        """
+        skip = self.warmup_steps if len(self.step_seconds) > self.warmup_steps else 0
+        seconds = self.step_seconds[skip:]
+        tokens = self.step_tokens[skip:]
+        total_s = sum(seconds)
+        step_bytes: dict[str, float] = {}
+        if self.step_traffic:
+            summed = _merge(*self.step_traffic)
+            step_bytes = {k: v / len(self.step_traffic) for k, v in sorted(summed.items())}
+        total = self.total_traffic
+        return {
+            "steps": len(self.step_seconds),
+            "final_train_loss": self.losses[-1] if self.losses else math.nan,
+            "val_loss": self.val_losses[-1] if self.val_losses else None,
+            "median_s_per_step": statistics.median(self.step_seconds) if self.step_seconds else math.nan,
+            "tokens_per_step": self.step_tokens[-1] if self.step_tokens else 0,
+            "tokens_per_s": sum(tokens) / total_s if total_s > 0 else math.nan,
+            "losses": list(self.losses),
+            "val_losses": list(self.val_losses),
+            "bytes_total": dict(total) if total is not None else None,
+            "bytes_per_tier": bytes_per_tier(total) if total is not None else None,
+            "bytes_per_tier_state": bytes_per_tier_state(total) if total is not None else None,
+            "step_bytes_mean": step_bytes,
+        }
+
+    def format_summary(self) -> str:
+        """A few human-readable lines of ``summary()``."""
+        s = self.summary()
+        val = f"{s['val_loss']:.4f}" if s["val_loss"] is not None else "n/a"
+        lines = [
+            f"steps {s['steps']} | final train loss {s['final_train_loss']:.4f} | val loss {val}",
+            f"median {s['median_s_per_step']:.3f} s/step | {s['tokens_per_s']:.0f} tokens/s "
+            f"({s['tokens_per_step']} tokens/step)",
+        ]
+        if s["bytes_per_tier"] is not None:
+            tiers = ", ".join(f"{t} {_fmt_bytes(n)}" for t, n in s["bytes_per_tier"].items())
+            lines.append(f"bytes moved (whole run): {tiers}")
+            for key, n in s["bytes_per_tier_state"].items():
+                lines.append(f"  {key:<24} {_fmt_bytes(n)}")
+        return "\n".join(lines)

@@ -1,0 +1,143 @@
+"""Hydra entry point: ``python -m snake_strategy.train`` (or the ``snake-train`` console script).
+
+The only module of the package that imports Hydra. It turns the composed config (``configs/`` at the
+repository root) into plain objects, one ``_target_`` per group, and wires them together::
+
+    python -m snake_strategy.train                                   # tiny GPT, SSD storage, 20 steps
+    python -m snake_strategy.train model=small storage=ssd_all trainer.max_steps=50
+    python -m snake_strategy.train experiment=io_bound_bench schedule=horizontal
+    python -m snake_strategy.train -m storage=device,host,ssd      # a sweep, one job after another
+
+Each run prints a short report and writes it to ``<output dir>/report.json``; ``main`` returns the final
+training loss so that sweepers can minimise it. ``run(cfg)`` does the work for an already composed config
+(tests use it with Hydra's compose API).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import math
+from pathlib import Path
+from typing import Any
+
+import hydra
+import lightning as L
+from hydra.core.hydra_config import HydraConfig
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf
+
+from snake_strategy.config import ScheduleConfig, StorageConfig
+from snake_strategy.gpt import GPTConfig
+from snake_strategy.strategy import GreedySnakeStrategy
+from snake_strategy.telemetry import StepReport
+
+log = logging.getLogger(__name__)
+
+CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
+
+
+def _gpt_field(config: Any, field: str) -> Any:
+    """``${gpt:tiny,context_len}``: a field of a GPT preset (or of a GPTConfig mapping)."""
+    return getattr(GPTConfig.from_any(config), field)
+
+
+# Lets data configs follow the model preset, e.g. ``context_len: ${gpt:${model.config},context_len}``.
+if not OmegaConf.has_resolver("gpt"):
+    OmegaConf.register_new_resolver("gpt", _gpt_field)
+
+
+def output_dir(cfg: DictConfig) -> Path:
+    """This job's output directory: Hydra's runtime one inside a Hydra app, otherwise (compose API)
+    ``hydra.runtime.output_dir`` or ``hydra.run.dir`` from the config, else the working directory."""
+    if HydraConfig.initialized():
+        return Path(HydraConfig.get().runtime.output_dir)
+    for key in ("hydra.runtime.output_dir", "hydra.run.dir"):
+        value = OmegaConf.select(cfg, key, default=None, throw_on_missing=False)
+        if value:
+            return Path(str(value)).absolute()
+    return Path.cwd()
+
+
+def trainer_kwargs(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
+    """``cfg.trainer`` as keyword arguments of ``lightning.Trainer``."""
+    node = cfg.trainer
+    root = OmegaConf.to_container(node, resolve=False).get("default_root_dir")
+    kwargs = {}
+    for key in node:
+        if key == "default_root_dir" and isinstance(root, str) and root.startswith("${hydra:") \
+                and not HydraConfig.initialized():
+            kwargs[key] = str(out_dir)  # composed outside a Hydra app: the hydra resolver has nothing to read
+        else:
+            value = node[key]
+            kwargs[key] = OmegaConf.to_container(value, resolve=True) if OmegaConf.is_config(value) else value
+    if not cfg.run_validation:
+        kwargs["limit_val_batches"] = 0
+    return kwargs
+
+
+def _choices() -> dict[str, str]:
+    if not HydraConfig.initialized():
+        return {}
+    choices = HydraConfig.get().runtime.choices
+    return {k: str(v) for k, v in choices.items() if not k.startswith("hydra/") and v is not None}
+
+
+def run(cfg: DictConfig) -> dict[str, Any]:
+    """Train with a composed config; return the report (also written to ``<output dir>/report.json``)."""
+    out_dir = output_dir(cfg)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    L.seed_everything(cfg.seed, workers=True)
+
+    # One `_target_` per group; _convert_="all" hands the library plain dicts and lists, not OmegaConf nodes.
+    model = instantiate(cfg.model, _convert_="all")
+    datamodule = instantiate(cfg.data, _convert_="all")
+    storage = instantiate(cfg.storage, _convert_="all")
+    schedule = instantiate(cfg.schedule, _convert_="all")
+    if not isinstance(storage, StorageConfig) or not isinstance(schedule, ScheduleConfig):
+        raise ValueError("configs storage/ and schedule/ must target snake_strategy.StorageConfig and "
+                         f"snake_strategy.ScheduleConfig; got {type(storage).__name__}, {type(schedule).__name__}")
+
+    strategy = GreedySnakeStrategy(storage=storage, schedule=schedule)
+    kwargs = trainer_kwargs(cfg, out_dir)
+    report_cb = StepReport(log_every_n_steps=int(kwargs.get("log_every_n_steps") or 10))
+    trainer = L.Trainer(strategy=strategy, callbacks=[report_cb], **kwargs)
+    trainer.fit(model, datamodule=datamodule, ckpt_path=cfg.ckpt_path)
+
+    report = report_cb.summary()
+    if report["val_loss"] is None and "val_loss" in trainer.callback_metrics:
+        report["val_loss"] = float(trainer.callback_metrics["val_loss"])
+    report["choices"] = _choices()
+    report["output_dir"] = str(out_dir)
+    report["num_params"] = model.config.num_params()
+    report["storage"] = {k: v for k, v in OmegaConf.to_container(cfg.storage, resolve=True).items() if k != "_target_"}
+    report["schedule"] = {k: v for k, v in OmegaConf.to_container(cfg.schedule, resolve=True).items()
+                          if k != "_target_"}
+    path = out_dir / "report.json"
+    path.write_text(json.dumps(_jsonable(report), indent=2) + "\n")
+
+    print(f"\n=== greedysnake report ({path}) ===")
+    if report["choices"]:
+        print(" ".join(f"{k}={v}" for k, v in sorted(report["choices"].items())))
+    print(report_cb.format_summary())
+    return report
+
+
+def _jsonable(value: Any) -> Any:
+    """NaN/inf become null so report.json stays strict JSON."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    return value
+
+
+@hydra.main(version_base="1.3", config_path=str(CONFIG_DIR), config_name="train")
+def main(cfg: DictConfig) -> float:
+    """Console entry point (``snake-train``); returns the final training loss for sweepers."""
+    return float(run(cfg)["final_train_loss"])
+
+
+if __name__ == "__main__":
+    main()
