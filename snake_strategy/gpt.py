@@ -327,7 +327,10 @@ class GPTModule(LayeredModule):
         params = [p for _, p in self.named_parameters() if p.requires_grad]
         decay = [p for p in params if p.dim() >= 2]  # matmul weights and embeddings
         no_decay = [p for p in params if p.dim() < 2]  # biases and LayerNorm gains
-        # No fused/foreach flags: parameters may still be on the meta device here.
+        # torch's fused kernel when the parameters are real (plain Lightning); on the meta device (under
+        # greedysnake, which only reads the hyper-parameters and steps with its own fused kernel) the
+        # fused flag would be refused.
+        fused = all(p.device.type in ("cpu", "cuda") for p in params)
         optimizer = torch.optim.AdamW(
             [
                 {"params": decay, "weight_decay": hp.weight_decay},
@@ -336,6 +339,7 @@ class GPTModule(LayeredModule):
             lr=hp.learning_rate,
             betas=tuple(hp.betas),
             eps=hp.eps,
+            fused=fused or None,
         )
         if hp.warmup_steps == 0 and hp.max_steps is None:
             return optimizer

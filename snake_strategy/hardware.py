@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import tempfile
 import time
 from dataclasses import asdict
 
@@ -24,7 +25,9 @@ DEFAULT_CACHE = os.path.join(os.path.expanduser("~"), ".cache", "snake_strategy"
 def probe_hardware(ssd_dir: str | None = None, device: torch.device | None = None, probe_bytes: int = 256 * 2**20,
                    cache_path: str | None = DEFAULT_CACHE, refresh: bool = False) -> HardwareProfile:
     device = device or torch.device("cpu")
-    key = f"{socket.gethostname()}|{os.path.abspath(ssd_dir) if ssd_dir else 'tmp'}|{device}|{torch.get_num_threads()}"
+    # Keyed by the filesystem's device number: every directory on the same disk shares one probe.
+    fs_device = os.stat(ssd_dir if ssd_dir and os.path.isdir(ssd_dir) else tempfile.gettempdir()).st_dev
+    key = f"{socket.gethostname()}|fs{fs_device}|{device}|{torch.get_num_threads()}"
     cache = _load(cache_path)
     if not refresh and key in cache:
         return HardwareProfile(**cache[key])
