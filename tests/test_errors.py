@@ -1,0 +1,328 @@
+"""User errors surface as ValueErrors that name the setting to change, before any training step runs."""
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import types
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.strategies import StrategyRegistry
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import snake_strategy
+from snake_strategy import GreedySnakePrecision, GreedySnakeStrategy, ScheduleConfig, StorageConfig, TierSplit
+from snake_strategy.gpt import GPTModule
+from snake_strategy.schedule import build_tasks
+from snake_strategy.storage import io_engine
+from tests.helpers import SMALL_GPT, token_data, trainer_kwargs
+
+
+class StepCounter(L.Callback):
+    def __init__(self) -> None:
+        self.batches = 0
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.batches += 1
+
+
+def fit(module: L.LightningModule, strategy=None, batch_size: int = 4, num_samples: int = 8, **trainer_overrides):
+    """Fit ``module`` for at most 2 steps; returns the step counter (raises what fit raises)."""
+    x, y = token_data(num_samples, SMALL_GPT.context_len, SMALL_GPT.vocab_size)
+    loader = DataLoader(TensorDataset(x, y), batch_size=batch_size, shuffle=False)
+    counter = StepCounter()
+    kw = trainer_kwargs(**trainer_overrides)
+    trainer = L.Trainer(strategy=strategy or GreedySnakeStrategy(schedule={"num_micro_batches": 2}),
+                        max_steps=2, callbacks=[counter], **kw)
+    try:
+        trainer.fit(module, train_dataloaders=loader)
+    finally:
+        fit.last_counter = counter
+    return counter
+
+
+# ---------------------------------------------------------------------------------------- the model contract
+class PlainModule(L.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.Linear(SMALL_GPT.context_len, 1)
+
+    def training_step(self, batch, batch_idx):
+        return self.layer(batch[0].float()).mean()
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters())
+
+
+def test_module_without_contract():
+    with pytest.raises(ValueError) as err:
+        fit(PlainModule())
+    message = str(err.value)
+    for piece in ("PlainModule", "`blocks`", "pre_stage", "post_stage", "compute_loss"):
+        assert piece in message, message
+    assert fit.last_counter.batches == 0
+
+
+def test_contract_by_registry_name():
+    with pytest.raises(ValueError, match="pre_stage"):
+        fit(PlainModule(), strategy="greedysnake")
+
+
+# ---------------------------------------------------------------------------------------- storage
+def test_unwritable_ssd_dir(tmp_path):
+    # chmod does not stop root; a path below a regular file fails for everyone.
+    afile = tmp_path / "afile"
+    afile.write_text("not a directory")
+    bad = afile / "ssd"
+    strategy = GreedySnakeStrategy(storage={"weights": "ssd", "ssd_dir": str(bad)},
+                                   schedule={"num_micro_batches": 2})
+    with pytest.raises(ValueError) as err:
+        fit(GPTModule(SMALL_GPT), strategy=strategy)
+    message = str(err.value)
+    assert "storage.ssd_dir" in message and str(bad) in message, message
+    assert fit.last_counter.batches == 0
+
+
+def test_ssd_dir_is_a_file(tmp_path):
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    with pytest.raises(ValueError, match="storage.ssd_dir"):
+        io_engine.SsdDirectory(str(afile))
+
+
+def test_free_space_check_runs_before_training(tmp_path, monkeypatch):
+    import shutil
+
+    def tiny_disk(path):
+        return types.SimpleNamespace(total=2**20, used=2**20 - 1000, free=1000)
+
+    monkeypatch.setattr(io_engine, "shutil", types.SimpleNamespace(disk_usage=tiny_disk, rmtree=shutil.rmtree))
+    ssd_dir = tmp_path / "ssd"
+    strategy = GreedySnakeStrategy(storage={"weights": "ssd", "optimizer": "ssd", "ssd_dir": str(ssd_dir)},
+                                   schedule={"num_micro_batches": 2})
+    with pytest.raises(ValueError) as err:
+        fit(GPTModule(SMALL_GPT), strategy=strategy)
+    message = str(err.value)
+    assert "storage.ssd_dir" in message and "GiB free" in message, message
+    assert "0.00 GiB free" in message  # 1000 bytes
+    assert fit.last_counter.batches == 0
+    # Nothing was left behind by the half-built engine.
+    assert [p for p in ssd_dir.rglob("*") if p.is_file()] == []
+
+
+# ---------------------------------------------------------------------------------------- the batch and trainer
+def test_batch_not_divisible_by_micro_batches():
+    strategy = GreedySnakeStrategy(schedule={"num_micro_batches": 2})
+    with pytest.raises(ValueError) as err:
+        fit(GPTModule(SMALL_GPT), strategy=strategy, batch_size=5, num_samples=5)
+    message = str(err.value)
+    assert "num_micro_batches=2" in message and "5" in message, message
+
+
+def test_failed_step_removes_ssd_files(tmp_path):
+    ssd_dir = tmp_path / "ssd"
+    strategy = GreedySnakeStrategy(storage={"weights": "ssd", "optimizer": "ssd", "gradients": "ssd",
+                                            "ssd_dir": str(ssd_dir)},
+                                   schedule={"num_micro_batches": 2})
+    with pytest.raises(ValueError, match="num_micro_batches"):
+        fit(GPTModule(SMALL_GPT), strategy=strategy, batch_size=5, num_samples=5)
+    assert ssd_dir.is_dir() and [p for p in ssd_dir.rglob("*") if p.is_file()] == []
+
+
+class FailingLoss(GPTModule):
+    """Raises in the loss of the second backward task of the second step (mid-schedule)."""
+
+    calls = 0
+
+    def compute_loss(self, outputs, batch):
+        FailingLoss.calls += 1
+        if FailingLoss.calls == 4:
+            raise RuntimeError("loss exploded")
+        return super().compute_loss(outputs, batch)
+
+
+def test_exception_mid_step_propagates_and_removes_ssd_files(tmp_path):
+    ssd_dir = tmp_path / "ssd"
+    FailingLoss.calls = 0
+    strategy = GreedySnakeStrategy(storage={"weights": "ssd", "optimizer": "ssd", "gradients": "ssd",
+                                            "checkpoints": "ssd", "checkpoint_host_ends": 0,
+                                            "ssd_dir": str(ssd_dir)},
+                                   schedule={"num_micro_batches": 2})
+    with pytest.raises(RuntimeError, match="loss exploded"):
+        fit(FailingLoss(SMALL_GPT), strategy=strategy)
+    assert fit.last_counter.batches == 2
+    assert [p for p in ssd_dir.rglob("*") if p.is_file()] == []
+
+
+class ManualModule(GPTModule):
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.automatic_optimization = False
+
+
+def test_manual_optimization():
+    with pytest.raises(ValueError, match="automatic optimization"):
+        fit(ManualModule(SMALL_GPT))
+    assert fit.last_counter.batches == 0
+
+
+def test_accumulate_grad_batches():
+    with pytest.raises(ValueError) as err:
+        fit(GPTModule(SMALL_GPT), accumulate_grad_batches=2)
+    assert "accumulate_grad_batches" in str(err.value) and "num_micro_batches" in str(err.value)
+    assert fit.last_counter.batches == 0
+
+
+def test_gradient_clipping_refused():
+    with pytest.raises(ValueError, match="gradient_clip_val"):
+        fit(GPTModule(SMALL_GPT), gradient_clip_val=1.0)
+
+
+class SGDModule(GPTModule):
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_non_adam_optimizer():
+    with pytest.raises(ValueError) as err:
+        fit(SGDModule(SMALL_GPT))
+    assert "AdamW" in str(err.value) and "SGD" in str(err.value)
+    assert fit.last_counter.batches == 0
+
+
+class AmsgradModule(GPTModule):
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-3, amsgrad=True)
+
+
+def test_amsgrad_refused():
+    with pytest.raises(ValueError, match="amsgrad"):
+        fit(AmsgradModule(SMALL_GPT))
+
+
+# ---------------------------------------------------------------------------------------- precision
+def test_unsupported_precision_at_trainer_construction():
+    with pytest.raises(ValueError) as err:
+        L.Trainer(strategy="greedysnake", precision="16-true", **trainer_kwargs())
+    assert "Trainer(precision='16-true')" in str(err.value) and "strategy='greedysnake'" in str(err.value)
+
+
+def test_unsupported_precision_16_true_with_strategy_instance():
+    with pytest.raises(ValueError, match=r"precision='16-true'"):
+        L.Trainer(strategy=GreedySnakeStrategy(), precision="16-true", **trainer_kwargs())
+
+
+def test_precision_plugin_refuses_16_mixed():
+    with pytest.raises(ValueError) as err:
+        GreedySnakePrecision("16-mixed")
+    assert "precision='16-mixed'" in str(err.value) and "bf16-true" in str(err.value)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: on CPU Lightning turns 16-mixed into bf16-mixed")
+def test_16_mixed_on_cuda_refused_at_trainer_construction():
+    with pytest.raises(ValueError, match="precision"):
+        L.Trainer(strategy="greedysnake", precision="16-mixed", accelerator="cuda", devices=1, logger=False)
+
+
+def test_16_mixed_on_cpu_is_downgraded_by_lightning():
+    # Lightning rewrites precision="16-mixed" to "bf16-mixed" on CPU (with a warning) before any
+    # strategy sees it, so greedysnake cannot refuse it there: it trains in bf16-mixed.
+    with pytest.warns(UserWarning, match="bf16-mixed"):
+        trainer = L.Trainer(strategy="greedysnake", precision="16-mixed", **trainer_kwargs())
+    assert isinstance(trainer.strategy.precision_plugin, GreedySnakePrecision)
+    assert trainer.strategy.precision_plugin.precision == "bf16-mixed"
+
+
+@pytest.mark.parametrize("precision", ["32-true", "64-true", "bf16-mixed", "bf16-true"])
+def test_supported_precisions_construct(precision):
+    trainer = L.Trainer(strategy="greedysnake", precision=precision, **trainer_kwargs())
+    assert trainer.strategy.precision_plugin.precision == precision
+
+
+# ---------------------------------------------------------------------------------------- configs
+@pytest.mark.parametrize("kwargs,match", [
+    ({"device": 0.5, "host": 0.2, "ssd": 0.2}, "add up to"),
+    ({"host": 0.5}, "add up to"),
+    ({"device": -0.1, "host": 1.1}, r"device=-0.1 must lie in \[0, 1\]"),
+    ({"host": 0.0, "ssd": 1.5}, r"ssd=1.5 must lie"),
+])
+def test_bad_tier_split(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        TierSplit(**kwargs)
+
+
+@pytest.mark.parametrize("value,match", [
+    ({"ssd": 0.7, "device": 0.5}, "storage.weights"),
+    ({"nvme": 1.0}, r"storage.weights has unknown tiers \['nvme'\]"),
+    ("disk", r"storage.weights='disk' is not a tier"),
+    (0.5, "storage.weights must be a tier name or a mapping"),
+])
+def test_bad_storage_weights(value, match):
+    with pytest.raises(ValueError, match=match):
+        StorageConfig(weights=value)
+    with pytest.raises(ValueError, match=match):
+        GreedySnakeStrategy(storage={"weights": value})
+
+
+def test_bad_storage_fields():
+    with pytest.raises(ValueError, match="storage has unknown fields"):
+        GreedySnakeStrategy(storage={"ssd_path": "/tmp"})
+    with pytest.raises(ValueError, match="storage.checkpoint_host_ends"):
+        StorageConfig(checkpoint_host_ends=-1)
+    with pytest.raises(ValueError, match="storage.num_io_threads"):
+        StorageConfig(num_io_threads=0)
+
+
+def test_bad_schedule_kind():
+    with pytest.raises(ValueError, match=r"schedule.kind='zigzag'"):
+        ScheduleConfig(kind="zigzag")
+    with pytest.raises(ValueError, match=r"schedule.kind='zigzag'"):
+        GreedySnakeStrategy(schedule={"kind": "zigzag"})
+    with pytest.raises(ValueError, match="zigzag"):
+        build_tasks("zigzag", 2, 2)
+
+
+@pytest.mark.parametrize("field,value", [("num_micro_batches", 0), ("blocks_per_unit", 0)])
+def test_bad_schedule_sizes(field, value):
+    with pytest.raises(ValueError, match=f"schedule.{field}={value}"):
+        ScheduleConfig(**{field: value})
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"alpha": 0.6}, r"schedule.alpha=0.6 must lie in \[0, 0.5\]"),
+    ({"alpha": -0.1}, r"schedule.alpha=-0.1"),
+    ({"kind": "horizontal", "split_backward": True}, r"schedule.split_backward=true needs schedule.kind='vertical'"),
+    ({"prefetch_depth": -1}, r"schedule.prefetch_depth=-1 must be >= 0"),
+])
+def test_bad_overlap_settings(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        ScheduleConfig(**kwargs)
+
+
+def test_split_backward_refuses_dropout():
+    config = dataclasses.replace(SMALL_GPT, dropout=0.1)
+    strategy = GreedySnakeStrategy(schedule={"num_micro_batches": 2, "split_backward": True})
+    with pytest.raises(ValueError, match="split_backward.*dropout"):
+        fit(GPTModule(config), strategy=strategy)
+    assert fit.last_counter.batches == 0
+
+
+def test_bad_config_type():
+    with pytest.raises(ValueError, match="schedule must be a ScheduleConfig or a mapping"):
+        GreedySnakeStrategy(schedule=3)
+
+
+# ---------------------------------------------------------------------------------------- registration
+def test_registered_after_import():
+    assert "greedysnake" in StrategyRegistry
+    trainer = L.Trainer(strategy="greedysnake", **trainer_kwargs())
+    assert isinstance(trainer.strategy, GreedySnakeStrategy)
+
+
+def test_import_twice_does_not_raise():
+    importlib.reload(snake_strategy)
+    importlib.reload(snake_strategy)
+    assert "greedysnake" in StrategyRegistry
+    assert StrategyRegistry["greedysnake"]["strategy"] is snake_strategy.GreedySnakeStrategy

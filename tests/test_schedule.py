@@ -1,0 +1,183 @@
+"""Task orders (pure data) and the engine really following them during a training step.
+
+greedysnake.md section 3: vertical = every micro-batch of a unit before the next unit, snake-ordered
+micro-batches (even units upward, odd units downward); forward covers units 0..N-2, backward N-1..0,
+the last unit's backward task is fused with its forward (never recomputed).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from snake_strategy import gpt
+from snake_strategy.activations import ActivationStore
+from snake_strategy.schedule import (
+    BACKWARD,
+    FORWARD,
+    Task,
+    build_tasks,
+    horizontal_tasks,
+    vertical_tasks,
+    weight_fetches,
+)
+from tests.helpers import SMALL_GPT, run_snake
+
+
+def as_tuples(tasks: list[Task]) -> list[tuple[str, int, int]]:
+    return [(t.kind, t.unit, t.micro) for t in tasks]
+
+
+# ---------------------------------------------------------------------------------------- pure orders
+def test_vertical_order_n4_m3_matches_design_example():
+    fwd = [(0, 0), (0, 1), (0, 2), (1, 2), (1, 1), (1, 0), (2, 0), (2, 1), (2, 2)]
+    bwd = [(3, 2), (3, 1), (3, 0), (2, 0), (2, 1), (2, 2), (1, 2), (1, 1), (1, 0), (0, 0), (0, 1), (0, 2)]
+    expected = [(FORWARD, u, m) for u, m in fwd] + [(BACKWARD, u, m) for u, m in bwd]
+    assert as_tuples(vertical_tasks(4, 3)) == expected
+    assert as_tuples(build_tasks("vertical", 4, 3)) == expected
+
+
+def test_vertical_turning_points_reuse_the_micro_batch_just_finished():
+    # At every unit boundary and at the forward->backward turn the next task uses the same micro-batch.
+    for n in range(1, 7):
+        for m in range(1, 6):
+            tasks = vertical_tasks(n, m)
+            for prev, nxt in zip(tasks, tasks[1:]):
+                if prev.unit != nxt.unit or prev.kind != nxt.kind:
+                    assert nxt.micro == prev.micro, (n, m, prev, nxt)
+
+
+def test_horizontal_order_n3_m2():
+    expected = [
+        (FORWARD, 0, 0), (FORWARD, 1, 0), (BACKWARD, 2, 0), (BACKWARD, 1, 0), (BACKWARD, 0, 0),
+        (FORWARD, 0, 1), (FORWARD, 1, 1), (BACKWARD, 2, 1), (BACKWARD, 1, 1), (BACKWARD, 0, 1),
+    ]
+    assert as_tuples(horizontal_tasks(3, 2)) == expected
+    assert as_tuples(build_tasks("horizontal", 3, 2)) == expected
+
+
+@pytest.mark.parametrize("kind", ["vertical", "horizontal"])
+@pytest.mark.parametrize("n,m", [(1, 1), (1, 4), (2, 1), (4, 3), (5, 2), (6, 5)])
+def test_every_task_runs_exactly_once(kind, n, m):
+    tasks = build_tasks(kind, n, m)
+    expected = {(FORWARD, u, mb) for u in range(n - 1) for mb in range(m)}
+    expected |= {(BACKWARD, u, mb) for u in range(n) for mb in range(m)}
+    assert len(tasks) == len(expected) == m * (2 * n - 1)
+    assert set(as_tuples(tasks)) == expected
+    # Data dependencies: F(u, mb) after F(u-1, mb); B(u, mb) after B(u+1, mb) and after F(n-2, mb).
+    pos = {t: i for i, t in enumerate(as_tuples(tasks))}
+    for mb in range(m):
+        for u in range(1, n - 1):
+            assert pos[(FORWARD, u - 1, mb)] < pos[(FORWARD, u, mb)]
+        for u in range(n - 1):
+            assert pos[(BACKWARD, u + 1, mb)] < pos[(BACKWARD, u, mb)]
+        if n > 1:
+            assert pos[(FORWARD, n - 2, mb)] < pos[(BACKWARD, n - 1, mb)]
+
+
+@pytest.mark.parametrize("n,m", [(1, 1), (1, 3), (2, 1), (2, 2), (4, 3), (4, 4), (7, 5)])
+def test_weight_fetch_counts(n, m):
+    vertical = weight_fetches(vertical_tasks(n, m))
+    horizontal = weight_fetches(horizontal_tasks(n, m))
+    assert len(vertical) == 2 * n - 1
+    assert len(horizontal) == m * (2 * n - 1) - (m - 1)
+    # Vertical: each unit once per pass; the last unit only once (its backward is fused with its forward).
+    assert vertical == list(range(n - 1)) + list(range(n - 1, -1, -1))
+
+
+def test_weight_fetches_of_explicit_sequence():
+    tasks = [Task(FORWARD, 0, 0), Task(FORWARD, 0, 1), Task(BACKWARD, 1, 1), Task(BACKWARD, 0, 1), Task(BACKWARD, 0, 0)]
+    assert weight_fetches(tasks) == [0, 1, 0]
+    assert weight_fetches([]) == []
+
+
+def test_single_unit_has_only_fused_backward_tasks():
+    assert as_tuples(vertical_tasks(1, 3)) == [(BACKWARD, 0, 0), (BACKWARD, 0, 1), (BACKWARD, 0, 2)]
+    assert as_tuples(horizontal_tasks(1, 3)) == [(BACKWARD, 0, 0), (BACKWARD, 0, 1), (BACKWARD, 0, 2)]
+
+
+def test_single_micro_batch_vertical_equals_horizontal():
+    for n in (1, 2, 5):
+        assert vertical_tasks(n, 1) == horizontal_tasks(n, 1)
+        assert as_tuples(vertical_tasks(n, 1)) == (
+            [(FORWARD, u, 0) for u in range(n - 1)] + [(BACKWARD, u, 0) for u in range(n - 1, -1, -1)]
+        )
+
+
+@pytest.mark.parametrize("fn", [vertical_tasks, horizontal_tasks])
+@pytest.mark.parametrize("n,m", [(0, 1), (1, 0), (-1, 3), (3, -2), (0, 0)])
+def test_bad_sizes_raise(fn, n, m):
+    with pytest.raises(ValueError, match="unit"):
+        fn(n, m)
+
+
+def test_unknown_kind_raises():
+    with pytest.raises(ValueError, match="diagonal"):
+        build_tasks("diagonal", 3, 2)
+
+
+def test_task_repr():
+    assert repr(Task(FORWARD, 1, 2)) == "F(1,2)"
+    assert repr(Task(BACKWARD, 0, 3)) == "B(0,3)"
+
+
+# ---------------------------------------------------------------------------------------- real runs
+@pytest.fixture
+def block_calls(monkeypatch):
+    """Counts gpt.Block.forward calls, split by grad mode (forward tasks run under no_grad)."""
+    calls = {"no_grad": 0, "grad": 0}
+    original = gpt.Block.forward
+
+    def counting_forward(self, hidden):
+        calls["grad" if torch.is_grad_enabled() else "no_grad"] += 1
+        return original(self, hidden)
+
+    monkeypatch.setattr(gpt.Block, "forward", counting_forward)
+    return calls
+
+
+@pytest.mark.parametrize("kind", ["vertical", "horizontal"])
+@pytest.mark.parametrize("blocks_per_unit", [1, 2, 4])
+def test_block_forward_calls_in_one_step(block_calls, kind, blocks_per_unit):
+    micro = 3
+    k, num_units = blocks_per_unit, SMALL_GPT.num_layers // blocks_per_unit
+    run_snake(SMALL_GPT, 1, micro, 1, "32-true", schedule_kind=kind, blocks_per_unit=k)
+    # Forward tasks: units 0..N-2 for every micro-batch, without grad.
+    assert block_calls["no_grad"] == micro * (num_units - 1) * k
+    # Backward tasks: units 0..N-2 recomputed, the last unit computed once (fused), all with grad.
+    assert block_calls["grad"] == micro * num_units * k
+    assert block_calls["no_grad"] + block_calls["grad"] == micro * (2 * num_units - 1) * k
+
+
+@pytest.mark.parametrize("blocks_per_unit", [1, 2])
+def test_block_forward_calls_with_split_backward(block_calls, blocks_per_unit):
+    # split_backward recomputes each unit once over all its micro-batches (one batched call per block).
+    micro = 3
+    k, num_units = blocks_per_unit, SMALL_GPT.num_layers // blocks_per_unit
+    run_snake(SMALL_GPT, 1, micro, 1, "32-true", blocks_per_unit=k, schedule_extra={"split_backward": True})
+    assert block_calls["no_grad"] == micro * (num_units - 1) * k
+    assert block_calls["grad"] == num_units * k
+
+
+@pytest.fixture
+def executed_tasks(monkeypatch):
+    """Records one (kind, unit, micro) per task from the checkpoint each task reads.
+
+    Every task of a multi-unit model reads its input checkpoint exactly once: forward tasks under
+    no_grad, backward tasks (recompute or fused last unit) with grad enabled.
+    """
+    seen = []
+    original = ActivationStore.get
+
+    def recording_get(self, unit, micro):
+        seen.append((BACKWARD if torch.is_grad_enabled() else FORWARD, unit, micro))
+        return original(self, unit, micro)
+
+    monkeypatch.setattr(ActivationStore, "get", recording_get)
+    return seen
+
+
+@pytest.mark.parametrize("kind", ["vertical", "horizontal"])
+def test_engine_executes_the_schedule_in_order(executed_tasks, kind):
+    run_snake(SMALL_GPT, 2, 3, 1, "32-true", schedule_kind=kind)
+    one_step = as_tuples(build_tasks(kind, SMALL_GPT.num_layers, 3))
+    assert executed_tasks == one_step + one_step
