@@ -7,6 +7,7 @@ SSD round trip could not be hidden. The SSD fraction applies to the micro-batche
 """
 from __future__ import annotations
 
+import os
 import time
 
 import torch
@@ -122,13 +123,17 @@ class ActivationStore:
 
     def _file(self, unit: int, num_bytes: int) -> tuple[int, int]:
         slot_bytes = round_up(num_bytes)
+        num_slots = max(self._ssd_micro) + 1
         if unit not in self._files:
             if self._ssd is None or self._io is None:
                 raise AssertionError("SSD checkpoints need an SsdDirectory and an IOEngine")
-            num_slots = max(self._ssd_micro) + 1
             self._files[unit] = (self._ssd.open(f"{self.STATE}/unit{unit:05d}.bin", slot_bytes * num_slots), slot_bytes)
         fd, known = self._files[unit]
         if known != slot_bytes:
-            raise ValueError(f"unit {unit} produced activations of {num_bytes} bytes after {known}-byte ones; "
-                             "all micro-batches of a step must have the same shape")
+            if any(key[0] == unit for key in self._on_ssd):
+                raise ValueError(f"unit {unit} produced activations of {num_bytes} bytes after {known}-byte ones in "
+                                 "the same step; all micro-batches of a step must have the same shape")
+            # A new step with another shape (a smaller last batch, another sequence length): resize the file.
+            os.ftruncate(fd, slot_bytes * num_slots)
+            self._files[unit] = (fd, slot_bytes)
         return fd, slot_bytes

@@ -218,10 +218,13 @@ class SnakeEngine:
         self._resident = None
         self.activations.clear()
         mean_loss = torch.stack(losses).sum() / num_micro
+        # The optimizer phase is measured from here: the worker keeps moving bytes while Lightning runs
+        # its hooks, and those bytes belong to this step too.
+        self._train_end_snapshot = self.counters.snapshot()
         self.last_step_stats = {
             "train_s": time.perf_counter() - start_s,
             "io_wait_s": self._io_wait_s + self.activations.wait_s,
-            "traffic": _delta(before, self.counters.snapshot()),
+            "traffic": _delta(before, self._train_end_snapshot),
         }
         return mean_loss
 
@@ -305,6 +308,10 @@ class SnakeEngine:
         for u in upcoming[1:]:
             if u != resident and u not in self._prefetched and not self.units[u].weights.resident:
                 self._prefetched[u] = self._prefetcher.submit(self._fetch_weights, u)
+        if index + 1 < len(self.tasks):
+            # The checkpoint the next task starts from: an SSD read issued now overlaps this task.
+            following = self.tasks[index + 1]
+            self.activations.prefetch(following.unit, following.micro)
 
     def _fetch_weights(self, u: int) -> Tensor:
         self.overlap.wait_forward_part(u)  # the deferred update of this unit must land first
@@ -362,7 +369,7 @@ class SnakeEngine:
     def optimizer_step(self) -> None:
         """Finish the step: the non-layer parameters, the last backward parts; defer the forward parts."""
         start_s = time.perf_counter()
-        before = self.counters.snapshot()
+        before = getattr(self, "_train_end_snapshot", None) or self.counters.snapshot()
         hps = snapshot_hyper_params(self.optimizer)
         for group, hp in enumerate(hps):
             idx = [i for i, g in enumerate(self.nonlayer_group) if g == group and self._nonlayer_used[i]]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import tempfile
 import time
@@ -56,7 +57,9 @@ def _load(path: str | None) -> dict:
 
 
 def _probe_ssd(ssd_dir: str | None, num_bytes: int) -> tuple[float, float]:
-    ssd, io = SsdDirectory(ssd_dir), IOEngine(num_threads=4)
+    # A private sub-directory: the run's own directory is locked by its engine.
+    scratch = tempfile.mkdtemp(prefix="snake-probe-", dir=ssd_dir if ssd_dir and os.path.isdir(ssd_dir) else None)
+    ssd, io = SsdDirectory(scratch), IOEngine(num_threads=4)
     try:
         buffer = aligned_empty(num_bytes, torch.uint8)
         buffer.fill_(7)
@@ -72,6 +75,7 @@ def _probe_ssd(ssd_dir: str | None, num_bytes: int) -> tuple[float, float]:
     finally:
         io.close()
         ssd.close()
+        shutil.rmtree(scratch, ignore_errors=True)
 
 
 def _probe_copy(num_bytes: int = 256 * 2**20) -> float:

@@ -191,12 +191,7 @@ def test_activation_store_rejects_changing_shapes(ssd):
         store.put(0, 1, torch.zeros(4, 4096))
 
 
-SLOT_BUG = ("activations.py ActivationStore._file: a unit's checkpoint slot size is fixed by the first step "
-            "for the whole run, so a later step with a different activation size (a smaller last batch, "
-            "another sequence length) raises ValueError although clear() ended the earlier step")
 
-
-@pytest.mark.xfail(strict=True, raises=ValueError, reason=SLOT_BUG)
 def test_activation_store_next_step_may_change_shape(ssd):
     directory, io = ssd
     store = ActivationStore(SPLITS["ssd"], 0, 2, CPU, TrafficCounters(), io, directory)
@@ -292,8 +287,6 @@ def test_ssd_directory_keep_files(tmp_path):
     assert (tmp_path / "ssd" / "weights" / "a.bin").stat().st_size == PAGE_BYTES
 
 
-@pytest.mark.xfail(strict=True, reason="SsdDirectory.close removes every empty sub-directory of a user "
-                   "ssd_dir, including ones it did not create")
 def test_ssd_directory_keeps_users_empty_subdirectories(tmp_path):
     user_dir = tmp_path / "ssd"
     (user_dir / "my-empty-dir").mkdir(parents=True)
@@ -448,7 +441,6 @@ def test_dev_shm_trains_identically(reference_on_tmp):
         assert bitwise_equal(got[name], reference[name]), name
 
 
-@pytest.mark.xfail(strict=True, raises=ValueError, reason=SLOT_BUG)
 def test_smaller_last_batch_with_ssd_checkpoints(tmp_path):
     # 10 samples in batches of 8: the second (last) batch holds 2, split into 2 micro-batches of 1.
     x, y = token_data(10, SMALL_GPT.context_len, SMALL_GPT.vocab_size)

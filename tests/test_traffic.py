@@ -278,9 +278,6 @@ class SlowHooks(L.Callback):
         trainer.strategy.engine.overlap.wait_backward_parts()
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason="engine.py: optimizer_step() takes its `before` counter snapshot anew, "
-                   "so bytes the optimizer worker moves between the end of train_step() and the start of "
-                   "optimizer_step() land in neither last_step_stats['traffic'] nor ['optimizer_traffic']")
 def test_step_stats_account_for_every_byte(tmp_path):
     stats = run(tmp_path, ALL_SSD, "vertical", 2, callbacks=(SlowHooks(),))
     for step in range(STEPS):

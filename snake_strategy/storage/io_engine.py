@@ -22,6 +22,7 @@ from snake_strategy.storage.aligned import PAGE_BYTES, aligned_empty, padded_byt
 log = logging.getLogger(__name__)
 
 CHUNK_BYTES = 4 * 2**20
+LOCK_NAME = ".snake.lock"
 
 
 class Ticket:
@@ -97,8 +98,11 @@ class SsdDirectory:
         self.path = tempfile.mkdtemp(prefix="snake-ssd-") if path is None else os.path.abspath(path)
         self._keep_files = keep_files and not self._owns_dir
         self._fds: dict[str, int] = {}
+        self._created_dirs: list[str] = []
         self._lock = threading.Lock()
         self._check_writable()
+        self._lock_path = os.path.join(self.path, LOCK_NAME)
+        self._take_lock()
         self.o_direct = use_o_direct and self._probe_o_direct()
 
     def _check_writable(self) -> None:
@@ -114,6 +118,29 @@ class SsdDirectory:
                 "point storage.ssd_dir at a directory on a local SSD you can write to, or leave it "
                 "unset to use a temporary directory"
             ) from None
+
+    def _take_lock(self) -> None:
+        """Refuse a directory a live run is using; recover the lock of a run that was killed."""
+        for _ in range(2):
+            try:
+                fd = os.open(self._lock_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            except FileExistsError:
+                owner = _lock_owner(self._lock_path)
+                if owner is not None and _alive(owner):
+                    raise ValueError(
+                        f"storage.ssd_dir='{self.path}' is in use by a running process (pid {owner}, lock file "
+                        f"{self._lock_path}); give this run its own storage.ssd_dir"
+                    ) from None
+                log.warning("removing the stale lock of a dead run (pid %s) in %s", owner, self.path)
+                try:
+                    os.remove(self._lock_path)
+                except FileNotFoundError:
+                    pass
+                continue
+            with os.fdopen(fd, "w") as f:
+                f.write(str(os.getpid()))
+            return
+        raise ValueError(f"could not take the lock {self._lock_path}; another run is starting in storage.ssd_dir")
 
     def _probe_o_direct(self) -> bool:
         if not hasattr(os, "O_DIRECT"):
@@ -139,15 +166,19 @@ class SsdDirectory:
         free_bytes = shutil.disk_usage(self.path).free
         if needed_bytes > free_bytes:
             raise ValueError(
-                f"storage.ssd_dir='{self.path}' has {free_bytes / 2**30:.2f} GiB free but the plan puts "
-                f"{needed_bytes / 2**30:.2f} GiB of {what} there; free space, point storage.ssd_dir "
+                f"storage.ssd_dir='{self.path}' has {free_bytes / 2**30:.3g} GiB free ({free_bytes} bytes) but "
+                f"the plan puts {needed_bytes / 2**30:.3g} GiB ({needed_bytes} bytes) of {what} there; free space, point storage.ssd_dir "
                 "elsewhere, or move a share of the states to the host tier"
             )
 
     def open(self, relative_path: str, size_bytes: int) -> int:
         """Create (truncate) a state file of ``size_bytes`` and return its descriptor."""
         full = os.path.join(self.path, relative_path)
-        os.makedirs(os.path.dirname(full), exist_ok=True)
+        parent = os.path.dirname(full)
+        with self._lock:
+            if not os.path.isdir(parent):
+                os.makedirs(parent)
+                self._created_dirs.append(parent)
         flags = os.O_RDWR | os.O_CREAT | os.O_TRUNC | (os.O_DIRECT if self.o_direct else 0)
         fd = os.open(full, flags, 0o600)
         os.ftruncate(fd, size_bytes)
@@ -166,13 +197,33 @@ class SsdDirectory:
             os.close(fd)
             if not self._keep_files and os.path.exists(full):
                 os.remove(full)
+        if os.path.exists(self._lock_path) and _lock_owner(self._lock_path) == os.getpid():
+            os.remove(self._lock_path)
         if self._owns_dir:
             shutil.rmtree(self.path, ignore_errors=True)
         elif not self._keep_files:
-            # Remove the per-state sub-directories we created, only if empty.
-            for root, dirs, _ in os.walk(self.path, topdown=False):
-                for d in dirs:
-                    try:
-                        os.rmdir(os.path.join(root, d))
-                    except OSError:
-                        pass
+            # Remove the per-state sub-directories this run created (deepest first), only if empty.
+            for d in sorted(self._created_dirs, key=len, reverse=True):
+                try:
+                    os.rmdir(d)
+                except OSError:
+                    pass
+
+
+
+def _lock_owner(path: str) -> int | None:
+    try:
+        with open(path) as f:
+            return int(f.read().strip() or "0") or None
+    except (OSError, ValueError):
+        return None  # unreadable or torn: treat as stale
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
