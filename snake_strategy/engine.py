@@ -57,8 +57,14 @@ class SnakeEngine:
         schedule: ScheduleConfig,
         dtypes: DtypePolicy,
         device: torch.device,
+        clip: tuple[str, float] | None = None,
     ) -> None:
         check_contract(module)
+        if clip is not None and clip[0] not in ("norm", "value"):
+            raise ValueError(f"gradient_clip_algorithm='{clip[0]}' is not supported; use 'norm' or 'value'")
+        # Exact global-norm clipping defers every unit's whole update to the next forward, when the
+        # norm is known (see overlap.py); clipping by value is element-wise and needs no deferral.
+        self.clip = clip
         check_optimizer(optimizer)
         self.module, self.optimizer, self.storage, self.schedule = module, optimizer, storage, schedule
         self.dtypes, self.device = dtypes, device
@@ -181,7 +187,8 @@ class SnakeEngine:
         exp_avg_sq = self._tiered(name, "exp_avg_sq", n, self.dtypes.master)
         exp_avg_sq.evict(zeros)
         grads = self._tiered(name, "gradients", n, self.dtypes.master)
-        return UnitStore(layout, weights, master, exp_avg, exp_avg_sq, grads, forward_split(n, self.schedule.alpha))
+        alpha = 1.0 if self.clip is not None and self.clip[0] == "norm" else self.schedule.alpha
+        return UnitStore(layout, weights, master, exp_avg, exp_avg_sq, grads, forward_split(n, alpha))
 
     # ------------------------------------------------------------------ one optimizer step
     def train_step(self, batch: Any) -> Tensor:
@@ -203,6 +210,7 @@ class SnakeEngine:
         self._act_grads: dict[int, Tensor] = {}
         self._rng: dict[tuple[int, int], Any] = {}
         self._nonlayer_used = [False] * len(self.nonlayer)
+        self._grad_sq = torch.zeros((), dtype=torch.float64)  # sum of squared block gradients (norm clipping)
         for g in self.nonlayer_grads:
             g.zero_()
         self.overlap.submit_forward_parts()
@@ -353,6 +361,10 @@ class SnakeEngine:
             acc.add_(store.device_tensor() if store.resident else store.fetch(store.new_buffer()))
         if self._bwd_done[u] == self.schedule.num_micro_batches:
             # Complete: the worker steps the backward part and parks the forward part's gradient.
+            if self.clip is not None and self.clip[0] == "value":
+                acc.clamp_(-self.clip[1], self.clip[1])
+            elif self.clip is not None:
+                self._grad_sq += torch.linalg.vector_norm(acc, dtype=torch.float64).square().cpu()
             self.overlap.submit_backward_part(u, acc, self._hps, self.step_count)
         else:
             store.evict(acc)
@@ -371,6 +383,7 @@ class SnakeEngine:
         start_s = time.perf_counter()
         before = getattr(self, "_train_end_snapshot", None) or self.counters.snapshot()
         hps = snapshot_hyper_params(self.optimizer)
+        grad_scale = self._clip_nonlayer_and_scale()
         for group, hp in enumerate(hps):
             idx = [i for i, g in enumerate(self.nonlayer_group) if g == group and self._nonlayer_used[i]]
             adam_step([self.nonlayer_master[i] for i in idx], [self.nonlayer_grads[i] for i in idx],
@@ -381,12 +394,37 @@ class SnakeEngine:
                     self.nonlayer[i].copy_(self.nonlayer_master[i])
         wait_s = self.overlap.wait_backward_parts()
         # Lightning steps the LR scheduler right after this returns: the forward parts keep this snapshot.
-        self.overlap.defer_forward_parts(self._hps, self.step_count)
+        self.overlap.defer_forward_parts(self._hps, self.step_count, grad_scale)
         self.step_count += 1
         self.last_step_stats["optimizer_s"] = time.perf_counter() - start_s
         self.last_step_stats["optimizer_wait_s"] = wait_s
         self.last_step_stats["optimizer_busy_s"] = self.overlap.take_busy_s()
         self.last_step_stats["optimizer_traffic"] = _delta(before, self.counters.snapshot())
+
+    def _clip_nonlayer_and_scale(self) -> float | None:
+        """Clip the non-layer gradients; return the global-norm factor for the deferred unit updates.
+
+        Follows torch.nn.utils.clip_grad_norm_: factor = min(1, max_norm / (total_norm + 1e-6)), applied
+        to every gradient even when it is 1. The norm is exact: every block gradient is complete (the
+        whole update of every unit is deferred under norm clipping).
+        """
+        if self.clip is None:
+            return None
+        used = [g for g, u in zip(self.nonlayer_grads, self._nonlayer_used) if u]
+        algorithm, value = self.clip
+        if algorithm == "value":
+            for g in used:
+                g.clamp_(-value, value)
+            return None
+        sq = self._grad_sq + sum((torch.linalg.vector_norm(g, dtype=torch.float64).square().cpu() for g in used),
+                                 torch.zeros((), dtype=torch.float64))
+        total_norm = float(sq.sqrt())
+        factor = min(1.0, value / (total_norm + 1e-6))
+        for g in used:
+            g.mul_(factor)
+        self.last_step_stats["grad_norm"] = total_norm
+        self.last_step_stats["clip_factor"] = factor
+        return factor
 
     def flush(self) -> None:
         """Apply every pending optimizer update (call before anything reads weights outside training)."""

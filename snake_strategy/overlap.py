@@ -42,7 +42,10 @@ class UnitStore:
 
 
 def forward_split(numel: int, alpha: float) -> int:
-    """The page-aligned end of the forward part for a unit of ``numel`` elements."""
+    """The page-aligned end of the forward part for a unit of ``numel`` elements (all of it for alpha >= 1,
+    which exact norm clipping uses: every update waits until the global gradient norm is known)."""
+    if alpha >= 1.0:
+        return numel
     split = round(alpha * numel / ALIGN_ELEMS) * ALIGN_ELEMS
     return max(0, min(split, numel))
 
@@ -51,6 +54,7 @@ def forward_split(numel: int, alpha: float) -> int:
 class _Deferred:
     hps: list[AdamHyperParams]
     step_before: int
+    grad_scale: float | None  # the global-norm clip coefficient, applied before the step (None: no clipping)
     submitted: dict[int, Future] = field(default_factory=dict)
 
 
@@ -88,9 +92,9 @@ class OptimizerOverlap:
         return time.perf_counter() - start_s
 
     # ------------------------------------------------------------------ forward parts
-    def defer_forward_parts(self, hps: list[AdamHyperParams], step_before: int) -> None:
+    def defer_forward_parts(self, hps: list[AdamHyperParams], step_before: int, grad_scale: float | None = None) -> None:
         if any(unit.split for unit in self._units):
-            self._deferred = _Deferred(hps, step_before)
+            self._deferred = _Deferred(hps, step_before, grad_scale)
 
     def submit_forward_parts(self) -> None:
         """Queue every pending forward part (the worker applies them in unit order, ahead of use)."""
@@ -103,13 +107,15 @@ class OptimizerOverlap:
         if d is None or not self._units[u].split:
             return None
         if u not in d.submitted:
-            d.submitted[u] = self._pool.submit(self._forward_job, u, d.hps, d.step_before)
+            d.submitted[u] = self._pool.submit(self._forward_job, u, d.hps, d.step_before, d.grad_scale)
         return d.submitted[u]
 
-    def _forward_job(self, u: int, hps: list[AdamHyperParams], step_before: int) -> None:
+    def _forward_job(self, u: int, hps: list[AdamHyperParams], step_before: int, grad_scale: float | None) -> None:
         unit = self._units[u]
         start_s = time.perf_counter()
         grad = _acquire_range(unit.grads, 0, unit.split)
+        if grad_scale is not None:
+            grad.mul_(grad_scale)  # as torch.nn.utils.clip_grad_norm_ does, even when the factor is 1
         self._step_range(unit, 0, unit.split, grad, hps, step_before)
         self._add_busy(time.perf_counter() - start_s)
 

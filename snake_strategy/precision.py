@@ -67,6 +67,11 @@ class GreedySnakePrecision(Precision):
         """No-op: the schedule already produced every gradient inside ``training_step``."""
 
     @override
+    def clip_gradients(self, optimizer: Any, clip_val: Any = 0.0, gradient_clip_algorithm: Any = None) -> None:
+        """No-op here: the engine clips (exactly, see engine._clip_nonlayer_and_scale); the optimizer's
+        parameters hold no gradients."""
+
+    @override
     def convert_input(self, data: Any) -> Any:
         # Integer token batches pass through; floating inputs follow the compute dtype.
         compute = self.dtypes.compute

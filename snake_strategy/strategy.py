@@ -122,16 +122,20 @@ class GreedySnakeStrategy(Strategy):
                 "schedule.num_micro_batches micro-batches. Set accumulate_grad_batches=1 and make the "
                 "DataLoader batch size the global batch (micro-batch size x num_micro_batches)"
             )
+        clip = None
         if trainer.gradient_clip_val:
-            raise ValueError("gradient clipping (Trainer(gradient_clip_val=...)) is not supported by "
-                             "strategy='greedysnake' yet; remove gradient_clip_val")
+            algorithm = str(trainer.gradient_clip_algorithm or "norm").lower().split(".")[-1]
+            if algorithm not in ("norm", "value"):
+                raise ValueError(f"Trainer(gradient_clip_algorithm='{algorithm}') is not supported by "
+                                 "strategy='greedysnake'; use 'norm' or 'value'")
+            clip = (algorithm, float(trainer.gradient_clip_val))
         self.accelerator.setup(trainer)
         self.setup_optimizers(trainer)
         if len(self.optimizers) != 1:
             raise ValueError(f"strategy='greedysnake' needs exactly one optimizer; configure_optimizers "
                              f"returned {len(self.optimizers)}")
         self.engine = SnakeEngine(module, self.optimizers[0], self.storage, self.schedule,
-                                  self.precision_plugin.dtypes, self.root_device)
+                                  self.precision_plugin.dtypes, self.root_device, clip=clip)
         if self.storage.checkpoints.ssd > 0 and self.schedule.num_micro_batches <= 2 * self.storage.checkpoint_host_ends:
             log.warning(
                 "storage.checkpoints puts %.0f%% on the SSD, but with schedule.num_micro_batches=%d and "

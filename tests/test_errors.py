@@ -175,9 +175,10 @@ def test_accumulate_grad_batches():
     assert fit.last_counter.batches == 0
 
 
-def test_gradient_clipping_refused():
-    with pytest.raises(ValueError, match="gradient_clip_val"):
-        fit(GPTModule(SMALL_GPT), gradient_clip_val=1.0)
+def test_unknown_gradient_clip_algorithm_refused():
+    from snake_strategy.engine import SnakeEngine
+    with pytest.raises(ValueError, match="gradient_clip_algorithm"):
+        SnakeEngine.__init__(object.__new__(SnakeEngine), None, None, None, None, None, None, clip=("l1", 1.0))
 
 
 class SGDModule(GPTModule):
