@@ -78,8 +78,13 @@ class StorageConfig:
     use_o_direct: bool = True
     num_io_threads: int = 2
     keep_ssd_files: bool = False
+    # Hard cap on the host memory the plan may use (persistent host shares + working buffers +
+    # checkpoints kept in memory); None = no cap. Checked at setup and before the first step.
+    host_budget_bytes: int | None = None
 
     def __post_init__(self) -> None:
+        if self.host_budget_bytes is not None and self.host_budget_bytes <= 0:
+            raise ValueError(f"storage.host_budget_bytes={self.host_budget_bytes} must be positive (or null)")
         for state in STATES:
             setattr(self, state, TierSplit.coerce(getattr(self, state), state))
         if self.checkpoint_host_ends < 0:

@@ -36,6 +36,7 @@ from snake_strategy.optim import adam_step, check_optimizer, snapshot_hyper_para
 from snake_strategy.overlap import OptimizerOverlap, UnitStore, forward_split
 from snake_strategy.schedule import BACKWARD, build_tasks
 from snake_strategy.storage import IOEngine, SsdDirectory, TieredTensor, TrafficCounters
+from snake_strategy.storage.aligned import return_large_frees_to_os
 from snake_strategy.units import UnitLayout, build_layouts, materialize_unit_blocks
 
 
@@ -76,6 +77,7 @@ class SnakeEngine:
         self.overlap: OptimizerOverlap | None = None
         self._prefetcher: ThreadPoolExecutor | None = None
         self.units: list[UnitStore] = []
+        return_large_frees_to_os()  # else freed unit buffers stay in the heap and RSS grows with depth
         if storage.uses_ssd():
             self.ssd = SsdDirectory(storage.ssd_dir, storage.use_o_direct, storage.keep_ssd_files)
             self.io = IOEngine(storage.num_io_threads)
@@ -102,6 +104,7 @@ class SnakeEngine:
         self.nonlayer_group = [group_of[id(p)] for p in self.nonlayer]
         self.tasks = build_tasks(self.schedule.kind, len(self.layouts), self.schedule.num_micro_batches)
         self._check_ssd_space()
+        self._check_host_budget()
         self._materialize()
         self.activations = ActivationStore(
             self.storage.checkpoints, self.storage.checkpoint_host_ends, self.schedule.num_micro_batches,
@@ -128,6 +131,62 @@ class SnakeEngine:
         if self.dtypes.compute != self.dtypes.master:
             needed += numel * master_bytes * s.master.ssd
         self.ssd.check_free_space(int(needed), "weights, master weights, optimizer moments and gradients")
+
+    def host_bytes_plan(self, checkpoint_bytes: int = 0) -> dict[str, int]:
+        """Host memory the plan needs, by item (on a CPU device, "device" shares live in host memory too).
+
+        ``checkpoint_bytes`` is one unit input of one micro-batch (known once a batch has been seen).
+        """
+        from snake_strategy.overlap import STEP_CHUNK_ELEMS
+
+        def size(dtype: torch.dtype) -> int:
+            return torch.empty((), dtype=dtype).element_size()
+
+        e_c, e_m = size(self.dtypes.compute), size(self.dtypes.master)
+        on_cpu = self.device.type == "cpu"
+        s = self.storage
+
+        def in_memory(split) -> float:
+            return split.host + (split.device if on_cpu else 0.0)
+
+        numel = sum(layout.numel for layout in self.layouts)
+        unit = max(layout.numel for layout in self.layouts)
+        plan = {
+            "weights": int(numel * e_c * in_memory(s.weights)),
+            "optimizer_moments": int(2 * numel * e_m * in_memory(s.optimizer)),
+            "gradients": int(numel * e_m * in_memory(s.gradients)),
+            # compute copy, 2 moments, gradient accumulator, and one transient gradient from autograd
+            "nonlayer_params_and_state": sum(p.numel() for p in self.nonlayer)
+            * (e_c + 4 * e_m + (e_m if self.dtypes.compute != self.dtypes.master else 0)),
+            # resident + prefetched units, two gradient accumulators (one filling, one with the worker),
+            # the worker's chunk of master + moments + gradient
+            "working_buffers": (1 + self.schedule.prefetch_depth) * unit * e_c + 2 * unit * e_m
+            + 4 * min(unit, STEP_CHUNK_ELEMS) * e_m,
+        }
+        if self.dtypes.compute != self.dtypes.master:
+            plan["master"] = int(numel * e_m * in_memory(s.master))
+        if checkpoint_bytes:
+            num_micro = self.schedule.num_micro_batches
+            on_ssd = len(self.activations._ssd_micro) if hasattr(self, "activations") else 0
+            plan["checkpoints"] = (num_micro - on_ssd) * len(self.layouts) * checkpoint_bytes
+            plan["activation_grads"] = num_micro * checkpoint_bytes
+        return plan
+
+    def _check_host_budget(self, checkpoint_bytes: int = 0) -> None:
+        budget = self.storage.host_budget_bytes
+        if budget is None:
+            return
+        plan = self.host_bytes_plan(checkpoint_bytes)
+        needed = sum(plan.values())
+        if needed > budget:
+            biggest = ", ".join(f"{k} {v / 2**30:.2f} GiB" for k, v in sorted(plan.items(), key=lambda kv: -kv[1]))
+            raise ValueError(
+                f"the plan needs {needed / 2**30:.2f} GiB ({needed} bytes) of host memory but "
+                f"storage.host_budget_bytes allows {budget / 2**30:.2f} GiB ({budget} bytes): {biggest}. "
+                "To fit: move weights/optimizer/gradients/checkpoints shares to 'ssd', lower "
+                "schedule.prefetch_depth, use smaller units (schedule.blocks_per_unit), fewer micro-batches "
+                "or a smaller micro-batch, or raise storage.host_budget_bytes"
+            )
 
     def _materialize(self) -> None:
         """Give every parameter real storage in its tiers, initialising meta ones in ``apply`` order."""
@@ -198,6 +257,11 @@ class SnakeEngine:
         """
         num_micro = self.schedule.num_micro_batches
         micro_batches = split_micro_batches(batch, num_micro)
+        if self.storage.host_budget_bytes is not None and not self.checkpoint_bytes:
+            # The checkpoints' size is known only now: check the budget before any block runs.
+            with torch.no_grad(), self._autocast():
+                hidden = self.module.pre_stage(micro_batches[0])
+            self._check_host_budget(hidden.numel() * hidden.element_size())
         start_s = time.perf_counter()
         before = self.counters.snapshot()
         self._io_wait_s = 0.0

@@ -28,6 +28,11 @@ from snake_strategy.storage.tiered import ALIGN_ELEMS
 from snake_strategy.units import UnitLayout
 
 
+# The optimizer worker steps a unit in chunks of this many elements (a multiple of ALIGN_ELEMS): its
+# working memory is 3 x 4 bytes x this, about 400 MB, whatever the unit size.
+STEP_CHUNK_ELEMS = 8192 * ALIGN_ELEMS
+
+
 @dataclass
 class UnitStore:
     """Every offloaded state of one unit."""
@@ -145,8 +150,14 @@ class OptimizerOverlap:
     # ------------------------------------------------------------------ the arithmetic
     def _step_range(self, unit: UnitStore, lo: int, hi: int, grad: torch.Tensor,
                     hps: list[AdamHyperParams], step_before: int) -> None:
-        if hi <= lo:
-            return
+        """AdamW on elements [lo, hi) of a unit, in chunks of at most ``STEP_CHUNK_ELEMS`` so the worker
+        holds a bounded amount of master/moment memory however large a unit is."""
+        for start in range(lo, hi, STEP_CHUNK_ELEMS):
+            end = min(hi, start + STEP_CHUNK_ELEMS)
+            self._step_chunk(unit, start, end, grad[start - lo:end - lo], hps, step_before)
+
+    def _step_chunk(self, unit: UnitStore, lo: int, hi: int, grad: torch.Tensor,
+                    hps: list[AdamHyperParams], step_before: int) -> None:
         with torch.no_grad():
             master = _acquire_range(unit.master, lo, hi)
             exp_avg = _acquire_range(unit.exp_avg, lo, hi)
