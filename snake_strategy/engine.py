@@ -33,6 +33,7 @@ from snake_strategy.activations import ActivationStore
 from snake_strategy.config import ScheduleConfig, StorageConfig
 from snake_strategy.contract import check_contract, split_micro_batches
 from snake_strategy.optim import adam_step, check_optimizer, snapshot_hyper_params
+from snake_strategy.pretrained import PretrainedSource
 from snake_strategy.overlap import OptimizerOverlap, UnitStore, forward_split
 from snake_strategy.schedule import BACKWARD, build_tasks
 from snake_strategy.storage import IOEngine, SsdDirectory, TieredTensor, TrafficCounters
@@ -59,6 +60,7 @@ class SnakeEngine:
         dtypes: DtypePolicy,
         device: torch.device,
         clip: tuple[str, float] | None = None,
+        pretrained: str | None = None,
     ) -> None:
         check_contract(module)
         if clip is not None and clip[0] not in ("norm", "value"):
@@ -66,6 +68,7 @@ class SnakeEngine:
         # Exact global-norm clipping defers every unit's whole update to the next forward, when the
         # norm is known (see overlap.py); clipping by value is element-wise and needs no deferral.
         self.clip = clip
+        self.pretrained_path = pretrained
         check_optimizer(optimizer)
         self.module, self.optimizer, self.storage, self.schedule = module, optimizer, storage, schedule
         self.dtypes, self.device = dtypes, device
@@ -191,11 +194,13 @@ class SnakeEngine:
     def _materialize(self) -> None:
         """Give every parameter real storage in its tiers, initialising meta ones in ``apply`` order."""
         init_fn = getattr(self.module, "init_module_weights", None) or _reset_parameters
+        source = PretrainedSource(self.pretrained_path) if self.pretrained_path else None
+        self._blocks_prefix = next(name for name, mod in self.module.named_modules() if mod is self.module.blocks)
         nonlayer_meta = [p.is_meta for p in self.nonlayer]
         if any(nonlayer_meta) and not all(nonlayer_meta):
             raise ValueError("the embedding/head parameters are partly on the meta device; build them all in "
                              "configure_model() or all in __init__()")
-        init_nonlayer = any(nonlayer_meta)
+        init_nonlayer = any(nonlayer_meta) and source is None
         for p in self.nonlayer:
             # swap_tensors keeps the Parameter object the optimizer and tied modules refer to.
             real = torch.empty_like(p, device=self.device) if p.is_meta else p.detach().to(self.device)
@@ -210,7 +215,7 @@ class SnakeEngine:
             # The same post-order as nn.Module.apply, so a seeded init draws the same numbers.
             if mod is self.module.blocks:
                 for layout in self.layouts:
-                    self.units.append(self._materialize_unit(layout, init_fn))
+                    self.units.append(self._materialize_unit(layout, init_fn, source))
                 return
             for child in mod.children():
                 walk(child)
@@ -219,6 +224,12 @@ class SnakeEngine:
 
         with torch.no_grad():
             walk(self.module)
+            if source is not None:
+                block_ids = {id(p) for p in self.module.blocks.parameters()}
+                for name, p in self.module.named_parameters():
+                    if id(p) not in block_ids:
+                        p.copy_(source.tensor(name, p.shape))
+                source.close()
             master = self.dtypes.master
             self.nonlayer_master = [p if p.dtype == master and self.dtypes.compute == master
                                     else p.detach().to(master, copy=True) for p in self.nonlayer]
@@ -229,8 +240,13 @@ class SnakeEngine:
             self.nonlayer_exp_avg_sq = [torch.zeros_like(m) for m in self.nonlayer_master]
             self.nonlayer_grads = [torch.zeros_like(m, device=self.device) for m in self.nonlayer_master]
 
-    def _materialize_unit(self, layout: UnitLayout, init_fn: Callable[[nn.Module], None]) -> UnitStore:
-        flat = materialize_unit_blocks(layout, init_fn, self.dtypes.master)
+    def _materialize_unit(self, layout: UnitLayout, init_fn: Callable[[nn.Module], None],
+                          source: PretrainedSource | None = None) -> UnitStore:
+        if source is None:
+            flat = materialize_unit_blocks(layout, init_fn, self.dtypes.master)
+        else:
+            flat = source.unit_flat(layout, layout.index * self.schedule.blocks_per_unit, self._blocks_prefix,
+                                    self.dtypes.master)
         layout.buffers = [{k: v.to(self.device) for k, v in d.items()} for d in layout.buffers]
         name, n = f"unit{layout.index:05d}", layout.numel
         weights = self._tiered(name, "weights", n, self.dtypes.compute)
@@ -547,6 +563,11 @@ class SnakeEngine:
             weight_bytes=torch.empty((), dtype=self.dtypes.compute).element_size(),
             master_bytes=torch.empty((), dtype=self.dtypes.master).element_size(),
         )
+
+    def largest_block_matrix(self) -> tuple[int, int]:
+        """(out, in) of the largest 2-D block parameter: the matmul shape the compute roof is probed at."""
+        shapes = [s.shape for u in self.units for s in u.layout.slots if len(s.shape) == 2]
+        return tuple(max(shapes, key=lambda sh: sh[0] * sh[1])) if shapes else (1, 1)
 
     def ssd_files(self) -> list[str]:
         return self.ssd.files() if self.ssd is not None else []

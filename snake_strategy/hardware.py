@@ -88,17 +88,25 @@ def _probe_copy(num_bytes: int = 256 * 2**20) -> float:
 
 
 def _probe_matmul(device: torch.device) -> float:
-    a = torch.randn(1024, 1024, device=device)
-    b = torch.randn(1024, 4096, device=device)
+    return matmul_flops_per_s(1024, 1024, 4096, device)
+
+
+def matmul_flops_per_s(m: int, k: int, n: int, device: torch.device | None = None, min_time_s: float = 0.2) -> float:
+    """Achieved fp32 FLOP/s of an (m x k) @ (k x n) product: the compute roof at a model's own shapes
+    (small micro-batches run far below the large-matrix rate on a CPU)."""
+    device = device or torch.device("cpu")
+    a = torch.randn(m, k, device=device)
+    b = torch.randn(k, n, device=device)
     a @ b
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    start, reps = time.perf_counter(), 5
-    for _ in range(reps):
+    reps, elapsed = 0, 0.0
+    start = time.perf_counter()
+    while elapsed < min_time_s:
         a @ b
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)  # sync point: only to time the kernels
-    return reps * 2 * 1024 * 1024 * 4096 / (time.perf_counter() - start)
+        reps += 1
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)  # sync point: only to time the kernels
+        elapsed = time.perf_counter() - start
+    return reps * 2 * m * k * n / elapsed
 
 
 def _probe_adam(numel: int = 8 * 2**20) -> float:

@@ -8,6 +8,7 @@ optimizer only holds hyper-parameters (see ``optim.py``), so LR schedulers keep 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 from collections.abc import Generator
 from typing import Any, Callable
@@ -35,6 +36,10 @@ class GreedySnakeStrategy(Strategy):
     Args:
         storage: where each state lives (``StorageConfig`` or a mapping of its fields).
         schedule: task order, micro-batches per step and blocks per unit (``ScheduleConfig`` or mapping).
+        hardware: the machine's rates for the planner's roofline: ``"probe"`` (measure, cached on disk),
+            a ``HardwareProfile`` or mapping, or None (this machine class's nominal figures).
+        pretrained: a state-dict or Lightning checkpoint file to stream in one unit at a time instead of
+            initialising the weights.
     """
 
     strategy_name = "greedysnake"
@@ -44,6 +49,7 @@ class GreedySnakeStrategy(Strategy):
         storage: StorageConfig | dict | None = None,
         schedule: ScheduleConfig | dict | None = None,
         hardware: HardwareProfile | dict | str | None = None,
+        pretrained: str | None = None,
         accelerator: pl.accelerators.Accelerator | None = None,
         precision_plugin: Precision | None = None,
     ) -> None:
@@ -52,6 +58,9 @@ class GreedySnakeStrategy(Strategy):
         if isinstance(hardware, str) and hardware != "probe":
             raise ValueError(f"hardware='{hardware}' is not understood; pass 'probe', a HardwareProfile, a mapping or None")
         self.hardware = hardware if hardware in (None, "probe") else coerce_config(HardwareProfile, hardware, "hardware")
+        # With a probed machine, measure the matmul rate at the model's own shape (0.2 s, first step).
+        self.hardware_at_model_shape = hardware == "probe"
+        self.pretrained = pretrained  # a state dict / .ckpt file streamed in unit by unit at setup
         self.prediction: StepPrediction | None = None  # the planner's floor for this run's step
         self.engine: SnakeEngine | None = None
         self.parallel_devices: list[torch.device] | None = None  # filled by Lightning's connector
@@ -135,7 +144,8 @@ class GreedySnakeStrategy(Strategy):
             raise ValueError(f"strategy='greedysnake' needs exactly one optimizer; configure_optimizers "
                              f"returned {len(self.optimizers)}")
         self.engine = SnakeEngine(module, self.optimizers[0], self.storage, self.schedule,
-                                  self.precision_plugin.dtypes, self.root_device, clip=clip)
+                                  self.precision_plugin.dtypes, self.root_device, clip=clip,
+                                  pretrained=self.pretrained)
         if self.storage.checkpoints.ssd > 0 and self.schedule.num_micro_batches <= 2 * self.storage.checkpoint_host_ends:
             log.warning(
                 "storage.checkpoints puts %.0f%% on the SSD, but with schedule.num_micro_batches=%d and "
@@ -193,6 +203,14 @@ class GreedySnakeStrategy(Strategy):
         self.hardware = hardware
         micro = split_micro_batches(batch, self.schedule.num_micro_batches)[0]
         shape = self.engine.model_shape(micro, self.engine.checkpoint_bytes)
+        if self.hardware_at_model_shape and shape.tokens_per_micro:
+            # The compute roof at this model's own matmul shape (tokens x in) @ (in x out).
+            from snake_strategy.hardware import matmul_flops_per_s
+
+            out_dim, in_dim = self.engine.largest_block_matrix()
+            hardware = dataclasses.replace(
+                hardware, flops_per_s=matmul_flops_per_s(shape.tokens_per_micro, in_dim, out_dim, self.root_device))
+            self.hardware = hardware
         self.model_shape = shape
         prediction = predict(shape, hardware, self.storage, self.schedule.kind, self.schedule.alpha)
         log.info("planner: predicted floor %.3f s/step (%s-bound; compute %.3f s, ssd %.3f s, optimizer %.3f s)",
