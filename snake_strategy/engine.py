@@ -569,6 +569,31 @@ class SnakeEngine:
         shapes = [s.shape for u in self.units for s in u.layout.slots if len(s.shape) == 2]
         return tuple(max(shapes, key=lambda sh: sh[0] * sh[1])) if shapes else (1, 1)
 
+    def nonlayer_state(self) -> dict[str, Any]:
+        """The non-layer parameters' optimizer state (CPU copies) for checkpoints."""
+        self.flush()
+        block_ids = {id(p) for p in self.module.blocks.parameters()}
+        names = [n for n, p in self.module.named_parameters() if id(p) not in block_ids]
+
+        def cpu(tensors):
+            return [t.detach().cpu().clone() for t in tensors]
+
+        return {"names": names, "master": cpu(self.nonlayer_master), "exp_avg": cpu(self.nonlayer_exp_avg),
+                "exp_avg_sq": cpu(self.nonlayer_exp_avg_sq)}
+
+    @torch.no_grad()
+    def load_nonlayer_state(self, state: dict[str, Any]) -> None:
+        block_ids = {id(p) for p in self.module.blocks.parameters()}
+        names = [n for n, p in self.module.named_parameters() if id(p) not in block_ids]
+        if state["names"] != names:
+            raise ValueError(f"checkpoint non-layer parameters {state['names']} do not match the model's {names}")
+        for i, p in enumerate(self.nonlayer):
+            self.nonlayer_master[i].copy_(state["master"][i])
+            self.nonlayer_exp_avg[i].copy_(state["exp_avg"][i])
+            self.nonlayer_exp_avg_sq[i].copy_(state["exp_avg_sq"][i])
+            if p is not self.nonlayer_master[i]:
+                p.copy_(self.nonlayer_master[i])
+
     def ssd_files(self) -> list[str]:
         return self.ssd.files() if self.ssd is not None else []
 

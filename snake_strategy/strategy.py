@@ -8,6 +8,7 @@ optimizer only holds hyper-parameters (see ``optim.py``), so LR schedulers keep 
 from __future__ import annotations
 
 import contextlib
+import os
 import dataclasses
 import logging
 from collections.abc import Generator
@@ -21,6 +22,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from torch import Tensor
 from typing_extensions import override
 
+from snake_strategy import checkpoint as snake_checkpoint
 from snake_strategy.config import ScheduleConfig, StorageConfig, coerce_config
 from snake_strategy.contract import check_contract
 from snake_strategy.engine import SnakeEngine
@@ -234,35 +236,51 @@ class GreedySnakeStrategy(Strategy):
     # ------------------------------------------------------------------ checkpoints
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        """The consolidated weights (master values), gathered one unit at a time.
-
-        Costs a full copy of the parameters in host memory: fine for models that fit in RAM. Resumable
-        directory checkpoints of the SSD-resident state are not implemented yet.
-        """
+        """The non-layer entries only: block weights go to per-unit files in ``save_checkpoint``, streamed
+        from their tiers (never the whole model in memory). ``snake_strategy.checkpoint.consolidate``
+        makes one ordinary file."""
         if self.engine is None:
             return self.lightning_module.state_dict()
-        state = self.engine.state_dict()
-        module_state = self.lightning_module.state_dict()
-        # Keep every key the module has (tied weights appear under both names, buffers too).
-        params = dict(self.lightning_module.named_parameters(remove_duplicate=False))
-        by_id = {id(p): name for name, p in self.lightning_module.named_parameters()}
-        for key in module_state:
-            if key in params:
-                module_state[key] = state[by_id[id(params[key])]]
-        return module_state
+        self.engine.flush()
+        block_keys = {f"{self.engine._blocks_prefix}.{k}" for k in self.lightning_module.blocks.state_dict()}
+        return {k: v for k, v in self.lightning_module.state_dict().items() if k not in block_keys}
 
     @override
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
-        # The Adam moments live in the engine's tiers; they are not part of this checkpoint format yet.
-        return {}
+        # The Adam moments live in the engine's tiers and are saved per unit by save_checkpoint; the
+        # optimizer itself only holds hyper-parameters, which an LR scheduler may have changed.
+        optimizer = getattr(optimizer, "_optimizer", optimizer)
+        return {"param_groups": [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]}
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
+        if storage_options is not None:
+            raise ValueError("strategy='greedysnake' writes checkpoint directories itself; storage_options is not supported")
+        if self.engine is None:
+            raise RuntimeError("save_checkpoint needs a set-up strategy (inside Trainer.fit)")
+        snake_checkpoint.save(self.engine, checkpoint, filepath)
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        raise ValueError(
-            f"resuming strategy='greedysnake' from {checkpoint_path} is not supported yet: its checkpoints hold "
-            "the consolidated weights but not the optimizer moments. Load the weights with "
-            "YourModule.load_from_checkpoint(path) (e.g. to evaluate or fine-tune), or start without ckpt_path"
-        )
+        if not os.path.isdir(checkpoint_path):
+            raise ValueError(
+                f"{checkpoint_path} is not a greedysnake checkpoint directory; to start from the weights of an "
+                "ordinary state dict or .ckpt file, pass GreedySnakeStrategy(pretrained=path) instead of ckpt_path"
+            )
+        checkpoint = snake_checkpoint.load(self.engine, checkpoint_path)
+        # Lightning restores the LR schedulers, but the current lr lives in the optimizer's param_groups.
+        for optimizer, saved in zip(self.optimizers, checkpoint.get("optimizer_states", [])):
+            for group, saved_group in zip(optimizer.param_groups, saved.get("param_groups", [])):
+                group.update(saved_group)
+        return checkpoint
+
+    @override
+    def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
+        """Nothing: ``load_checkpoint`` already streamed every parameter into its tier."""
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
+        """Nothing: the Adam moments were restored with the parameters."""
 
     # ------------------------------------------------------------------ collectives (single process)
     @override
