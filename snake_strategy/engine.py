@@ -48,6 +48,7 @@ class DtypePolicy:
     compute: torch.dtype  # the weights the blocks run with
     master: torch.dtype  # master weights, moments and gradient accumulators
     autocast: torch.dtype | None = None  # bf16-mixed: run the stages under autocast
+    loss_scaling: bool = False  # 16-mixed: dynamic loss scaling, overflowing steps skipped exactly
 
 
 class SnakeEngine:
@@ -62,13 +63,17 @@ class SnakeEngine:
         clip: tuple[str, float] | None = None,
         pretrained: str | None = None,
     ) -> None:
-        check_contract(module)
         if clip is not None and clip[0] not in ("norm", "value"):
             raise ValueError(f"gradient_clip_algorithm='{clip[0]}' is not supported; use 'norm' or 'value'")
+        check_contract(module)
         # Exact global-norm clipping defers every unit's whole update to the next forward, when the
         # norm is known (see overlap.py); clipping by value is element-wise and needs no deferral.
         self.clip = clip
         self.pretrained_path = pretrained
+        # Dynamic loss scale (16-mixed): GradScaler's defaults.
+        self.loss_scale = 2.0**16 if dtypes.loss_scaling else 1.0
+        self._good_steps = 0
+        self.skipped_steps = 0
         check_optimizer(optimizer)
         self.module, self.optimizer, self.storage, self.schedule = module, optimizer, storage, schedule
         self.dtypes, self.device = dtypes, device
@@ -262,7 +267,10 @@ class SnakeEngine:
         exp_avg_sq = self._tiered(name, "exp_avg_sq", n, self.dtypes.master)
         exp_avg_sq.evict(zeros)
         grads = self._tiered(name, "gradients", n, self.dtypes.master)
-        alpha = 1.0 if self.clip is not None and self.clip[0] == "norm" else self.schedule.alpha
+        # Norm clipping needs the global norm and loss scaling needs to know whether any gradient
+        # overflowed before anything is updated: both defer each unit's whole update to the next forward.
+        defer_all = self.dtypes.loss_scaling or (self.clip is not None and self.clip[0] == "norm")
+        alpha = 1.0 if defer_all else self.schedule.alpha
         return UnitStore(layout, weights, master, exp_avg, exp_avg_sq, grads, forward_split(n, alpha))
 
     # ------------------------------------------------------------------ one optimizer step
@@ -291,6 +299,7 @@ class SnakeEngine:
         self._rng: dict[tuple[int, int], Any] = {}
         self._nonlayer_used = [False] * len(self.nonlayer)
         self._grad_sq = torch.zeros((), dtype=torch.float64)  # sum of squared block gradients (norm clipping)
+        self._found_inf = False
         for g in self.nonlayer_grads:
             g.zero_()
         self.overlap.submit_forward_parts()
@@ -348,7 +357,8 @@ class SnakeEngine:
                 with self._autocast():
                     x = torch.cat([self.module.pre_stage(b) for b in batches])
                     losses = self._post_losses(self.units[u].layout.forward(w, x), batches)
-                grads = torch.autograd.grad(sum(losses) / num_micro, [w] + self.nonlayer, allow_unused=True)
+                grads = torch.autograd.grad(sum(losses) * (self.loss_scale / num_micro), [w] + self.nonlayer,
+                                            allow_unused=True)
                 self._accumulate_nonlayer(grads[1:])
                 self._accumulate_unit(u, grads[0], len(order))
                 return [loss.detach() for loss in losses]
@@ -359,7 +369,8 @@ class SnakeEngine:
             if last:
                 with self._autocast():
                     losses = self._post_losses(self.units[u].layout.forward(w, x), batches)
-                grads = torch.autograd.grad(sum(losses) / num_micro, [x, w] + self.nonlayer, allow_unused=True)
+                grads = torch.autograd.grad(sum(losses) * (self.loss_scale / num_micro), [x, w] + self.nonlayer,
+                                            allow_unused=True)
                 self._accumulate_nonlayer(grads[2:])
                 losses = [loss.detach() for loss in losses]
             else:
@@ -441,7 +452,11 @@ class SnakeEngine:
             acc.add_(store.device_tensor() if store.resident else store.fetch(store.new_buffer()))
         if self._bwd_done[u] == self.schedule.num_micro_batches:
             # Complete: the worker steps the backward part and parks the forward part's gradient.
+            if self.dtypes.loss_scaling:
+                self._found_inf |= not bool(torch.isfinite(acc).all())  # a sync point on GPUs
             if self.clip is not None and self.clip[0] == "value":
+                if self.dtypes.loss_scaling:
+                    acc.mul_(1.0 / self.loss_scale)  # clip the true gradient, not the scaled one
                 acc.clamp_(-self.clip[1], self.clip[1])
             elif self.clip is not None:
                 self._grad_sq += torch.linalg.vector_norm(acc, dtype=torch.float64).square().cpu()
@@ -463,6 +478,9 @@ class SnakeEngine:
         start_s = time.perf_counter()
         before = getattr(self, "_train_end_snapshot", None) or self.counters.snapshot()
         hps = snapshot_hyper_params(self.optimizer)
+        if self.dtypes.loss_scaling and self._skip_if_overflow():
+            self.last_step_stats["optimizer_s"] = time.perf_counter() - start_s
+            return
         grad_scale = self._clip_nonlayer_and_scale()
         for group, hp in enumerate(hps):
             idx = [i for i, g in enumerate(self.nonlayer_group) if g == group and self._nonlayer_used[i]]
@@ -481,6 +499,26 @@ class SnakeEngine:
         self.last_step_stats["optimizer_busy_s"] = self.overlap.take_busy_s()
         self.last_step_stats["optimizer_traffic"] = _delta(before, self.counters.snapshot())
 
+    def _skip_if_overflow(self) -> bool:
+        """16-mixed: on overflow skip the whole step exactly and halve the scale (GradScaler's policy).
+
+        Every unit's update is still pending (deferred whole), so skipping means: drop the parked
+        gradients, change no weight and no moment, do not advance the step counter."""
+        self._found_inf |= any(not bool(torch.isfinite(g).all()) for g, used in
+                               zip(self.nonlayer_grads, self._nonlayer_used) if used)
+        self.overlap.wait_backward_parts()  # they only park gradients under loss scaling
+        self.last_step_stats["loss_scale"] = self.loss_scale
+        if self._found_inf:
+            self.loss_scale /= 2.0
+            self._good_steps = 0
+            self.skipped_steps += 1
+            self.last_step_stats["skipped"] = True
+            return True
+        self._good_steps += 1
+        if self._good_steps % 2000 == 0:
+            self.loss_scale *= 2.0
+        return False
+
     def _clip_nonlayer_and_scale(self) -> float | None:
         """Clip the non-layer gradients; return the global-norm factor for the deferred unit updates.
 
@@ -488,14 +526,22 @@ class SnakeEngine:
         to every gradient even when it is 1. The norm is exact: every block gradient is complete (the
         whole update of every unit is deferred under norm clipping).
         """
-        if self.clip is None:
-            return None
         used = [g for g, u in zip(self.nonlayer_grads, self._nonlayer_used) if u]
+        unscale = None
+        if self.dtypes.loss_scaling:
+            # The loss scale used for this step's backward (it may change after this step).
+            unscale = 1.0 / self.last_step_stats["loss_scale"]
+            for g in used:
+                g.mul_(unscale)
+        if self.clip is None:
+            return unscale
         algorithm, value = self.clip
         if algorithm == "value":
             for g in used:
                 g.clamp_(-value, value)
-            return None
+            return None  # unit gradients were unscaled and clamped when they completed
+        if unscale is not None:
+            self._grad_sq *= unscale**2
         sq = self._grad_sq + sum((torch.linalg.vector_norm(g, dtype=torch.float64).square().cpu() for g in used),
                                  torch.zeros((), dtype=torch.float64))
         total_norm = float(sq.sqrt())
@@ -504,7 +550,7 @@ class SnakeEngine:
             g.mul_(factor)
         self.last_step_stats["grad_norm"] = total_norm
         self.last_step_stats["clip_factor"] = factor
-        return factor
+        return factor * unscale if unscale is not None else factor
 
     def flush(self) -> None:
         """Apply every pending optimizer update (call before anything reads weights outside training)."""

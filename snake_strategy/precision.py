@@ -6,6 +6,12 @@
 | "64-true"    | fp64 (= master) | fp64                   | fp64              |
 | "bf16-mixed" | fp32 (= master) | fp32                   | autocast(bf16)    |
 | "bf16-true"  | bf16            | fp32 (separate copy)   | bf16              |
+| "16-mixed"   | fp32 (= master) | fp32                   | autocast(fp16), dynamic loss scale |
+
+16-mixed skips an overflowing step exactly (no weight, moment or step-counter change) and halves the
+scale. On a CPU-only machine Lightning turns ``Trainer(precision="16-mixed")`` into "bf16-mixed"
+before the strategy sees it; pass ``GreedySnakeStrategy(precision_plugin=GreedySnakePrecision("16-mixed"))``
+to get fp16 there.
 
 Gradients are produced by the engine's schedule, so ``backward`` does nothing; the ``pre_backward`` /
 ``post_backward`` hooks are kept so ``on_before_backward`` / ``on_after_backward`` still fire.
@@ -27,6 +33,7 @@ _POLICIES = {
     "64-true": DtypePolicy(compute=torch.float64, master=torch.float64),
     "bf16-mixed": DtypePolicy(compute=torch.float32, master=torch.float32, autocast=torch.bfloat16),
     "bf16-true": DtypePolicy(compute=torch.bfloat16, master=torch.float32),
+    "16-mixed": DtypePolicy(compute=torch.float32, master=torch.float32, autocast=torch.float16, loss_scaling=True),
 }
 SUPPORTED_PRECISIONS = tuple(_POLICIES)
 
@@ -37,7 +44,7 @@ class GreedySnakePrecision(Precision):
         if precision not in _POLICIES:
             raise ValueError(
                 f"Trainer(precision='{precision}') is not supported by strategy='greedysnake'; use one of "
-                f"{SUPPORTED_PRECISIONS} (fp16 '16-mixed' with dynamic loss scaling is not implemented yet)"
+                f"{SUPPORTED_PRECISIONS}"
             )
         self.precision = precision
         self.dtypes = _POLICIES[precision]

@@ -215,16 +215,17 @@ def test_unsupported_precision_16_true_with_strategy_instance():
         L.Trainer(strategy=GreedySnakeStrategy(), precision="16-true", **trainer_kwargs())
 
 
-def test_precision_plugin_refuses_16_mixed():
+def test_precision_plugin_refuses_unknown_precisions():
     with pytest.raises(ValueError) as err:
-        GreedySnakePrecision("16-mixed")
-    assert "precision='16-mixed'" in str(err.value) and "bf16-true" in str(err.value)
+        GreedySnakePrecision("transformer-engine")
+    assert "precision='transformer-engine'" in str(err.value) and "bf16-true" in str(err.value)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: on CPU Lightning turns 16-mixed into bf16-mixed")
-def test_16_mixed_on_cuda_refused_at_trainer_construction():
-    with pytest.raises(ValueError, match="precision"):
-        L.Trainer(strategy="greedysnake", precision="16-mixed", accelerator="cuda", devices=1, logger=False)
+def test_16_mixed_through_the_plugin_instance():
+    plugin = GreedySnakePrecision("16-mixed")
+    trainer = L.Trainer(strategy=GreedySnakeStrategy(precision_plugin=plugin), **trainer_kwargs())
+    assert trainer.strategy.precision_plugin.precision == "16-mixed"
+    assert trainer.strategy.precision_plugin.dtypes.loss_scaling
 
 
 def test_16_mixed_on_cpu_is_downgraded_by_lightning():
