@@ -1,0 +1,65 @@
+"""The planner's traffic model, roofline and choices, checked against hand calculations."""
+import pytest
+
+from snake_strategy.config import StorageConfig
+from snake_strategy.planner import (HardwareProfile, ModelShape, choose_alpha, plan, predict, step_flops,
+                                    weight_fetches_per_step)
+
+SHAPE = ModelShape(num_units=2, params_per_unit=1000, nonlayer_params=0, head_params=0, tokens_per_micro=10,
+                   num_micro=2, checkpoint_bytes=100)
+HW = HardwareProfile(ssd_read_gb_per_s=1.0, ssd_write_gb_per_s=2.0, host_copy_gb_per_s=10.0, flops_per_s=1e9,
+                     optimizer_params_per_s=1e6, device_is_cpu=True)
+
+
+def test_weight_fetches():
+    assert weight_fetches_per_step("vertical", 4, 3) == 7
+    assert weight_fetches_per_step("horizontal", 4, 3) == 3 * 7 - 2
+
+
+def test_step_flops_by_hand():
+    # forward of one unit on one micro-batch: 2 x 1000 params x 10 tokens = 20,000 FLOPs; per micro-batch the
+    # units cost 3x forward each plus one recompute for all but the last: (4 x 2 - 1) x 20,000
+    assert step_flops(SHAPE) == 2 * (7 * 20_000)
+
+
+def test_prediction_by_hand():
+    storage = StorageConfig(weights="ssd", optimizer="ssd")
+    p = predict(SHAPE, HW, storage, "vertical", alpha=0.0)
+    expected_read = 3 * 4000 + 2000 * 4 + 2 * 2000 * 4  # fetches + master + 2 moments (P = 2000)
+    expected_write = 2000 * 4 + 2 * 2000 * 4
+    assert (p.ssd_read_bytes, p.ssd_write_bytes) == (expected_read, expected_write)
+    assert p.ssd_s == pytest.approx(expected_read / 1e9 + expected_write / 2e9)
+    assert p.compute_s == pytest.approx(280_000 / 1e9)
+    assert p.optimizer_s == pytest.approx(2000 / 1e6)
+    assert p.bound == "cpu" and p.roofline_s == pytest.approx(p.compute_s + p.optimizer_s)
+
+
+def test_horizontal_reads_more_and_alpha_parks_gradients():
+    storage = StorageConfig(weights="ssd", optimizer="ssd", gradients="ssd")
+    v = predict(SHAPE, HW, storage, "vertical", alpha=0.5)
+    h = predict(SHAPE, HW, storage, "horizontal", alpha=0.5)
+    assert v.ssd_read_bytes == 3 * 4000 + 3 * 8000 + 0.5 * 8000  # + half the gradient read back
+    # horizontal: 2 x 3 - 1 = 5 fetches, and one partial gradient round trip for M=2
+    assert h.ssd_read_bytes == 5 * 4000 + 3 * 8000 + 1.5 * 8000
+
+
+def test_choose_alpha_is_the_forward_share():
+    shape = ModelShape(4, 1, 0, 0, 1, 1, 1)
+    assert choose_alpha(shape) == pytest.approx(3 / 15)
+    assert choose_alpha(ModelShape(40, 1, 0, 0, 1, 1, 1)) <= 0.5
+
+
+def test_plan_fills_the_host_budget_weights_first():
+    shape = ModelShape(num_units=10, params_per_unit=1_000_000, nonlayer_params=0, head_params=0,
+                       tokens_per_micro=16, num_micro=4, checkpoint_bytes=1000)
+    everything = plan(shape, HW, host_budget_bytes=2**30)
+    assert everything.storage.weights.host == 1.0 and everything.storage.optimizer.host == 1.0
+    tight = plan(shape, HW, host_budget_bytes=100_000_000)  # working set ~36 MB, weights 40 MB, moments 80 MB
+    assert tight.storage.weights.host == 1.0 and tight.storage.optimizer.host < 1.0
+    assert tight.host_bytes <= 100_000_000
+
+
+def test_plan_that_cannot_fit_names_the_numbers():
+    shape = ModelShape(10, 1_000_000, 0, 0, 16, 4, 1000)
+    with pytest.raises(ValueError, match=r"host_budget_bytes=0.00 GiB cannot hold the working set"):
+        plan(shape, HW, host_budget_bytes=1000)
