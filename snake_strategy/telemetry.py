@@ -100,6 +100,7 @@ class StepReport(pl.Callback):
         self.val_losses: list[float] = []
         self.step_traffic: list[dict[str, int]] = []
         self.total_traffic: dict[str, int] | None = None
+        self.predicted_s: float | None = None
         self._start: float | None = None
 
     # ------------------------------------------------------------------ hooks
@@ -127,15 +128,28 @@ class StepReport(pl.Callback):
         self.step_tokens.append(tokens)
         self.step_traffic.append(traffic)
         per_tier = bytes_per_tier(traffic)
-        pl_module.log_dict(
-            {
-                "perf/s_per_step": seconds,
-                "perf/tokens_per_s": tokens / seconds if seconds > 0 else 0.0,
-                "io/ssd_bytes": float(per_tier["ssd"]),
-                "io/host_bytes": float(per_tier["host"]),
-            },
-            on_step=True, on_epoch=False, batch_size=1,
-        )
+        metrics = {
+            "perf/tokens_per_s": tokens / seconds if seconds > 0 else 0.0,
+            "io/ssd_bytes": float(per_tier["ssd"]),
+            "io/host_bytes": float(per_tier["host"]),
+            "io/ssd_gb_per_s": per_tier["ssd"] / seconds / 1e9 if seconds > 0 else 0.0,
+            "perf/io_wait_s": float(stats.get("io_wait_s", 0.0)),
+            "perf/optimizer_wait_s": float(stats.get("optimizer_wait_s", 0.0)),
+            "perf/optimizer_busy_s": float(stats.get("optimizer_busy_s", 0.0)),
+        }
+        prediction = getattr(trainer.strategy, "prediction", None)
+        hardware = getattr(trainer.strategy, "hardware", None)
+        if prediction is not None:
+            self.predicted_s = prediction.roofline_s
+            metrics["perf/predicted_floor_s"] = prediction.roofline_s
+            metrics["perf/achieved_over_floor"] = seconds / prediction.roofline_s if prediction.roofline_s else 0.0
+            if hardware is not None and not isinstance(hardware, str):
+                # FLOP/s achieved on the step's matmul work, next to the roof measured for this shape.
+                metrics["perf/flops_per_s"] = prediction.compute_s * hardware.flops_per_s / seconds
+                metrics["perf/peak_flops_per_s"] = hardware.flops_per_s
+                metrics["io/peak_ssd_read_gb_per_s"] = hardware.ssd_read_gb_per_s
+        pl_module.log_dict(metrics, on_step=True, on_epoch=False, batch_size=1)
+        pl_module.log("perf/s_per_step", seconds, prog_bar=True, on_step=True, on_epoch=False, batch_size=1)
         step = len(self.step_seconds)
         if self.log_every_n_steps and step % self.log_every_n_steps == 0:
             loss_text = f"{self.losses[-1]:.4f}" if self.losses else "n/a"
@@ -190,6 +204,7 @@ class StepReport(pl.Callback):
             "bytes_per_tier": bytes_per_tier(total) if total is not None else None,
             "bytes_per_tier_state": bytes_per_tier_state(total) if total is not None else None,
             "step_bytes_mean": step_bytes,
+            "predicted_floor_s_per_step": self.predicted_s,
         }
 
     def format_summary(self) -> str:
@@ -201,6 +216,9 @@ class StepReport(pl.Callback):
             f"median {s['median_s_per_step']:.3f} s/step | {s['tokens_per_s']:.0f} tokens/s "
             f"({s['tokens_per_step']} tokens/step)",
         ]
+        if s["predicted_floor_s_per_step"]:
+            lines.append(f"planner floor {s['predicted_floor_s_per_step']:.3f} s/step | achieved / floor "
+                         f"{s['median_s_per_step'] / s['predicted_floor_s_per_step']:.2f}")
         if s["bytes_per_tier"] is not None:
             tiers = ", ".join(f"{t} {_fmt_bytes(n)}" for t, n in s["bytes_per_tier"].items())
             lines.append(f"bytes moved (whole run): {tiers}")
