@@ -126,3 +126,38 @@ def test_resume_after_sigkill(tmp_path):
     resumed, _ = _fit(6, ssd, ckpt_path=str(first))
     for name in straight:
         assert torch.equal(straight[name], resumed[name]), name
+
+
+def test_enospc_during_a_step_is_clear_and_keeps_the_last_checkpoint(tmp_path, monkeypatch):
+    """The disk fills up in the middle of training: a clear error naming the file, and the checkpoint
+    written before still loads and resumes."""
+    import errno as errno_mod
+
+    from snake_strategy.storage import io_engine
+
+    real_pwritev = os.pwritev
+
+    class FailLater(L.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if trainer.global_step == 4:  # step 5 runs on a full disk; the step-3 checkpoint is done
+                def full(fd, buffers, offset):
+                    raise OSError(errno_mod.ENOSPC, os.strerror(errno_mod.ENOSPC))
+                monkeypatch.setattr(io_engine.os, "pwritev", full)
+
+    torch.manual_seed(0)
+    strategy = snake_strategy.GreedySnakeStrategy(
+        storage={"ssd_dir": str(tmp_path / "ssd"), "weights": "ssd", "optimizer": "ssd"},
+        schedule={"num_micro_batches": MICRO})
+    ckpt = L.pytorch.callbacks.ModelCheckpoint(dirpath=str(tmp_path / "ckpts"), every_n_train_steps=3, save_top_k=-1)
+    trainer = L.Trainer(strategy=strategy, max_steps=6, callbacks=[ckpt, FailLater()],
+                        **trainer_kwargs(enable_checkpointing=True))
+    with pytest.raises(OSError, match=r"SSD tier write .* No space left on device; the SSD tier is full") as err:
+        trainer.fit(GPTModule(SMALL_GPT, learning_rate=1e-2, warmup_steps=1, max_steps=6), train_dataloaders=_loader())
+    assert str(tmp_path / "ssd") in str(err.value)
+    monkeypatch.setattr(io_engine.os, "pwritev", real_pwritev)
+    saved = tmp_path / "ckpts" / "epoch=0-step=3.ckpt"
+    snake_checkpoint.read_manifest(saved)  # intact and verified
+    straight, _ = _fit(6, tmp_path / "ssd_a")
+    resumed, _ = _fit(6, tmp_path / "ssd_b", ckpt_path=str(saved))
+    for name in straight:
+        assert torch.equal(straight[name], resumed[name]), name

@@ -73,6 +73,33 @@ class IOEngine:
 
 
 def _read_exact(fd: int, offset: int, buffer: torch.Tensor) -> None:
+    try:
+        _read_loop(fd, offset, buffer)
+    except OSError as err:
+        raise _explained(err, "read", fd, offset, buffer.numel()) from err
+
+
+def _write_exact(fd: int, offset: int, buffer: torch.Tensor) -> None:
+    try:
+        _write_loop(fd, offset, buffer)
+    except OSError as err:
+        raise _explained(err, "write", fd, offset, buffer.numel()) from err
+
+
+def _explained(err: OSError, op: str, fd: int, offset: int, num_bytes: int) -> OSError:
+    """The same errno, with the file, the transfer and what to do (ENOSPC, EIO, ...)."""
+    try:
+        path = os.readlink(f"/proc/self/fd/{fd}")
+    except OSError:
+        path = f"fd {fd}"
+    hint = {errno.ENOSPC: "the SSD tier is full: free space in storage.ssd_dir or point it at a larger disk",
+            errno.EIO: "the disk reported an I/O error: check the device (dmesg) before resuming from the "
+                       "last checkpoint"}.get(err.errno, "check storage.ssd_dir")
+    return OSError(err.errno, f"SSD tier {op} of {num_bytes} bytes at offset {offset} in {path} failed: "
+                              f"{err.strerror}; {hint}")
+
+
+def _read_loop(fd: int, offset: int, buffer: torch.Tensor) -> None:
     view = memoryview(buffer.numpy())
     done = 0
     while done < len(view):
@@ -82,7 +109,7 @@ def _read_exact(fd: int, offset: int, buffer: torch.Tensor) -> None:
         done += got
 
 
-def _write_exact(fd: int, offset: int, buffer: torch.Tensor) -> None:
+def _write_loop(fd: int, offset: int, buffer: torch.Tensor) -> None:
     view = memoryview(buffer.numpy())
     done = 0
     while done < len(view):
