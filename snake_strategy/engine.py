@@ -119,7 +119,8 @@ class SnakeEngine:
             self.device, self.counters, self.io, self.ssd,
         )
         self.overlap = OptimizerOverlap(self.units, self.dtypes.compute)
-        self._prefetcher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="snake-prefetch")
+        self._prefetcher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="snake-prefetch",
+                                              initializer=torch.set_num_threads, initargs=(1,))
         self._prefetched: dict[int, Future] = {}
         self._resident: tuple[int, Tensor] | None = None
         self.checkpoint_bytes = 0  # one unit input of one micro-batch, known after the first forward
@@ -435,8 +436,11 @@ class SnakeEngine:
         if self._acc is not None and self._acc[0] != u:
             self._flush_grad_accumulator()
         if self._acc is None:
-            self._acc = (u, torch.zeros(self.units[u].layout.numel, dtype=self.dtypes.master, device=self.device))
-        self._acc[1].add_(grad)
+            # The first gradient becomes the accumulator (autograd hands us a fresh tensor): saves a
+            # zero-fill and a pass over the unit.
+            self._acc = (u, grad if grad.dtype == self.dtypes.master else grad.to(self.dtypes.master))
+        else:
+            self._acc[1].add_(grad)
         self._bwd_done[u] += num_tasks
         if self._bwd_done[u] == self.schedule.num_micro_batches:
             self._flush_grad_accumulator()  # complete: hand it to the optimizer worker right away

@@ -68,7 +68,9 @@ class OptimizerOverlap:
 
     def __init__(self, units: list[UnitStore], compute_dtype: torch.dtype) -> None:
         self._units, self._compute_dtype = units, compute_dtype
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="snake-optim")
+        # One intra-op thread: AdamW is memory-bound, and the compute thread's matmuls own the cores.
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="snake-optim",
+                                        initializer=torch.set_num_threads, initargs=(1,))
         self._backward_jobs: dict[int, Future] = {}
         self._deferred: _Deferred | None = None
         self._lock = threading.Lock()
