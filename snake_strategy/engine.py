@@ -136,7 +136,8 @@ class SnakeEngine:
         master_bytes = torch.empty((), dtype=self.dtypes.master).element_size()
         compute_bytes = torch.empty((), dtype=self.dtypes.compute).element_size()
         s = self.storage
-        needed = numel * (compute_bytes * s.weights.ssd + 2 * master_bytes * s.optimizer.ssd + master_bytes * s.gradients.ssd)
+        needed = numel * (compute_bytes * s.weights.ssd + 2 * master_bytes * s.optimizer.ssd)
+        needed += self._stored_gradient_elems() * master_bytes * s.gradients.ssd
         if self.dtypes.compute != self.dtypes.master:
             needed += numel * master_bytes * s.master.ssd
         self.ssd.check_free_space(int(needed), "weights, master weights, optimizer moments and gradients")
@@ -163,7 +164,7 @@ class SnakeEngine:
         plan = {
             "weights": int(numel * e_c * in_memory(s.weights)),
             "optimizer_moments": int(2 * numel * e_m * in_memory(s.optimizer)),
-            "gradients": int(numel * e_m * in_memory(s.gradients)),
+            "gradients": int(self._stored_gradient_elems() * e_m * in_memory(s.gradients)),
             # compute copy, 2 moments, gradient accumulator, and one transient gradient from autograd
             "nonlayer_params_and_state": sum(p.numel() for p in self.nonlayer)
             * (e_c + 4 * e_m + (e_m if self.dtypes.compute != self.dtypes.master else 0)),
@@ -268,11 +269,20 @@ class SnakeEngine:
         exp_avg_sq = self._tiered(name, "exp_avg_sq", n, self.dtypes.master)
         exp_avg_sq.evict(zeros)
         grads = self._tiered(name, "gradients", n, self.dtypes.master)
+        return UnitStore(layout, weights, master, exp_avg, exp_avg_sq, grads, forward_split(n, self._effective_alpha()))
+
+    def _effective_alpha(self) -> float:
         # Norm clipping needs the global norm and loss scaling needs to know whether any gradient
         # overflowed before anything is updated: both defer each unit's whole update to the next forward.
         defer_all = self.dtypes.loss_scaling or (self.clip is not None and self.clip[0] == "norm")
-        alpha = 1.0 if defer_all else self.schedule.alpha
-        return UnitStore(layout, weights, master, exp_avg, exp_avg_sq, grads, forward_split(n, alpha))
+        return 1.0 if defer_all else self.schedule.alpha
+
+    def _stored_gradient_elems(self) -> int:
+        """Elements the gradient store really holds: the horizontal schedule parks whole partial sums;
+        the vertical one only each unit's forward part (nothing at alpha 0)."""
+        if self.schedule.kind == "horizontal":
+            return sum(layout.numel for layout in self.layouts)
+        return sum(forward_split(layout.numel, self._effective_alpha()) for layout in self.layouts)
 
     # ------------------------------------------------------------------ one optimizer step
     def train_step(self, batch: Any) -> Tensor:
