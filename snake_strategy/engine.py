@@ -368,10 +368,10 @@ class SnakeEngine:
                 with self._autocast():
                     x = torch.cat([self.module.pre_stage(b) for b in batches])
                     losses = self._post_losses(self.units[u].layout.forward(w, x), batches)
-                grads = torch.autograd.grad(sum(losses) * (self.loss_scale / num_micro), [w] + self.nonlayer,
+                grads = torch.autograd.grad(sum(losses) * (self.loss_scale / num_micro), w + self.nonlayer,
                                             allow_unused=True)
-                self._accumulate_nonlayer(grads[1:])
-                self._accumulate_unit(u, grads[0], len(order))
+                self._accumulate_nonlayer(grads[len(w):])
+                self._accumulate_unit(u, grads[:len(w)], len(order))
                 return [loss.detach() for loss in losses]
             if len(order) > 1:
                 x = torch.cat([self.activations.get(u, m) for m in order]).detach().requires_grad_(True)
@@ -380,9 +380,9 @@ class SnakeEngine:
             if last:
                 with self._autocast():
                     losses = self._post_losses(self.units[u].layout.forward(w, x), batches)
-                grads = torch.autograd.grad(sum(losses) * (self.loss_scale / num_micro), [x, w] + self.nonlayer,
+                grads = torch.autograd.grad(sum(losses) * (self.loss_scale / num_micro), [x] + w + self.nonlayer,
                                             allow_unused=True)
-                self._accumulate_nonlayer(grads[2:])
+                self._accumulate_nonlayer(grads[1 + len(w):])
                 losses = [loss.detach() for loss in losses]
             else:
                 with _restored_rng(self._rng.pop((u, order[0])), self.device), self._autocast():
@@ -390,8 +390,8 @@ class SnakeEngine:
                 for m in order[1:]:
                     self._rng.pop((u, m))
                 g = torch.cat([self._act_grads.pop(m) for m in order]) if len(order) > 1 else self._act_grads.pop(order[0])
-                grads = torch.autograd.grad(y, [x, w], g)
-            self._accumulate_unit(u, grads[1], len(order))
+                grads = torch.autograd.grad(y, [x] + w, g)
+            self._accumulate_unit(u, grads[1:1 + len(w)], len(order))
             for m, dx in zip(order, grads[0].chunk(len(order))):
                 self.activations.drop(u, m)
                 if u > 0:
@@ -430,27 +430,33 @@ class SnakeEngine:
             return weights.device_tensor()
         return weights.fetch(weights.new_buffer())
 
-    def _weights(self, u: int) -> Tensor:
-        """The resident unit's compute weights as a grad-requiring leaf (fetching them if needed)."""
+    def _weights(self, u: int) -> list[Tensor]:
+        """The resident unit's compute weights, one grad-requiring leaf per parameter (fetching them if needed)."""
         if self._resident is None or self._resident[0] != u:
             self._resident = None  # release first: at most one unit is held besides the prefetched ones
             start_s = time.perf_counter()
             job = self._prefetched.pop(u, None)
             flat = job.result() if job is not None else self._fetch_weights(u)  # sync point if late
             self._io_wait_s += time.perf_counter() - start_s
-            self._resident = (u, flat.detach().requires_grad_(True))
+            self._resident = (u, self.units[u].layout.leaves(flat))
         return self._resident[1]
 
     # ------------------------------------------------------------------ gradients
-    def _accumulate_unit(self, u: int, grad: Tensor, num_tasks: int) -> None:
+    def _accumulate_unit(self, u: int, grads: tuple[Tensor, ...], num_tasks: int) -> None:
+        """Add one task's per-parameter gradients into the unit's flat accumulator."""
         if self._acc is not None and self._acc[0] != u:
             self._flush_grad_accumulator()
+        slots = self.units[u].layout.slots
         if self._acc is None:
-            # The first gradient becomes the accumulator (autograd hands us a fresh tensor): saves a
-            # zero-fill and a pass over the unit.
-            self._acc = (u, grad if grad.dtype == self.dtypes.master else grad.to(self.dtypes.master))
+            # The first task's gradients are copied in (no zero-fill, no extra pass).
+            acc = torch.empty(self.units[u].layout.numel, dtype=self.dtypes.master, device=self.device)
+            for s, g in zip(slots, grads):
+                acc[s.offset:s.offset + s.numel].copy_(g.reshape(-1))
+            self._acc = (u, acc)
         else:
-            self._acc[1].add_(grad)
+            acc = self._acc[1]
+            for s, g in zip(slots, grads):
+                acc[s.offset:s.offset + s.numel].add_(g.reshape(-1))
         self._bwd_done[u] += num_tasks
         if self._bwd_done[u] == self.schedule.num_micro_batches:
             self._flush_grad_accumulator()  # complete: hand it to the optimizer worker right away

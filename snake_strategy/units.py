@@ -35,15 +35,22 @@ class UnitLayout:
     numel: int
     buffers: list[dict[str, Tensor]] = field(default_factory=list)  # per block, on the device
 
-    def views(self, flat: Tensor) -> list[dict[str, Tensor]]:
-        """Per-block parameter dicts viewing into ``flat`` (no copies)."""
-        per_block: list[dict[str, Tensor]] = [dict(b) for b in self.buffers]
-        for s in self.slots:
-            per_block[s.block][s.name] = flat[s.offset:s.offset + s.numel].view(s.shape)
-        return per_block
+    def leaves(self, flat: Tensor) -> list[Tensor]:
+        """One grad-requiring leaf per parameter, each a view into ``flat`` (no copies), in slot order.
 
-    def forward(self, flat: Tensor, hidden: Tensor) -> Tensor:
-        for block, tensors in zip(self.blocks, self.views(flat)):
+        Separate leaves rather than views of one flat leaf: autograd would turn every view's gradient
+        into a zero-filled flat-sized tensor and sum them (measured: 2x slower steps on r1).
+        """
+        return [flat[s.offset:s.offset + s.numel].view(s.shape).detach().requires_grad_(True) for s in self.slots]
+
+    def forward(self, params: Tensor | list[Tensor], hidden: Tensor) -> Tensor:
+        """Run the unit's blocks on ``hidden`` with ``params`` (a flat vector or ``leaves``)."""
+        if isinstance(params, Tensor):
+            params = [params[s.offset:s.offset + s.numel].view(s.shape) for s in self.slots]
+        per_block: list[dict[str, Tensor]] = [dict(b) for b in self.buffers]
+        for s, value in zip(self.slots, params):
+            per_block[s.block][s.name] = value
+        for block, tensors in zip(self.blocks, per_block):
             hidden = functional_call(block, tensors, (hidden,))
         return hidden
 
