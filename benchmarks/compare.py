@@ -92,7 +92,8 @@ def run_worker(system: str, preset: dict, ssd_dir: str, alpha: float, split_back
         storage = snake_strategy.StorageConfig(ssd_dir=ssd_dir, weights={"ssd": 1.0}, optimizer={"ssd": 1.0},
                                                gradients={"host": 1.0}, checkpoints={"host": 1.0})
         schedule = snake_strategy.ScheduleConfig(kind=system, num_micro_batches=num_micro, alpha=alpha,
-                                                 split_backward=split_backward and system == "vertical")
+                                                 split_backward=split_backward and system == "vertical",
+                                                 batched_forward=split_backward and system == "vertical")
         strategy = snake_strategy.GreedySnakeStrategy(storage=storage, schedule=schedule, hardware="probe")
         trainer = L.Trainer(strategy=strategy, **common)
         trainer.fit(module, train_dataloaders=_loader(cfg.context_len, micro * num_micro, steps))
@@ -232,7 +233,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--preset", default="r1", choices=sorted(PRESETS))
     p.add_argument("--systems", default=",".join(SYSTEMS))
     p.add_argument("--alpha", type=float, default=0.25)
-    p.add_argument("--split-backward", action="store_true")
+    p.add_argument("--split-backward", action="store_true",
+                   help="vertical: batched unit forward and split (batched) backward over all micro-batches")
     p.add_argument("--num-micro", type=int, default=None)
     p.add_argument("--sweep", default=None, help="comma-separated micro-batch counts (horizontal vs vertical)")
     p.add_argument("--ssd-root", default=None, help="directory for the SSD tiers (default: the temp dir)")

@@ -119,6 +119,9 @@ class ScheduleConfig:
     # Backward of a unit as one batched pass over all its micro-batches (one weight-gradient product
     # per Linear; vertical schedule only; blocks must be deterministic, e.g. dropout 0).
     split_backward: bool = False
+    # Forward of a unit as one batched pass over all its micro-batches (vertical only; the
+    # checkpoints are still kept per micro-batch). Larger matmuls run faster on CPUs.
+    batched_forward: bool = False
     # How many upcoming units' weights are fetched ahead of use (0 = fetch on demand, no overlap).
     prefetch_depth: int = 1
 
@@ -130,6 +133,8 @@ class ScheduleConfig:
         if self.split_backward and self.kind != "vertical":
             raise ValueError("schedule.split_backward=true needs schedule.kind='vertical' (it batches all "
                              "micro-batches of a unit, which only the vertical order has at hand)")
+        if self.batched_forward and self.kind != "vertical":
+            raise ValueError("schedule.batched_forward=true needs schedule.kind='vertical'")
         if self.prefetch_depth < 0:
             raise ValueError(f"schedule.prefetch_depth={self.prefetch_depth} must be >= 0")
         if self.num_micro_batches < 1:

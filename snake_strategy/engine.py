@@ -104,11 +104,11 @@ class SnakeEngine:
         missing = [n for n, p in self.module.named_parameters() if id(p) not in block_param_ids and id(p) not in group_of]
         if missing:
             raise ValueError(f"parameters {missing} are not in the optimizer; configure_optimizers must cover them")
-        if self.schedule.split_backward:
+        if self.schedule.split_backward or self.schedule.batched_forward:
             dropouts = [m for m in self.module.blocks.modules() if isinstance(m, nn.Dropout) and m.p > 0]
             if dropouts:
-                raise ValueError("schedule.split_backward=true recomputes a unit over all micro-batches at once, "
-                                 "which cannot replay per-micro-batch dropout masks; set the blocks' dropout to 0")
+                raise ValueError("schedule.split_backward / batched_forward run a unit over all micro-batches at "
+                                 "once, which cannot replay per-micro-batch dropout masks; set the blocks' dropout to 0")
         self.nonlayer_group = [group_of[id(p)] for p in self.nonlayer]
         self.tasks = build_tasks(self.schedule.kind, len(self.layouts), self.schedule.num_micro_batches)
         self._check_ssd_space()
@@ -307,6 +307,7 @@ class SnakeEngine:
         self._grad_partial = [False] * len(self.units)
         self._bwd_done = [0] * len(self.units)
         self._act_grads: dict[int, Tensor] = {}
+        self._fwd_done: set[int] = set()
         self._rng: dict[tuple[int, int], Any] = {}
         self._nonlayer_used = [False] * len(self.nonlayer)
         self._grad_sq = torch.zeros((), dtype=torch.float64)  # sum of squared block gradients (norm clipping)
@@ -320,7 +321,7 @@ class SnakeEngine:
             if task.kind == BACKWARD:
                 losses += self._backward_task(index, micro_batches)
             else:
-                self._forward_task(task.unit, task.micro, micro_batches[task.micro])
+                self._forward_task(index, micro_batches)
         self._flush_grad_accumulator()
         self.overlap.end_forward_parts()
         self._resident = None
@@ -336,17 +337,30 @@ class SnakeEngine:
         }
         return mean_loss
 
-    def _forward_task(self, u: int, m: int, micro_batch: Any) -> None:
+    def _forward_task(self, index: int, micro_batches: list[Any]) -> None:
+        task = self.tasks[index]
+        u = task.unit
+        if self.schedule.batched_forward:
+            if u in self._fwd_done:
+                return  # the unit's first forward task already ran every micro-batch
+            self._fwd_done.add(u)
+            order = [t.micro for t in self.tasks[index:] if t.kind != BACKWARD and t.unit == u]
+        else:
+            order = [task.micro]
         with torch.no_grad(), self._autocast():
             if u == 0:
-                self._rng[(-1, m)] = _rng_state(self.device)
-                self.activations.put(0, m, self.module.pre_stage(micro_batch))
-            x = self.activations.get(u, m)
+                for m in order:
+                    self._rng[(-1, m)] = _rng_state(self.device)
+                    self.activations.put(0, m, self.module.pre_stage(micro_batches[m]))
+            xs = [self.activations.get(u, m) for m in order]
             w = self._weights(u)
-            self._rng[(u, m)] = _rng_state(self.device)
-            y = self.units[u].layout.forward(w, x)
-        self.activations.put(u + 1, m, y)
-        self.checkpoint_bytes = y.numel() * y.element_size()
+            for m in order:
+                self._rng[(u, m)] = _rng_state(self.device)
+            # One product per Linear over all micro-batches when batched (larger matmuls run faster).
+            y = self.units[u].layout.forward(w, torch.cat(xs) if len(xs) > 1 else xs[0])
+        for m, y_m in zip(order, y.chunk(len(order))):
+            self.activations.put(u + 1, m, y_m)
+        self.checkpoint_bytes = y_m.numel() * y_m.element_size()
 
     def _backward_task(self, index: int, micro_batches: list[Any]) -> list[Tensor]:
         task = self.tasks[index]

@@ -62,17 +62,18 @@ def _assert_close(a, b, precision, what):
             torch.testing.assert_close(a[name], b[name], rtol=1e-5, atol=1e-5, msg=f"{what} {name}")
 
 
-@pytest.mark.parametrize("split_backward", [False, True])
+@pytest.mark.parametrize("split_backward,batched_forward", [(False, False), (True, False), (False, True), (True, True)])
 @pytest.mark.parametrize("alpha", [0.0, 0.25, 0.5])
 @pytest.mark.parametrize("precision", ["64-true", "32-true"])
-def test_optimizer_overlap_is_exact(precision, alpha, split_backward, tmp_path):
+def test_optimizer_overlap_is_exact(precision, alpha, split_backward, batched_forward, tmp_path):
     """The optimizer overlap runs undisturbed for 5 steps (nothing reads the weights until the end),
     with an LR schedule that changes every step, weights and moments on SSD."""
     module_kw = dict(warmup_steps=2, max_steps=STEPS)
     ref = run_reference(SMALL_GPT, STEPS, MICRO, MICRO_SIZE, precision, **module_kw)
     storage = dict(STORAGES["ssd"], ssd_dir=str(tmp_path / "ssd"))
     got, strategy = run_snake(SMALL_GPT, STEPS, MICRO, MICRO_SIZE, precision, storage=storage,
-                              schedule_extra={"alpha": alpha, "split_backward": split_backward},
+                              schedule_extra={"alpha": alpha, "split_backward": split_backward,
+                                              "batched_forward": batched_forward},
                               only_last=True, **module_kw)
     assert len(got) == 1
     _assert_close(got[0], ref[-1], precision, f"alpha={alpha} split_backward={split_backward}")
