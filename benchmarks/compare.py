@@ -30,7 +30,7 @@ PRESETS = {
     "io_bound": dict(model="io_bound", context_len=32, micro_batch_size=1, num_micro=8, steps=5),
     "tiny": dict(model="tiny", context_len=64, micro_batch_size=2, num_micro=4, steps=6),
 }
-SYSTEMS = ("plain", "horizontal", "vertical", "zero_infinity")
+SYSTEMS = ("plain", "horizontal", "vertical", "vertical_batched", "zero_infinity")
 
 
 # ---------------------------------------------------------------------- worker side (one system)
@@ -91,9 +91,12 @@ def run_worker(system: str, preset: dict, ssd_dir: str, alpha: float, split_back
     else:
         storage = snake_strategy.StorageConfig(ssd_dir=ssd_dir, weights={"ssd": 1.0}, optimizer={"ssd": 1.0},
                                                gradients={"host": 1.0}, checkpoints={"host": 1.0})
-        schedule = snake_strategy.ScheduleConfig(kind=system, num_micro_batches=num_micro, alpha=alpha,
-                                                 split_backward=split_backward and system == "vertical",
-                                                 batched_forward=split_backward and system == "vertical")
+        # "vertical_batched": the vertical schedule with each unit's forward and backward batched over
+        # all its micro-batches (batched_forward + split_backward): bigger matmuls, same traffic.
+        batched = system == "vertical_batched" or (split_backward and system == "vertical")
+        schedule = snake_strategy.ScheduleConfig(kind="horizontal" if system == "horizontal" else "vertical",
+                                                 num_micro_batches=num_micro, alpha=alpha,
+                                                 split_backward=batched, batched_forward=batched)
         strategy = snake_strategy.GreedySnakeStrategy(storage=storage, schedule=schedule, hardware="probe")
         trainer = L.Trainer(strategy=strategy, **common)
         trainer.fit(module, train_dataloaders=_loader(cfg.context_len, micro * num_micro, steps))
@@ -166,8 +169,14 @@ def compare(preset_name: str, args) -> dict:
     if vertical:
         report["roofline_s_per_step"] = vertical["prediction"]["roofline_s"]
         report["roofline_bound"] = vertical["prediction"]["bound"]
-        ratios = {f"{other}_over_vertical": ok[other]["s_per_step"] / vertical["s_per_step"] for other in ok if other != "vertical"}
-        ratios["vertical_over_roofline"] = vertical["s_per_step"] / report["roofline_s_per_step"]
+        ratios = {}
+        for mine in ("vertical", "vertical_batched"):
+            if mine not in ok:
+                continue
+            for other in ("plain", "horizontal", "zero_infinity"):
+                if other in ok:
+                    ratios[f"{other}_over_{mine}"] = ok[other]["s_per_step"] / ok[mine]["s_per_step"]
+            ratios[f"{mine}_over_roofline"] = ok[mine]["s_per_step"] / ok[mine]["prediction"]["roofline_s"]
         report["ratios"] = ratios
     return report
 
