@@ -117,7 +117,7 @@ def split_micro_batches(batch: Any, num_micro_batches: int) -> list[Any]:
 
     Raises ValueError when the batch size is not a multiple of ``num_micro_batches``.
     """
-    sizes = {t.shape[0] for t in _tensors(batch)}
+    sizes = {t.shape[0] for t in batch_tensors(batch)}
     if not sizes:
         raise ValueError("the batch holds no tensors to split into micro-batches")
     if len(sizes) != 1:
@@ -133,13 +133,14 @@ def split_micro_batches(batch: Any, num_micro_batches: int) -> list[Any]:
     return [_map(batch, lambda t, i=i: t[i * step:(i + 1) * step]) for i in range(num_micro_batches)]
 
 
-def _tensors(batch: Any) -> list[Tensor]:
+def batch_tensors(batch: Any) -> list[Tensor]:
+    """Every tensor in a (nested) batch, in order."""
     if isinstance(batch, Tensor):
         return [batch]
     if isinstance(batch, dict):
-        return [t for v in batch.values() for t in _tensors(v)]
+        return [t for v in batch.values() for t in batch_tensors(v)]
     if isinstance(batch, (list, tuple)):
-        return [t for v in batch for t in _tensors(v)]
+        return [t for v in batch for t in batch_tensors(v)]
     return []
 
 

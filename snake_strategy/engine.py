@@ -29,6 +29,7 @@ from typing import Any, Callable
 import torch
 from torch import Tensor, nn
 
+from snake_strategy import accounting
 from snake_strategy.activations import ActivationStore
 from snake_strategy.config import ScheduleConfig, StorageConfig
 from snake_strategy.contract import check_contract, split_micro_batches
@@ -111,7 +112,7 @@ class SnakeEngine:
                                  "once, which cannot replay per-micro-batch dropout masks; set the blocks' dropout to 0")
         self.nonlayer_group = [group_of[id(p)] for p in self.nonlayer]
         self.tasks = build_tasks(self.schedule.kind, len(self.layouts), self.schedule.num_micro_batches)
-        self._check_ssd_space()
+        accounting.check_ssd_space(self)
         self._check_host_budget()
         self._materialize()
         self.activations = ActivationStore(
@@ -129,74 +130,19 @@ class SnakeEngine:
         split = getattr(self.storage, "optimizer" if state in ("exp_avg", "exp_avg_sq") else state)
         return TieredTensor(name, state, numel, dtype, split, self.device, self.counters, self.io, self.ssd)
 
-    def _check_ssd_space(self) -> None:
-        if self.ssd is None:
-            return
-        numel = sum(layout.numel for layout in self.layouts)
-        master_bytes = torch.empty((), dtype=self.dtypes.master).element_size()
-        compute_bytes = torch.empty((), dtype=self.dtypes.compute).element_size()
-        s = self.storage
-        needed = numel * (compute_bytes * s.weights.ssd + 2 * master_bytes * s.optimizer.ssd)
-        needed += self._stored_gradient_elems() * master_bytes * s.gradients.ssd
-        if self.dtypes.compute != self.dtypes.master:
-            needed += numel * master_bytes * s.master.ssd
-        self.ssd.check_free_space(int(needed), "weights, master weights, optimizer moments and gradients")
-
     def host_bytes_plan(self, checkpoint_bytes: int = 0) -> dict[str, int]:
-        """Host memory the plan needs, by item (on a CPU device, "device" shares live in host memory too).
-
-        ``checkpoint_bytes`` is one unit input of one micro-batch (known once a batch has been seen).
-        """
-        from snake_strategy.overlap import STEP_CHUNK_ELEMS
-
-        def size(dtype: torch.dtype) -> int:
-            return torch.empty((), dtype=dtype).element_size()
-
-        e_c, e_m = size(self.dtypes.compute), size(self.dtypes.master)
-        on_cpu = self.device.type == "cpu"
-        s = self.storage
-
-        def in_memory(split) -> float:
-            return split.host + (split.device if on_cpu else 0.0)
-
-        numel = sum(layout.numel for layout in self.layouts)
-        unit = max(layout.numel for layout in self.layouts)
-        plan = {
-            "weights": int(numel * e_c * in_memory(s.weights)),
-            "optimizer_moments": int(2 * numel * e_m * in_memory(s.optimizer)),
-            "gradients": int(self._stored_gradient_elems() * e_m * in_memory(s.gradients)),
-            # compute copy, 2 moments, gradient accumulator, and one transient gradient from autograd
-            "nonlayer_params_and_state": sum(p.numel() for p in self.nonlayer)
-            * (e_c + 4 * e_m + (e_m if self.dtypes.compute != self.dtypes.master else 0)),
-            # resident + prefetched units, two gradient accumulators (one filling, one with the worker),
-            # the worker's chunk of master + moments + gradient
-            "working_buffers": (1 + self.schedule.prefetch_depth) * unit * e_c + 2 * unit * e_m
-            + 4 * min(unit, STEP_CHUNK_ELEMS) * e_m,
-        }
-        if self.dtypes.compute != self.dtypes.master:
-            plan["master"] = int(numel * e_m * in_memory(s.master))
-        if checkpoint_bytes:
-            num_micro = self.schedule.num_micro_batches
-            on_ssd = len(self.activations._ssd_micro) if hasattr(self, "activations") else 0
-            plan["checkpoints"] = (num_micro - on_ssd) * len(self.layouts) * checkpoint_bytes
-            plan["activation_grads"] = num_micro * checkpoint_bytes
-        return plan
+        """Host memory the plan needs, by item (see accounting.host_bytes_plan)."""
+        return accounting.host_bytes_plan(self, checkpoint_bytes)
 
     def _check_host_budget(self, checkpoint_bytes: int = 0) -> None:
-        budget = self.storage.host_budget_bytes
-        if budget is None:
-            return
-        plan = self.host_bytes_plan(checkpoint_bytes)
-        needed = sum(plan.values())
-        if needed > budget:
-            biggest = ", ".join(f"{k} {v / 2**30:.2f} GiB" for k, v in sorted(plan.items(), key=lambda kv: -kv[1]))
-            raise ValueError(
-                f"the plan needs {needed / 2**30:.2f} GiB ({needed} bytes) of host memory but "
-                f"storage.host_budget_bytes allows {budget / 2**30:.2f} GiB ({budget} bytes): {biggest}. "
-                "To fit: move weights/optimizer/gradients/checkpoints shares to 'ssd', lower "
-                "schedule.prefetch_depth, use smaller units (schedule.blocks_per_unit), fewer micro-batches "
-                "or a smaller micro-batch, or raise storage.host_budget_bytes"
-            )
+        accounting.check_host_budget(self, checkpoint_bytes)
+
+    def model_shape(self, micro_batch: Any, checkpoint_bytes: int):
+        """The planner's view of this model (see accounting.model_shape)."""
+        return accounting.model_shape(self, micro_batch, checkpoint_bytes)
+
+    def largest_block_matrix(self) -> tuple[int, int]:
+        return accounting.largest_block_matrix(self)
 
     def _materialize(self) -> None:
         """Give every parameter real storage in its tiers, initialising meta ones in ``apply`` order."""
@@ -276,13 +222,6 @@ class SnakeEngine:
         # overflowed before anything is updated: both defer each unit's whole update to the next forward.
         defer_all = self.dtypes.loss_scaling or (self.clip is not None and self.clip[0] == "norm")
         return 1.0 if defer_all else self.schedule.alpha
-
-    def _stored_gradient_elems(self) -> int:
-        """Elements the gradient store really holds: the horizontal schedule parks whole partial sums;
-        the vertical one only each unit's forward part (nothing at alpha 0)."""
-        if self.schedule.kind == "horizontal":
-            return sum(layout.numel for layout in self.layouts)
-        return sum(forward_split(layout.numel, self._effective_alpha()) for layout in self.layouts)
 
     # ------------------------------------------------------------------ one optimizer step
     def train_step(self, batch: Any) -> Tensor:
@@ -625,29 +564,6 @@ class SnakeEngine:
         for u in range(len(self.units)):
             out.update({f"{blocks_prefix}.{k}": v for k, v in self.unit_parameters(u).items()})
         return out
-
-    def model_shape(self, micro_batch: Any, checkpoint_bytes: int) -> "ModelShape":
-        """The planner's view of this model for the given micro-batch (shapes only, no compute)."""
-        from snake_strategy.planner import ModelShape
-        from snake_strategy.contract import _tensors
-
-        block_ids = {id(p) for p in self.module.blocks.parameters()}
-        head = {id(m.weight): m.weight.numel() for m in self.module.modules()
-                if isinstance(m, nn.Linear) and id(m.weight) not in block_ids}
-        tokens = max((t.numel() for t in _tensors(micro_batch) if not t.is_floating_point()), default=0)
-        tokens = tokens or _tensors(micro_batch)[0].shape[0]
-        return ModelShape(
-            num_units=len(self.units), params_per_unit=max(u.layout.numel for u in self.units),
-            nonlayer_params=sum(p.numel() for p in self.nonlayer), head_params=sum(head.values()),
-            tokens_per_micro=tokens, num_micro=self.schedule.num_micro_batches, checkpoint_bytes=checkpoint_bytes,
-            weight_bytes=torch.empty((), dtype=self.dtypes.compute).element_size(),
-            master_bytes=torch.empty((), dtype=self.dtypes.master).element_size(),
-        )
-
-    def largest_block_matrix(self) -> tuple[int, int]:
-        """(out, in) of the largest 2-D block parameter: the matmul shape the compute roof is probed at."""
-        shapes = [s.shape for u in self.units for s in u.layout.slots if len(s.shape) == 2]
-        return tuple(max(shapes, key=lambda sh: sh[0] * sh[1])) if shapes else (1, 1)
 
     def nonlayer_state(self) -> dict[str, Any]:
         """The non-layer parameters' optimizer state (CPU copies) for checkpoints."""
