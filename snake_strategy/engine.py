@@ -349,10 +349,15 @@ class SnakeEngine:
                 self.activations.drop(u, m)
                 if u > 0:
                     self._act_grads[m] = dx
-                else:
+            if u == 0:
+                # The embedding's backward, once for all micro-batches of the task (one dense
+                # embedding gradient instead of one per micro-batch), each replaying its RNG stream.
+                hidden = []
+                for m in order:
                     with _restored_rng(self._rng.pop((-1, m)), self.device), self._autocast():
-                        h = self.module.pre_stage(micro_batches[m])
-                    self._accumulate_nonlayer(torch.autograd.grad(h, self.nonlayer, dx, allow_unused=True))
+                        hidden.append(self.module.pre_stage(micro_batches[m]))
+                h = torch.cat(hidden) if len(hidden) > 1 else hidden[0]
+                self._accumulate_nonlayer(torch.autograd.grad(h, self.nonlayer, grads[0], allow_unused=True))
         return losses
 
     def _post_losses(self, hidden: Tensor, batches: list[Any]) -> list[Tensor]:
