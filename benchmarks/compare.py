@@ -41,7 +41,6 @@ def _proc_io() -> tuple[int, int]:
 
 
 def _loader(context_len: int, batch_size: int, num_batches: int):
-    import torch
     from torch.utils.data import DataLoader, Subset
 
     from snake_strategy.data import ByteWindows, load_corpus

@@ -37,8 +37,6 @@ def host_bytes_plan(engine: SnakeEngine, checkpoint_bytes: int = 0) -> dict[str,
 
     ``checkpoint_bytes`` is one unit input of one micro-batch (known once a batch has been seen).
     """
-    from snake_strategy.overlap import STEP_CHUNK_ELEMS
-
     def size(dtype: torch.dtype) -> int:
         return torch.empty((), dtype=dtype).element_size()
 

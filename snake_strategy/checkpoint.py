@@ -32,10 +32,6 @@ STATES = ("master", "exp_avg", "exp_avg_sq")
 _DTYPES = {str(d): d for d in (torch.float32, torch.float64, torch.bfloat16, torch.float16)}
 
 
-def is_snake_checkpoint(path: str | os.PathLike) -> bool:
-    return os.path.isdir(path) and os.path.exists(os.path.join(path, "manifest.json"))
-
-
 def save(engine: SnakeEngine, checkpoint: dict[str, Any], path: str | os.PathLike) -> None:
     final = Path(path)
     tmp = final.with_name(f".{final.name}.tmp-{os.getpid()}")

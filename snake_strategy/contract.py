@@ -15,7 +15,6 @@ from __future__ import annotations
 from typing import Any
 
 import lightning.pytorch as pl
-import torch
 from torch import Tensor, nn
 
 CONTRACT_DOC = (

@@ -383,10 +383,7 @@ class SnakeEngine:
 
     def _fetch_weights(self, u: int) -> Tensor:
         self.overlap.wait_forward_part(u)  # the deferred update of this unit must land first
-        weights = self.units[u].weights
-        if weights.resident:
-            return weights.device_tensor()
-        return weights.fetch(weights.new_buffer())
+        return self.units[u].weights.acquire()
 
     def _weights(self, u: int) -> list[Tensor]:
         """The resident unit's compute weights, one grad-requiring leaf per parameter (fetching them if needed)."""
@@ -427,7 +424,7 @@ class SnakeEngine:
         store = self.units[u].grads
         if self._grad_partial[u]:
             # Horizontal schedule: an earlier micro-batch left a partial gradient; read, add.
-            acc.add_(store.device_tensor() if store.resident else store.fetch(store.new_buffer()))
+            acc.add_(store.acquire())
         if self._bwd_done[u] == self.schedule.num_micro_batches:
             # Complete: the worker steps the backward part and parks the forward part's gradient.
             if self.dtypes.loss_scaling:

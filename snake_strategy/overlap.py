@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 from snake_strategy.optim import AdamHyperParams, adam_step
-from snake_strategy.storage import TieredTensor, aligned_empty
+from snake_strategy.storage import TieredTensor
 from snake_strategy.storage.tiered import ALIGN_ELEMS
 from snake_strategy.units import UnitLayout
 
@@ -120,7 +120,7 @@ class OptimizerOverlap:
     def _forward_job(self, u: int, hps: list[AdamHyperParams], step_before: int, grad_scale: float | None) -> None:
         unit = self._units[u]
         start_s = time.perf_counter()
-        grad = _acquire_range(unit.grads, 0, unit.split)
+        grad = unit.grads.acquire(0, unit.split)
         if grad_scale is not None:
             grad.mul_(grad_scale)  # as torch.nn.utils.clip_grad_norm_ does, even when the factor is 1
         self._step_range(unit, 0, unit.split, grad, hps, step_before)
@@ -161,9 +161,9 @@ class OptimizerOverlap:
     def _step_chunk(self, unit: UnitStore, lo: int, hi: int, grad: torch.Tensor,
                     hps: list[AdamHyperParams], step_before: int) -> None:
         with torch.no_grad():
-            master = _acquire_range(unit.master, lo, hi)
-            exp_avg = _acquire_range(unit.exp_avg, lo, hi)
-            exp_avg_sq = _acquire_range(unit.exp_avg_sq, lo, hi)
+            master = unit.master.acquire(lo, hi)
+            exp_avg = unit.exp_avg.acquire(lo, hi)
+            exp_avg_sq = unit.exp_avg_sq.acquire(lo, hi)
             grad = grad.to(master.device, non_blocking=True)
             for group, start, end in unit.layout.group_ranges:
                 s, e = max(start, lo) - lo, min(end, hi) - lo
@@ -189,13 +189,6 @@ class OptimizerOverlap:
     def close(self) -> None:
         self._pool.shutdown(wait=True)
         self._backward_jobs, self._deferred = {}, None
-
-
-def _acquire_range(t: TieredTensor, lo: int, hi: int) -> torch.Tensor:
-    if t.resident:
-        return t.device_tensor()[lo:hi]
-    buffer = aligned_empty(hi - lo, t.dtype) if t.device.type == "cpu" else torch.empty(hi - lo, dtype=t.dtype, device=t.device)
-    return t.fetch(buffer, lo, hi)
 
 
 def _release_range(t: TieredTensor, value: torch.Tensor, lo: int, hi: int):

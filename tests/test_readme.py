@@ -4,7 +4,6 @@ import re
 from pathlib import Path
 
 import lightning as L
-import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 

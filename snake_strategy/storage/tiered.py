@@ -78,11 +78,20 @@ class TieredTensor:
             raise AssertionError(f"{self.name} is not fully device-resident")
         return self._device_seg
 
-    def new_buffer(self) -> torch.Tensor:
-        """A working buffer the tensor can be fetched into (page-aligned on CPU)."""
+    def new_buffer(self, numel: int | None = None) -> torch.Tensor:
+        """A working buffer (of ``numel`` elements, default all) to fetch into; page-aligned on CPU."""
+        numel = self.numel if numel is None else numel
         if self.device.type == "cpu":
-            return aligned_empty(self.numel, self.dtype)
-        return torch.empty(self.numel, dtype=self.dtype, device=self.device)
+            return aligned_empty(numel, self.dtype)
+        return torch.empty(numel, dtype=self.dtype, device=self.device)
+
+    def acquire(self, lo: int = 0, hi: int | None = None) -> torch.Tensor:
+        """Elements [lo, hi) on the device: the resident storage itself when fully device-resident
+        (in place, no copy), else a fresh buffer fetched from the tiers (blocking)."""
+        hi = self.numel if hi is None else hi
+        if self.resident:
+            return self._device_seg[lo:hi]
+        return self.fetch(self.new_buffer(hi - lo), lo, hi)
 
     def start_fetch(self, out: torch.Tensor, lo: int = 0, hi: int | None = None) -> Ticket:
         """Begin filling ``out`` with elements [lo, hi); the SSD part runs on the I/O threads.
