@@ -91,11 +91,11 @@ def run_worker(system: str, preset: dict, ssd_dir: str, alpha: float, split_back
         storage = snake_strategy.StorageConfig(ssd_dir=ssd_dir, weights={"ssd": 1.0}, optimizer={"ssd": 1.0},
                                                gradients={"host": 1.0}, checkpoints={"host": 1.0})
         # "vertical_batched": the vertical schedule with each unit's forward and backward batched over
-        # all its micro-batches (batched_forward + split_backward): bigger matmuls, same traffic.
+        # all its micro-batches (batched_forward + batched_backward): bigger matmuls, same traffic.
         batched = system == "vertical_batched" or (split_backward and system == "vertical")
         schedule = snake_strategy.ScheduleConfig(kind="horizontal" if system == "horizontal" else "vertical",
                                                  num_micro_batches=num_micro, alpha=alpha,
-                                                 split_backward=batched, batched_forward=batched)
+                                                 batched_backward=batched, batched_forward=batched)
         strategy = snake_strategy.GreedySnakeStrategy(storage=storage, schedule=schedule, hardware="probe")
         trainer = L.Trainer(strategy=strategy, **common)
         trainer.fit(module, train_dataloaders=_loader(cfg.context_len, micro * num_micro, steps))

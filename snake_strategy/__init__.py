@@ -5,14 +5,19 @@
 from lightning.pytorch.strategies import StrategyRegistry
 
 from snake_strategy.config import ScheduleConfig, StorageConfig, TierSplit
-from snake_strategy.contract import LayeredModule, check_contract
+from snake_strategy.contract import check_contract
+from snake_strategy.engine import EngineHooks
+from snake_strategy.module import LayeredModule
 from snake_strategy.precision import GreedySnakePrecision
 from snake_strategy.strategy import GreedySnakeStrategy
 
 GreedySnakeStrategy.register_strategies(StrategyRegistry)
 
+# pre_stage may return (hidden, side_inputs); the engine passes side inputs to every block.
+SUPPORTS_SIDE_INPUTS = True
+
 __all__ = [
-    "GreedySnakePrecision", "GreedySnakeStrategy", "LayeredModule", "ScheduleConfig", "StorageConfig",
+    "EngineHooks", "GreedySnakePrecision", "GreedySnakeStrategy", "LayeredModule", "ScheduleConfig", "StorageConfig",
     "TierSplit", "check_contract",
 ]
 __version__ = "0.1.0"

@@ -1,19 +1,21 @@
-"""Activation checkpoints: the input of every unit for every micro-batch, kept between the forward
-and the backward pass, on the host or in one SSD file per unit (one page-aligned slot per micro-batch).
+"""Activation checkpoints: the input of every unit for every micro-batch, kept between the forward and
+the backward pass, in memory or in one SSD file per unit (one page-aligned slot per micro-batch).
 
-Following greedysnake.md section 3, the first and last ``host_ends`` micro-batches of each unit stay in
-memory: they are the schedule's turning points, where the next task needs the tensor at once and an
-SSD round trip could not be hidden. The SSD fraction applies to the micro-batches in between.
+Which micro-batches go to the SSD is ``memory.checkpoint_tiers`` (the turning points stay in memory).
+SSD writes are asynchronous from a bounded staging pool: when every staging buffer is in flight, ``put``
+waits for the oldest write (backpressure) instead of allocating more.
 """
 from __future__ import annotations
 
 import os
 import time
+from collections import OrderedDict
 
 import torch
 from torch import Tensor
 
-from snake_strategy.config import TierSplit
+from snake_strategy.config import StorageConfig
+from snake_strategy.memory import checkpoint_tiers
 from snake_strategy.storage import IOEngine, SsdDirectory, TrafficCounters, aligned_empty, round_up
 from snake_strategy.storage.aligned import padded_bytes
 from snake_strategy.storage.io_engine import Ticket
@@ -22,34 +24,27 @@ from snake_strategy.storage.io_engine import Ticket
 class ActivationStore:
     STATE = "checkpoints"
 
-    def __init__(
-        self,
-        split: TierSplit,
-        host_ends: int,
-        num_micro: int,
-        device: torch.device,
-        counters: TrafficCounters,
-        io: IOEngine | None,
-        ssd: SsdDirectory | None,
-    ) -> None:
+    def __init__(self, storage: StorageConfig, num_micro: int, num_units: int, staging_buffers: int,
+                 device: torch.device, counters: TrafficCounters, io: IOEngine | None, ssd: SsdDirectory | None) -> None:
         self._device, self._counters, self._io, self._ssd = device, counters, io, ssd
-        middle = [m for m in range(num_micro) if host_ends <= m < num_micro - host_ends]
-        num_ssd = min(len(middle), round(split.ssd * num_micro))
-        num_device = min(len(middle) - num_ssd, round(split.device * num_micro))
-        self._ssd_micro = set(middle[len(middle) - num_ssd:]) if num_ssd else set()
-        # On a GPU, "device" checkpoints stay in GPU memory; "host" ones move to (pinned) host memory.
-        self._device_micro = set(middle[:num_device])
+        self._num_units, self._staging_limit = num_units, max(1, staging_buffers)
+        self.set_num_micro(storage, num_micro)
         self._in_memory: dict[tuple[int, int], Tensor] = {}
         self._on_ssd: dict[tuple[int, int], tuple[torch.Size, torch.dtype]] = {}
         self._files: dict[int, tuple[int, int]] = {}  # unit -> (fd, slot bytes)
-        self._writes: dict[tuple[int, int], tuple[Ticket, Tensor]] = {}  # in flight, with their staging
+        self._writes: OrderedDict[tuple[int, int], tuple[Ticket, Tensor]] = OrderedDict()  # in flight, oldest first
+        self._spare: list[Tensor] = []  # staging buffers whose write finished, for reuse
         self._reads: dict[tuple[int, int], tuple[Ticket, Tensor]] = {}  # prefetches in flight
+        self._space_checked = False
         self.wait_s = 0.0  # main-thread time blocked on checkpoint I/O
+        self.backpressure_s = 0.0  # of which: waiting for a staging buffer
+
+    def set_num_micro(self, storage: StorageConfig, num_micro: int) -> None:
+        """The tier of every micro-batch for steps of ``num_micro`` micro-batches (a short last batch has fewer)."""
+        self._tiers = checkpoint_tiers(storage, num_micro)
 
     def tier_of(self, micro: int) -> str:
-        if micro in self._ssd_micro:
-            return "ssd"
-        return "device" if micro in self._device_micro else "host"
+        return self._tiers[micro]
 
     def put(self, unit: int, micro: int, hidden: Tensor) -> None:
         """Keep ``hidden`` as the checkpoint of (unit, micro). SSD writes are asynchronous."""
@@ -65,7 +60,7 @@ class ActivationStore:
             self._in_memory[key] = hidden if self._device.type == "cpu" else hidden.to("cpu")
         else:
             fd, slot_bytes = self._file(unit, num_bytes)
-            staging = aligned_empty(hidden.numel(), hidden.dtype)
+            staging = self._staging(hidden.numel(), hidden.dtype)
             staging.copy_(hidden.reshape(-1))  # a copy into a page-aligned buffer (O_DIRECT needs it)
             ticket = self._io.submit_write(fd, micro * slot_bytes, padded_bytes(staging))
             self._writes[key] = (ticket, staging)
@@ -106,34 +101,65 @@ class ActivationStore:
         self._on_ssd.pop(key, None)
 
     def clear(self) -> None:
+        """Forget every checkpoint; waits for the I/O in flight. Raises the first I/O error, after
+        everything has been waited on (teardown relies on it)."""
+        first_error: BaseException | None = None
         for key in list(self._writes):
-            self._finish_write(key)
+            try:
+                self._finish_write(key)
+            except BaseException as err:  # keep draining: a later write must not outlive its buffer
+                first_error = first_error or err
         for ticket, _ in self._reads.values():
-            ticket.wait()
+            try:
+                ticket.wait()
+            except BaseException as err:
+                first_error = first_error or err
         self._reads.clear()
         self._in_memory.clear()
         self._on_ssd.clear()
+        self._spare.clear()
+        if first_error is not None:
+            raise first_error
+
+    def _staging(self, numel: int, dtype: torch.dtype) -> Tensor:
+        if len(self._writes) >= self._staging_limit:
+            start_s = time.perf_counter()
+            self._finish_write(next(iter(self._writes)))  # backpressure: the oldest write must land first
+            self.backpressure_s += time.perf_counter() - start_s
+        while self._spare:
+            buffer = self._spare.pop()
+            if buffer.dtype == dtype and buffer.numel() >= numel:
+                return buffer[:numel]
+        return aligned_empty(numel, dtype)
 
     def _finish_write(self, key: tuple[int, int]) -> None:
         if key in self._writes:
-            ticket, _staging = self._writes.pop(key)
+            ticket, staging = self._writes.pop(key)
             start_s = time.perf_counter()
-            ticket.wait()  # the staging buffer may be freed only once the write is done
-            self.wait_s += time.perf_counter() - start_s
+            try:
+                ticket.wait()  # the staging buffer may be reused only once the write is done
+            finally:
+                self.wait_s += time.perf_counter() - start_s
+            self._spare.append(staging)
 
     def _file(self, unit: int, num_bytes: int) -> tuple[int, int]:
         slot_bytes = round_up(num_bytes)
-        num_slots = max(self._ssd_micro) + 1
+        num_slots = len(self._tiers)
+        if unit in self._files and self._files[unit][1] >= slot_bytes:
+            return self._files[unit]  # a smaller micro-batch (a short last batch) fits the slot
+        if self._ssd is None or self._io is None:
+            raise AssertionError("SSD checkpoints need an SsdDirectory and an IOEngine")
+        if not self._space_checked:
+            # Checkpoint sizes are known only now: check the free space before the first write.
+            self._ssd.check_free_space(slot_bytes * num_slots * self._num_units, "activation checkpoints")
+            self._space_checked = True
         if unit not in self._files:
-            if self._ssd is None or self._io is None:
-                raise AssertionError("SSD checkpoints need an SsdDirectory and an IOEngine")
             self._files[unit] = (self._ssd.open(f"{self.STATE}/unit{unit:05d}.bin", slot_bytes * num_slots), slot_bytes)
-        fd, known = self._files[unit]
-        if known != slot_bytes:
-            if any(key[0] == unit for key in self._on_ssd):
-                raise ValueError(f"unit {unit} produced activations of {num_bytes} bytes after {known}-byte ones in "
-                                 "the same step; all micro-batches of a step must have the same shape")
-            # A new step with another shape (a smaller last batch, another sequence length): resize the file.
-            os.ftruncate(fd, slot_bytes * num_slots)
-            self._files[unit] = (fd, slot_bytes)
-        return fd, slot_bytes
+            return self._files[unit]
+        if any(key[0] == unit for key in self._on_ssd):
+            raise ValueError(f"unit {unit} produced activations of {num_bytes} bytes after {self._files[unit][1]}-byte "
+                             "ones in the same step; all micro-batches of a step must have the same shape")
+        fd = self._files[unit][0]
+        os.ftruncate(fd, slot_bytes * num_slots)  # a new step with a longer sequence: grow the file
+        self._files[unit] = (fd, slot_bytes)
+        return self._files[unit]

@@ -41,14 +41,13 @@ def save(engine: SnakeEngine, checkpoint: dict[str, Any], path: str | os.PathLik
         engine.flush()  # pending deferred updates belong to the saved state
         files = {}
         units = []
-        for u, unit in enumerate(engine.units):
+        for u in range(engine.num_units):
+            values = engine.unit_state(u)
             for state in STATES:
-                value = getattr(unit, state).read_full()
                 name = f"units/unit{u:05d}.{state}.bin"
-                files[name] = _write_raw(tmp / name, value)
-            units.append({"numel": unit.layout.numel, "slots": [
-                [f"{engine._blocks_prefix}.{u * engine.schedule.blocks_per_unit + s.block}.{s.name}",
-                 list(s.shape), s.offset, s.numel] for s in unit.layout.slots]})
+                files[name] = _write_raw(tmp / name, values[state])
+            del values  # one unit in memory at a time
+            units.append({"numel": engine.unit_numel(u), "slots": [list(slot) for slot in engine.unit_slots(u)]})
         torch.save(engine.nonlayer_state(), tmp / "nonlayer.pt")
         files["nonlayer.pt"] = _describe(tmp / "nonlayer.pt")
         torch.save(checkpoint, tmp / "meta.pt")
@@ -86,19 +85,17 @@ def load(engine: SnakeEngine, path: str | os.PathLike) -> dict[str, Any]:
     """Stream a checkpoint into the engine's tiers; returns Lightning's checkpoint dict."""
     root = Path(path)
     manifest = read_manifest(root)
-    if len(manifest["units"]) != len(engine.units) or manifest["blocks_per_unit"] != engine.schedule.blocks_per_unit:
+    if len(manifest["units"]) != engine.num_units or manifest["blocks_per_unit"] != engine.schedule.blocks_per_unit:
         raise ValueError(f"{root} holds {len(manifest['units'])} units of {manifest['blocks_per_unit']} blocks; this "
-                         f"run has {len(engine.units)} of {engine.schedule.blocks_per_unit} (schedule.blocks_per_unit)")
+                         f"run has {engine.num_units} of {engine.schedule.blocks_per_unit} (schedule.blocks_per_unit)")
     dtype = _DTYPES[manifest["master_dtype"]]
     engine.flush()
-    for u, unit in enumerate(engine.units):
-        if manifest["units"][u]["numel"] != unit.layout.numel:
-            raise ValueError(f"{root}: unit {u} has {manifest['units'][u]['numel']} parameters, the model {unit.layout.numel}")
-        for state in STATES:
-            value = _read_raw(root / f"units/unit{u:05d}.{state}.bin", unit.layout.numel, dtype).to(engine.dtypes.master)
-            getattr(unit, state).evict(value)
-            if state == "master" and unit.weights is not unit.master:
-                unit.weights.evict(value.to(engine.dtypes.compute))
+    for u in range(engine.num_units):
+        numel = engine.unit_numel(u)
+        if manifest["units"][u]["numel"] != numel:
+            raise ValueError(f"{root}: unit {u} has {manifest['units'][u]['numel']} parameters, the model {numel}")
+        engine.load_unit_state(u, {state: _read_raw(root / f"units/unit{u:05d}.{state}.bin", numel, dtype)
+                                   for state in STATES})
     engine.load_nonlayer_state(torch.load(root / "nonlayer.pt", map_location="cpu", weights_only=True))
     engine.step_count = manifest["step_count"]
     return torch.load(root / "meta.pt", map_location="cpu", weights_only=False)

@@ -81,6 +81,9 @@ class StorageConfig:
     # Hard cap on the host memory the plan may use (persistent host shares + working buffers +
     # checkpoints kept in memory); None = no cap. Checked at setup and before the first step.
     host_budget_bytes: int | None = None
+    # The optimizer worker steps a unit in chunks of this many elements (a multiple of 4096): its
+    # scratch memory is ~5 chunks whatever the unit size; larger chunks mean fewer, larger transfers.
+    optimizer_chunk_elems: int = 8192 * 4096
 
     def __post_init__(self) -> None:
         if self.host_budget_bytes is not None and self.host_budget_bytes <= 0:
@@ -89,6 +92,9 @@ class StorageConfig:
             setattr(self, state, TierSplit.coerce(getattr(self, state), state))
         if self.checkpoint_host_ends < 0:
             raise ValueError(f"storage.checkpoint_host_ends={self.checkpoint_host_ends} must be >= 0")
+        if self.optimizer_chunk_elems < 4096 or self.optimizer_chunk_elems % 4096:
+            raise ValueError(f"storage.optimizer_chunk_elems={self.optimizer_chunk_elems} must be a positive multiple "
+                             "of 4096 (whole pages of the SSD tier)")
         if self.num_io_threads < 1:
             raise ValueError(f"storage.num_io_threads={self.num_io_threads} must be >= 1")
         if self.ssd_dir is not None:
@@ -114,24 +120,29 @@ class ScheduleConfig:
     num_micro_batches: int = 4
     blocks_per_unit: int = 1
     # Fraction of each unit's parameters whose optimizer step is deferred to the next iteration's
-    # forward (greedysnake.md section 5); the rest is stepped during this iteration's backward.
+    # forward (docs/design.md, "Optimizer overlap"); the rest is stepped during this iteration's backward.
     alpha: float = 0.25
     # Backward of a unit as one batched pass over all its micro-batches (one weight-gradient product
-    # per Linear; vertical schedule only; blocks must be deterministic, e.g. dropout 0).
-    split_backward: bool = False
+    # per Linear; vertical schedule only; blocks must treat samples independently).
+    batched_backward: bool = False
     # Forward of a unit as one batched pass over all its micro-batches (vertical only; the
     # checkpoints are still kept per micro-batch). Larger matmuls run faster on CPUs.
     batched_forward: bool = False
     # How many upcoming units' weights are fetched ahead of use (0 = fetch on demand, no overlap).
     prefetch_depth: int = 1
+    # The old name of batched_backward: refused with the new name, so sweeps fail loudly.
+    split_backward: bool | None = None
 
     def __post_init__(self) -> None:
+        if self.split_backward is not None:
+            raise ValueError("schedule.split_backward was renamed schedule.batched_backward (it runs a unit's backward "
+                             "as one batched pass over all micro-batches); set batched_backward instead")
         if self.kind not in SCHEDULES:
             raise ValueError(f"schedule.kind='{self.kind}' is not one of {SCHEDULES}")
         if not 0.0 <= self.alpha <= 0.5:
             raise ValueError(f"schedule.alpha={self.alpha} must lie in [0, 0.5]")
-        if self.split_backward and self.kind != "vertical":
-            raise ValueError("schedule.split_backward=true needs schedule.kind='vertical' (it batches all "
+        if self.batched_backward and self.kind != "vertical":
+            raise ValueError("schedule.batched_backward=true needs schedule.kind='vertical' (it batches all "
                              "micro-batches of a unit, which only the vertical order has at hand)")
         if self.batched_forward and self.kind != "vertical":
             raise ValueError("schedule.batched_forward=true needs schedule.kind='vertical'")

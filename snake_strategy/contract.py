@@ -1,26 +1,31 @@
-"""The layered-model contract: what a LightningModule must declare so the strategy can stream it.
+"""The layered-model contract: what a module must declare so the strategy can stream it, the checks of
+what its stages return, and the splitting of a batch into micro-batches. No Lightning import.
 
 The strategy never calls a monolithic ``forward`` during training. It drives the model stage by stage:
 
-    batch --pre_stage--> hidden --blocks[0]--> ... --blocks[N-1]--> hidden --post_stage--> outputs
+    batch --pre_stage--> hidden [, side] --blocks[0](hidden, **side)--> ... --> hidden --post_stage--> outputs
     outputs, batch --compute_loss--> scalar loss (mean over the micro-batch)
 
-``pre_stage`` and ``post_stage`` (embedding, final norm, head) are "non-layer" parameters that live on
-the device for the whole run; the ``blocks`` are the offloaded part. Every block maps a hidden tensor
-to a hidden tensor of the same shape and dtype, has no buffers that change during training, and
-keeps no state between calls (the strategy re-runs blocks to recompute activations).
+``pre_stage`` and ``post_stage`` (embedding, final norm, head) are "non-layer" parameters that stay on
+the device; the ``blocks`` are the offloaded part. ``pre_stage`` may also return side inputs, a dict of
+keyword arguments every block receives (rotary tables, attention masks, position ids): computed once per
+micro-batch, kept for the recompute, never offloaded. Every block maps a hidden tensor to a hidden
+tensor of the same shape, has no buffers, and keeps no state between calls (the strategy re-runs blocks
+to recompute activations).
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
-import lightning.pytorch as pl
+import torch
+from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor, nn
 
 CONTRACT_DOC = (
     "A LightningModule trained with strategy='greedysnake' must declare its layers: "
-    "`blocks` (an nn.ModuleList of blocks, hidden -> hidden), `pre_stage(batch) -> hidden` "
-    "(the embedding), `post_stage(hidden) -> outputs` (final norm + head) and "
+    "`blocks` (an nn.ModuleList of blocks, hidden -> hidden), `pre_stage(batch) -> hidden` or "
+    "`(hidden, side_inputs_dict)` (the embedding), `post_stage(hidden) -> outputs` (final norm + head) and "
     "`compute_loss(outputs, batch) -> scalar`. Subclass snake_strategy.LayeredModule to get "
     "forward/training_step/validation_step for free (see README, 'The model contract')."
 )
@@ -51,77 +56,66 @@ def check_contract(module: nn.Module) -> None:
         )
 
 
-class LayeredModule(pl.LightningModule):
-    """Base class for models the greedysnake strategy can train.
+def unpack_pre_stage(out: Any) -> tuple[Tensor, dict[str, Any]]:
+    """``pre_stage``'s return value as (hidden, side inputs), checked."""
+    if isinstance(out, Tensor):
+        return out, {}
+    if isinstance(out, tuple) and len(out) == 2 and isinstance(out[0], Tensor) and isinstance(out[1], Mapping):
+        side = dict(out[1])
+        trained = [k for k, v in side.items()
+                   if any(t.requires_grad for t in batch_tensors(v))]
+        if trained:
+            raise ValueError(f"pre_stage returned side inputs {trained} that require grad; side inputs are not "
+                             "trained through (compute them from buffers or the batch, or .detach() them)")
+        return out[0], side
+    raise ValueError(f"pre_stage must return the hidden Tensor or a tuple (hidden, dict of side inputs); it returned "
+                     f"{_describe(out)}")
 
-    Subclasses implement ``pre_stage``, ``post_stage``, ``compute_loss`` and register ``self.blocks``
-    (in ``__init__`` or, for big models, in ``configure_model``). ``forward``, ``training_step`` and
-    ``validation_step`` then work the same under ``strategy="auto"`` (everything in memory) and under
-    ``strategy="greedysnake"`` (blocks streamed from their storage tiers).
+
+def check_block_output(out: Any, block_index: int) -> Tensor:
+    if not isinstance(out, Tensor):
+        raise ValueError(f"blocks[{block_index}] returned {_describe(out)}; every block must return the hidden "
+                         "Tensor alone (wrap layers that return tuples, e.g. `return layer(x, **kw)[0]`)")
+    return out
+
+
+def stack_side_inputs(sides: list[dict[str, Any]], sizes: list[int]) -> dict[str, Any]:
+    """One side-input dict for a batched pass over micro-batches of ``sizes`` samples.
+
+    Tensors whose dim 0 is the micro-batch size are per-sample and get concatenated; anything else must
+    be the same object or equal in every micro-batch (e.g. a shared rotary table) and is passed once.
     """
+    if len(sides) == 1:
+        return sides[0]
+    keys = set(sides[0])
+    if any(set(s) != keys for s in sides):
+        raise ValueError("pre_stage returned different side-input keys for different micro-batches")
 
-    def pre_stage(self, batch: Any) -> Tensor:
-        raise NotImplementedError("implement pre_stage(batch) -> hidden (the embedding)")
+    def merge(values: list[Any], key: str) -> Any:
+        first = values[0]
+        if isinstance(first, Tensor):
+            if first.dim() and all(v.shape[0] == n for v, n in zip(values, sizes)):
+                return torch.cat(values)
+            if all(v is first or (v.shape == first.shape and torch.equal(v, first)) for v in values):
+                return first
+            raise ValueError(f"side input '{key}' differs between micro-batches but is not per-sample (dim 0 "
+                             "is not the micro-batch size); a batched pass cannot combine it")
+        if isinstance(first, (tuple, list)):
+            return type(first)(merge([v[i] for v in values], key) for i in range(len(first)))
+        if all(v == first for v in values):
+            return first
+        raise ValueError(f"side input '{key}' differs between micro-batches; a batched pass cannot combine it")
 
-    def post_stage(self, hidden: Tensor) -> Tensor:
-        raise NotImplementedError("implement post_stage(hidden) -> outputs (final norm + head)")
-
-    def compute_loss(self, outputs: Tensor, batch: Any) -> Tensor:
-        raise NotImplementedError("implement compute_loss(outputs, batch) -> scalar mean loss")
-
-    def init_module_weights(self, module: nn.Module) -> None:
-        """Initialise one module's own parameters (called through ``nn.Module.apply``).
-
-        The strategy materializes the model one unit at a time from the meta device and calls this on
-        every sub-module in the same order as ``self.apply(self.init_module_weights)`` would, so a
-        seeded run initialises the same numbers either way. The default defers to ``reset_parameters``.
-        """
-        reset = getattr(module, "reset_parameters", None)
-        if callable(reset):
-            reset()
-
-    def forward(self, batch: Any) -> Tensor:
-        strategy = self._trainer.strategy if self._trainer is not None else None
-        streamed = getattr(strategy, "streamed_forward", None)
-        if streamed is not None:
-            # Under greedysnake the blocks live in their tiers: the strategy streams them in.
-            return streamed(batch)
-        hidden = self.pre_stage(batch)
-        for block in self.blocks:
-            hidden = block(hidden)
-        return self.post_stage(hidden)
-
-    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
-        # Used by plain Lightning strategies only; greedysnake runs its own schedule.
-        loss = self.compute_loss(self(batch), batch)
-        self.log("train_loss", loss, prog_bar=True)
-        return loss
-
-    def validation_step(self, batch: Any, batch_idx: int) -> Tensor:
-        loss = self.compute_loss(self(batch), batch)
-        self.log("val_loss", loss, prog_bar=True)
-        return loss
-
-    def test_step(self, batch: Any, batch_idx: int) -> Tensor:
-        loss = self.compute_loss(self(batch), batch)
-        self.log("test_loss", loss)
-        return loss
-
-    def predict_step(self, batch: Any, batch_idx: int) -> Tensor:
-        return self(batch)
+    return {k: merge([s[k] for s in sides], k) for k in sides[0]}
 
 
 def split_micro_batches(batch: Any, num_micro_batches: int) -> list[Any]:
-    """Split every tensor of a (nested) batch along dim 0 into equal micro-batches.
+    """Split a (nested) batch along dim 0 into ``num_micro_batches`` equal micro-batches.
 
-    Raises ValueError when the batch size is not a multiple of ``num_micro_batches``.
+    Tensors are sliced; lists/tuples of non-tensors whose length is the batch size (string ids, say) are
+    per-sample and sliced with them; other non-tensor values (scalars, None) go to every micro-batch.
     """
-    sizes = {t.shape[0] for t in batch_tensors(batch)}
-    if not sizes:
-        raise ValueError("the batch holds no tensors to split into micro-batches")
-    if len(sizes) != 1:
-        raise ValueError(f"batch tensors disagree on dim 0 (sizes {sorted(sizes)}); cannot split into micro-batches")
-    (size,) = sizes
+    size = batch_size(batch)
     if size % num_micro_batches != 0:
         raise ValueError(
             f"global batch of {size} samples does not split into schedule.num_micro_batches="
@@ -129,27 +123,49 @@ def split_micro_batches(batch: Any, num_micro_batches: int) -> list[Any]:
             f"{num_micro_batches} (micro-batch size x num_micro_batches)"
         )
     step = size // num_micro_batches
-    return [_map(batch, lambda t, i=i: t[i * step:(i + 1) * step]) for i in range(num_micro_batches)]
+    return [_slice(batch, i * step, (i + 1) * step, size, "batch") for i in range(num_micro_batches)]
+
+
+def slice_batch(batch: Any, lo: int, hi: int) -> Any:
+    """Samples [lo, hi) of a (nested) batch, split the way ``split_micro_batches`` splits it."""
+    return _slice(batch, lo, hi, batch_size(batch), "batch")
+
+
+def batch_size(batch: Any) -> int:
+    """The common dim 0 of every tensor in a batch (ValueError when they disagree or there are none)."""
+    sizes = {t.shape[0] for t in batch_tensors(batch) if t.dim()}
+    if not sizes:
+        raise ValueError("the batch holds no tensors to split into micro-batches")
+    if len(sizes) != 1:
+        raise ValueError(f"batch tensors disagree on dim 0 (sizes {sorted(sizes)}); cannot split into micro-batches")
+    return sizes.pop()
 
 
 def batch_tensors(batch: Any) -> list[Tensor]:
     """Every tensor in a (nested) batch, in order."""
-    if isinstance(batch, Tensor):
-        return [batch]
-    if isinstance(batch, dict):
-        return [t for v in batch.values() for t in batch_tensors(v)]
-    if isinstance(batch, (list, tuple)):
-        return [t for v in batch for t in batch_tensors(v)]
-    return []
+    found: list[Tensor] = []
+    apply_to_collection(batch, Tensor, found.append)
+    return found
 
 
-def _map(batch: Any, fn) -> Any:
-    if isinstance(batch, Tensor):
-        return fn(batch)
-    if isinstance(batch, dict):
-        return {k: _map(v, fn) for k, v in batch.items()}
-    if isinstance(batch, tuple):
-        return tuple(_map(v, fn) for v in batch)
-    if isinstance(batch, list):
-        return [_map(v, fn) for v in batch]
-    return batch
+def _slice(value: Any, lo: int, hi: int, size: int, where: str) -> Any:
+    if isinstance(value, Tensor):
+        return value[lo:hi] if value.dim() else value
+    if isinstance(value, Mapping):
+        return type(value)({k: _slice(v, lo, hi, size, f"{where}['{k}']") for k, v in value.items()})
+    if isinstance(value, (list, tuple)):
+        if value and not any(batch_tensors(v) for v in value):
+            # A per-sample list (ids, strings): it must have one entry per sample to be split.
+            if len(value) != size:
+                raise ValueError(f"{where} is a list of {len(value)} non-tensor values in a batch of {size} samples; "
+                                 "per-sample lists must have one entry per sample (or make it a tensor)")
+            return value[lo:hi]
+        items = [_slice(v, lo, hi, size, f"{where}[{i}]") for i, v in enumerate(value)]
+        return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
+    return value
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, (tuple, list)):
+        return f"a {type(value).__name__} of {[type(v).__name__ for v in value]}"
+    return f"a {type(value).__name__}"

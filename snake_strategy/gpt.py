@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torchmetrics.text import Perplexity
 
-from snake_strategy.contract import LayeredModule
+from snake_strategy.module import LayeredModule
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """The planner: predict a step's time from the model's shape and the hardware, and choose alpha,
 placement and prefetch depth. Pure functions of plain data, so every choice can be checked by hand.
 
-Traffic per optimizer step (greedysnake.md section 4; P = block params, L = units, M = micro-batches):
+Traffic per optimizer step (docs/design.md, "Traffic model"; P = block params, L = units, M = micro-batches):
 
     weights read   vertical  (2L-1) fetches x P/L x e_w      horizontal  M(2L-1)-(M-1) fetches
     optimizer      read and write master + 2 moments once per step     (3 x P x e_m each way)
@@ -21,6 +21,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from snake_strategy.config import StorageConfig, TierSplit
+from snake_strategy.memory import MemoryInputs, checkpoint_tiers, host_plan
 
 
 @dataclass(frozen=True)
@@ -92,7 +93,7 @@ def predict(shape: ModelShape, hw: HardwareProfile, storage: StorageConfig, kind
     grad_trips = alpha + (shape.num_micro - 1 if kind == "horizontal" else 0)
     read += grad_trips * P * e_m * storage.gradients.ssd
     write += grad_trips * P * e_m * storage.gradients.ssd
-    ckpt_ssd = _ssd_checkpoints_per_unit(storage, shape.num_micro)
+    ckpt_ssd = checkpoint_tiers(storage, shape.num_micro).count("ssd")
     read += ckpt_ssd * shape.num_units * shape.checkpoint_bytes
     write += ckpt_ssd * shape.num_units * shape.checkpoint_bytes
     ssd_s = read / (hw.ssd_read_gb_per_s * 1e9) + write / (hw.ssd_write_gb_per_s * 1e9)
@@ -105,12 +106,6 @@ def predict(shape: ModelShape, hw: HardwareProfile, storage: StorageConfig, kind
         bounds["cpu"] = compute_s + optimizer_s
     bound = max(bounds, key=bounds.get)
     return StepPrediction(compute_s, ssd_s, host_copy_s, optimizer_s, bounds[bound], bound, int(read), int(write))
-
-
-def _ssd_checkpoints_per_unit(storage: StorageConfig, num_micro: int) -> int:
-    ends = storage.checkpoint_host_ends
-    middle = max(0, num_micro - 2 * ends)
-    return min(middle, round(storage.checkpoints.ssd * num_micro))
 
 
 @dataclass(frozen=True)
@@ -133,39 +128,51 @@ def choose_alpha(shape: ModelShape) -> float:
     return min(0.5, round(fwd / total, 3)) if total else 0.0
 
 
+def memory_inputs(shape: ModelShape, hw: HardwareProfile, storage: StorageConfig, kind: str, alpha: float,
+                  prefetch_depth: int = 1) -> MemoryInputs:
+    """The memory model's view of a planned run (uniform units)."""
+    return MemoryInputs(
+        unit_params=(shape.params_per_unit,) * shape.num_units, nonlayer_params=shape.nonlayer_params,
+        compute_bytes=shape.weight_bytes, master_bytes=shape.master_bytes, device_is_cpu=hw.device_is_cpu,
+        storage=storage, kind=kind, num_micro=shape.num_micro, alpha=alpha, prefetch_depth=prefetch_depth,
+        checkpoint_bytes=shape.checkpoint_bytes)
+
+
 def plan(shape: ModelShape, hw: HardwareProfile, host_budget_bytes: int, kind: str = "vertical",
          ssd_dir: str | None = None) -> Plan:
     """Fill the host budget with the states that move the most bytes per byte stored; the rest on SSD.
 
     Order: weights (read twice per step by compute, once more by the optimizer: ~4 bytes moved per
-    byte stored), then Adam moments (read + written: 2), then activation checkpoints (2). Gradients'
-    forward parts and the working buffers always stay on the host. Raises ValueError when even the
-    working set does not fit.
+    byte stored), then Adam moments (read + written: 2), then activation checkpoints (2). The working set
+    (pools, gradient forward parts, turning-point checkpoints) is ``memory.host_plan`` of the all-SSD
+    layout; the returned ``host_bytes`` is ``memory.host_plan`` of the chosen one. Raises ValueError when
+    even the working set does not fit.
     """
     P = shape.params_per_unit * shape.num_units
-    unit_w, unit_m = shape.params_per_unit * shape.weight_bytes, shape.params_per_unit * shape.master_bytes
+    unit_w = shape.params_per_unit * shape.weight_bytes
     alpha = choose_alpha(shape)
-    # Working set: two units of weights in flight (resident + one prefetched), one gradient accumulator,
-    # the optimizer's fetched master + moments + gradient for one unit, the checkpoints kept on the host.
-    working = 2 * unit_w + unit_m + 4 * unit_m + shape.nonlayer_params * shape.master_bytes * 4
-    host_ckpts = min(shape.num_micro, 2 * 2) * shape.num_units * shape.checkpoint_bytes
-    grads_host = int(alpha * P * shape.master_bytes)
-    fixed = working + host_ckpts + grads_host
+    separate_master = shape.weight_bytes != shape.master_bytes
+    all_ssd = StorageConfig(ssd_dir=ssd_dir, weights="ssd", master="ssd", optimizer="ssd", gradients="host",
+                            checkpoints="ssd")
+    # Prefetch depth 2 is the most the choice below takes: plan its buffers from the start.
+    fixed = sum(host_plan(memory_inputs(shape, hw, all_ssd, kind, alpha, prefetch_depth=2)).values())
     if fixed > host_budget_bytes:
         raise ValueError(
             f"host_budget_bytes={host_budget_bytes / 2**30:.2f} GiB cannot hold the working set of "
-            f"{fixed / 2**30:.2f} GiB (two units of weights, one unit's optimizer state, gradient buffers, "
+            f"{fixed / 2**30:.2f} GiB (units of weights in flight, one unit's optimizer chunk, gradient buffers, "
             "turning-point checkpoints); raise the budget, use more, smaller units (schedule.blocks_per_unit), "
             "or fewer micro-batches"
         )
     free = host_budget_bytes - fixed
     fractions = {}
-    for state, nbytes in (("weights", P * shape.weight_bytes), ("optimizer", 2 * P * shape.master_bytes)):
+    weight_bytes = P * shape.weight_bytes + (P * shape.master_bytes if separate_master else 0)
+    for state, nbytes in (("weights", weight_bytes), ("optimizer", 2 * P * shape.master_bytes)):
         on_host = min(1.0, free / nbytes) if nbytes else 1.0
         on_host = int(on_host * 1000) / 1000  # keep it a clean fraction
         fractions[state] = TierSplit(host=on_host, ssd=1.0 - on_host)
         free -= int(on_host * nbytes)
-    ckpt_total = shape.num_micro * shape.num_units * shape.checkpoint_bytes - host_ckpts
+    ckpt_ssd = checkpoint_tiers(all_ssd, shape.num_micro).count("ssd")
+    ckpt_total = ckpt_ssd * shape.num_units * shape.checkpoint_bytes
     ckpt_host = 1.0 if ckpt_total <= free else max(0.0, free / max(ckpt_total, 1))
     fractions["checkpoints"] = TierSplit(host=round(ckpt_host, 3), ssd=round(1 - round(ckpt_host, 3), 3))
     storage = StorageConfig(ssd_dir=ssd_dir, weights=fractions["weights"], master=fractions["weights"],
@@ -175,4 +182,5 @@ def plan(shape: ModelShape, hw: HardwareProfile, host_budget_bytes: int, kind: s
     compute_per_unit = prediction.compute_s / max(1, 2 * shape.num_units)
     fetch_per_unit = unit_w * storage.weights.ssd / (hw.ssd_read_gb_per_s * 1e9)
     depth = 1 if fetch_per_unit <= compute_per_unit else 2
-    return Plan(storage, alpha, depth, prediction, host_budget_bytes - free)
+    host_bytes = sum(host_plan(memory_inputs(shape, hw, storage, kind, alpha, depth)).values())
+    return Plan(storage, alpha, depth, prediction, host_bytes)

@@ -1,4 +1,4 @@
-"""The greedysnake precision plugin: which dtypes the engine stores and computes in.
+"""The greedysnake precision plugin: which dtypes the engine stores and computes in, and the loss scaler.
 
 | precision    | compute weights | master, moments, grads | stages run under  |
 |--------------|-----------------|------------------------|-------------------|
@@ -9,9 +9,9 @@
 | "16-mixed"   | fp32 (= master) | fp32                   | autocast(fp16), dynamic loss scale |
 
 16-mixed skips an overflowing step exactly (no weight, moment or step-counter change) and halves the
-scale. On a CPU-only machine Lightning turns ``Trainer(precision="16-mixed")`` into "bf16-mixed"
-before the strategy sees it; pass ``GreedySnakeStrategy(precision_plugin=GreedySnakePrecision("16-mixed"))``
-to get fp16 there.
+scale; the scaler's state is part of every checkpoint. On a CPU-only machine Lightning turns
+``Trainer(precision="16-mixed")`` into "bf16-mixed" before the strategy sees it; pass
+``GreedySnakeStrategy(precision_plugin=GreedySnakePrecision("16-mixed"))`` to get fp16 there.
 
 Gradients are produced by the engine's schedule, so ``backward`` does nothing; the ``pre_backward`` /
 ``post_backward`` hooks are kept so ``on_before_backward`` / ``on_after_backward`` still fire.
@@ -20,13 +20,71 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Generator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from lightning.pytorch.plugins.precision import Precision
+from lightning_utilities.core.apply_func import apply_to_collection
 from typing_extensions import override
 
-from snake_strategy.engine import DtypePolicy
+
+@dataclass(frozen=True)
+class DtypePolicy:
+    """Which dtypes the engine stores and computes in."""
+
+    compute: torch.dtype  # the weights the blocks run with
+    master: torch.dtype  # master weights, moments and gradient accumulators
+    autocast: torch.dtype | None = None  # mixed precision: run the stages under autocast
+    loss_scaling: bool = False  # 16-mixed: dynamic loss scaling, overflowing steps skipped exactly
+
+    def bytes_per(self, which: str) -> int:
+        return torch.empty((), dtype=getattr(self, which)).element_size()
+
+
+class LossScaler:
+    """Dynamic loss scaling with torch.amp.GradScaler's policy and defaults.
+
+    ``scale`` multiplies the loss before the backward. After each step, ``update(found_inf)`` halves the
+    scale on overflow (the step is skipped) and doubles it after ``growth_interval`` clean steps in a
+    row. Disabled (scale 1, never skips) for every precision but 16-mixed.
+    """
+
+    def __init__(self, enabled: bool, init_scale: float = 2.0**16, growth_factor: float = 2.0,
+                 backoff_factor: float = 0.5, growth_interval: int = 2000) -> None:
+        if enabled and (init_scale <= 0 or growth_factor <= 1 or not 0 < backoff_factor < 1 or growth_interval < 1):
+            raise ValueError(f"loss scaler settings init_scale={init_scale}, growth_factor={growth_factor}, "
+                             f"backoff_factor={backoff_factor}, growth_interval={growth_interval} are invalid: "
+                             "need init_scale > 0, growth_factor > 1, 0 < backoff_factor < 1, growth_interval >= 1")
+        self.enabled = enabled
+        self.scale = float(init_scale) if enabled else 1.0
+        self.growth_factor, self.backoff_factor, self.growth_interval = growth_factor, backoff_factor, growth_interval
+        self.good_steps = 0
+        self.skipped_steps = 0
+
+    def update(self, found_inf: bool) -> bool:
+        """Advance after a step whose gradients were (not) finite; True when the step must be skipped."""
+        if not self.enabled:
+            return False
+        if found_inf:
+            self.scale *= self.backoff_factor
+            self.good_steps = 0
+            self.skipped_steps += 1
+            return True
+        self.good_steps += 1
+        if self.good_steps == self.growth_interval:
+            self.scale *= self.growth_factor
+            self.good_steps = 0
+        return False
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"scale": self.scale, "good_steps": self.good_steps, "skipped_steps": self.skipped_steps}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.scale = float(state["scale"])
+        self.good_steps = int(state["good_steps"])
+        self.skipped_steps = int(state["skipped_steps"])
+
 
 _POLICIES = {
     "32-true": DtypePolicy(compute=torch.float32, master=torch.float32),
@@ -39,7 +97,13 @@ SUPPORTED_PRECISIONS = tuple(_POLICIES)
 
 
 class GreedySnakePrecision(Precision):
-    def __init__(self, precision: str = "32-true") -> None:
+    """Args:
+        precision: one of ``SUPPORTED_PRECISIONS``.
+        init_scale, growth_interval: the 16-mixed loss scaler's start value and clean steps per doubling
+            (torch.amp.GradScaler's defaults).
+    """
+
+    def __init__(self, precision: str = "32-true", init_scale: float = 2.0**16, growth_interval: int = 2000) -> None:
         precision = str(precision)
         if precision not in _POLICIES:
             raise ValueError(
@@ -48,6 +112,11 @@ class GreedySnakePrecision(Precision):
             )
         self.precision = precision
         self.dtypes = _POLICIES[precision]
+        self.init_scale, self.growth_interval = init_scale, growth_interval
+        self.make_scaler()  # validates the settings now, not at the first step
+
+    def make_scaler(self) -> LossScaler:
+        return LossScaler(self.dtypes.loss_scaling, init_scale=self.init_scale, growth_interval=self.growth_interval)
 
     @override
     @contextlib.contextmanager
@@ -75,21 +144,11 @@ class GreedySnakePrecision(Precision):
 
     @override
     def clip_gradients(self, optimizer: Any, clip_val: Any = 0.0, gradient_clip_algorithm: Any = None) -> None:
-        """No-op here: the engine clips (exactly, see engine._clip_nonlayer_and_scale); the optimizer's
-        parameters hold no gradients."""
+        """No-op here: the engine clips exactly (engine/gradients.py); the optimizer's parameters hold no
+        gradients."""
 
     @override
     def convert_input(self, data: Any) -> Any:
         # Integer token batches pass through; floating inputs follow the compute dtype.
         compute = self.dtypes.compute
-        return _map_floats(data, lambda t: t.to(compute))
-
-
-def _map_floats(data: Any, fn) -> Any:
-    if isinstance(data, torch.Tensor):
-        return fn(data) if data.is_floating_point() else data
-    if isinstance(data, dict):
-        return {k: _map_floats(v, fn) for k, v in data.items()}
-    if isinstance(data, (list, tuple)):
-        return type(data)(_map_floats(v, fn) for v in data)
-    return data
+        return apply_to_collection(data, torch.Tensor, lambda t: t.to(compute) if t.is_floating_point() else t)

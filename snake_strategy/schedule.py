@@ -1,8 +1,13 @@
-"""Task orders of one optimizer step: pure data, testable without any I/O.
+"""The tasks of one optimizer step, as plain data: the engine runs this list one to one.
 
-A task is (pass, unit, micro-batch). Forward tasks cover units 0..N-2 (run without grad, they only
-produce activation checkpoints); backward tasks cover N-1..0, and the last unit's backward task is
-fused with its forward, the post stage and the loss, so the last unit is never recomputed.
+A task is (pass, unit, micro-batches). Forward tasks cover units 0..N-2 and run without grad: they only
+produce activation checkpoints. Backward tasks cover units N-1..0; the last unit's backward task is
+fused with its forward, the post stage and the loss, so the last unit is never recomputed
+(docs/design.md, "The schedule").
+
+A task normally holds one micro-batch. With ``batched_forward`` / ``batched_backward`` (vertical
+schedule only) all micro-batches of a unit's pass form ONE task that runs them as a single batched
+pass, in the same snake order; the list says so explicitly instead of the engine skipping tasks.
 """
 from __future__ import annotations
 
@@ -16,24 +21,41 @@ BACKWARD = "bwd"
 class Task:
     kind: str  # FORWARD or BACKWARD
     unit: int
-    micro: int
+    micro_batches: tuple[int, ...]  # in the order they are stacked when batched
+
+    def __post_init__(self) -> None:
+        if isinstance(self.micro_batches, int):
+            object.__setattr__(self, "micro_batches", (self.micro_batches,))
+        else:
+            object.__setattr__(self, "micro_batches", tuple(self.micro_batches))
+
+    @property
+    def batched(self) -> bool:
+        return len(self.micro_batches) > 1
 
     def __repr__(self) -> str:
-        return f"{'F' if self.kind == FORWARD else 'B'}({self.unit},{self.micro})"
+        micro = ",".join(map(str, self.micro_batches))
+        return f"{'F' if self.kind == FORWARD else 'B'}({self.unit},{micro})"
 
 
-def _snake_order(unit: int, num_micro: int) -> range:
+def _snake_order(unit: int, num_micro: int) -> tuple[int, ...]:
     # Even units run micro-batches upward, odd units downward: at every unit boundary (and at the
     # forward->backward turn) the next task uses the micro-batch that was just finished.
-    return range(num_micro) if unit % 2 == 0 else range(num_micro - 1, -1, -1)
+    return tuple(range(num_micro)) if unit % 2 == 0 else tuple(range(num_micro - 1, -1, -1))
 
 
-def vertical_tasks(num_units: int, num_micro: int) -> list[Task]:
+def _pass(kind: str, units: range, num_micro: int, batched: bool) -> list[Task]:
+    if batched:
+        return [Task(kind, u, _snake_order(u, num_micro)) for u in units]
+    return [Task(kind, u, (m,)) for u in units for m in _snake_order(u, num_micro)]
+
+
+def vertical_tasks(num_units: int, num_micro: int, batched_forward: bool = False,
+                   batched_backward: bool = False) -> list[Task]:
     """The GreedySnake order: every micro-batch of a unit before moving to the next unit."""
     _check(num_units, num_micro)
-    tasks = [Task(FORWARD, u, m) for u in range(num_units - 1) for m in _snake_order(u, num_micro)]
-    tasks += [Task(BACKWARD, u, m) for u in range(num_units - 1, -1, -1) for m in _snake_order(u, num_micro)]
-    return tasks
+    return (_pass(FORWARD, range(num_units - 1), num_micro, batched_forward)
+            + _pass(BACKWARD, range(num_units - 1, -1, -1), num_micro, batched_backward))
 
 
 def horizontal_tasks(num_units: int, num_micro: int) -> list[Task]:
@@ -41,15 +63,18 @@ def horizontal_tasks(num_units: int, num_micro: int) -> list[Task]:
     _check(num_units, num_micro)
     tasks = []
     for m in range(num_micro):
-        tasks += [Task(FORWARD, u, m) for u in range(num_units - 1)]
-        tasks += [Task(BACKWARD, u, m) for u in range(num_units - 1, -1, -1)]
+        tasks += [Task(FORWARD, u, (m,)) for u in range(num_units - 1)]
+        tasks += [Task(BACKWARD, u, (m,)) for u in range(num_units - 1, -1, -1)]
     return tasks
 
 
-def build_tasks(kind: str, num_units: int, num_micro: int) -> list[Task]:
+def build_tasks(kind: str, num_units: int, num_micro: int, batched_forward: bool = False,
+                batched_backward: bool = False) -> list[Task]:
     if kind == "vertical":
-        return vertical_tasks(num_units, num_micro)
+        return vertical_tasks(num_units, num_micro, batched_forward, batched_backward)
     if kind == "horizontal":
+        if batched_forward or batched_backward:
+            raise ValueError("batched passes need schedule.kind='vertical'")
         return horizontal_tasks(num_units, num_micro)
     raise ValueError(f"unknown schedule kind '{kind}'")
 
@@ -66,6 +91,19 @@ def weight_fetches(tasks: list[Task]) -> list[int]:
             fetches.append(task.unit)
             resident = task.unit
     return fetches
+
+
+def unit_run_ahead(tasks: list[Task], index: int, depth: int) -> list[int]:
+    """The next ``depth`` distinct units after task ``index``'s own, in task order (what to prefetch)."""
+    upcoming: list[int] = []
+    current = tasks[index].unit
+    for task in tasks[index + 1:]:
+        if len(upcoming) >= depth:
+            break
+        last = upcoming[-1] if upcoming else current
+        if task.unit != last:
+            upcoming.append(task.unit)
+    return upcoming
 
 
 def _check(num_units: int, num_micro: int) -> None:

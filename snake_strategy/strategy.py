@@ -25,7 +25,8 @@ from typing_extensions import override
 from snake_strategy import checkpoint as snake_checkpoint
 from snake_strategy.config import ScheduleConfig, StorageConfig, coerce_config
 from snake_strategy.contract import check_contract
-from snake_strategy.engine import SnakeEngine
+from snake_strategy.engine import EngineHooks, SnakeEngine
+from snake_strategy.module import LayeredModule
 from snake_strategy.planner import HardwareProfile, StepPrediction, predict
 from snake_strategy.precision import GreedySnakePrecision
 
@@ -42,6 +43,7 @@ class GreedySnakeStrategy(Strategy):
             a ``HardwareProfile`` or mapping, or None (this machine class's nominal figures).
         pretrained: a state-dict or Lightning checkpoint file to stream in one unit at a time instead of
             initialising the weights.
+        hooks: test hooks that slow parts of the engine down (``EngineHooks``); None in normal use.
     """
 
     strategy_name = "greedysnake"
@@ -54,17 +56,20 @@ class GreedySnakeStrategy(Strategy):
         pretrained: str | None = None,
         accelerator: pl.accelerators.Accelerator | None = None,
         precision_plugin: Precision | None = None,
+        hooks: EngineHooks | None = None,
     ) -> None:
         self.storage = coerce_config(StorageConfig, storage, "storage")
         self.schedule = coerce_config(ScheduleConfig, schedule, "schedule")
         if isinstance(hardware, str) and hardware != "probe":
             raise ValueError(f"hardware='{hardware}' is not understood; pass 'probe', a HardwareProfile, a mapping or None")
         self.hardware = hardware if hardware in (None, "probe") else coerce_config(HardwareProfile, hardware, "hardware")
+        self.hardware_profile: HardwareProfile | None = None  # resolved at the first step
         # With a probed machine, measure the matmul rate at the model's own shape (0.2 s, first step).
         self.hardware_at_model_shape = hardware == "probe"
         self.pretrained = pretrained  # a state dict / .ckpt file streamed in unit by unit at setup
         self.prediction: StepPrediction | None = None  # the planner's floor for this run's step
         self.engine: SnakeEngine | None = None
+        self.hooks = hooks
         self.parallel_devices: list[torch.device] | None = None  # filled by Lightning's connector
         self.global_rank, self.local_rank, self.world_size = 0, 0, 1
         super().__init__(accelerator=accelerator, precision_plugin=precision_plugin)
@@ -122,7 +127,14 @@ class GreedySnakeStrategy(Strategy):
         module = self.lightning_module
         check_contract(module)
         if trainer.state.fn != TrainerFn.FITTING:
-            raise ValueError("strategy='greedysnake' currently supports Trainer.fit (with validation) only")
+            raise ValueError("strategy='greedysnake' currently supports Trainer.fit (with validation) only; after fit "
+                             "the module holds the trained weights, so trainer.validate/test/predict run with a "
+                             "plain Trainer(strategy='auto') on the same module")
+        _remove_weight_guard(module)
+        if type(module).training_step is not LayeredModule.training_step and isinstance(module, LayeredModule):
+            log.warning("%s overrides training_step, which strategy='greedysnake' does not call: it runs its own "
+                        "schedule from pre_stage, blocks, post_stage and compute_loss. Put the loss in "
+                        "compute_loss; log from callbacks or validation_step", type(module).__name__)
         if not module.automatic_optimization:
             raise ValueError("strategy='greedysnake' runs the backward itself and needs automatic optimization; "
                              "remove `self.automatic_optimization = False` from the LightningModule")
@@ -147,14 +159,17 @@ class GreedySnakeStrategy(Strategy):
                              f"returned {len(self.optimizers)}")
         self.engine = SnakeEngine(module, self.optimizers[0], self.storage, self.schedule,
                                   self.precision_plugin.dtypes, self.root_device, clip=clip,
-                                  pretrained=self.pretrained)
+                                  pretrained=self.pretrained, scaler=self.precision_plugin.make_scaler(),
+                                  hooks=self.hooks)
         if self.storage.checkpoints.ssd > 0 and self.schedule.num_micro_batches <= 2 * self.storage.checkpoint_host_ends:
             log.warning(
                 "storage.checkpoints puts %.0f%% on the SSD, but with schedule.num_micro_batches=%d and "
                 "storage.checkpoint_host_ends=%d every micro-batch is a turning point kept on the host: no "
                 "activation checkpoint will reach the SSD. Lower checkpoint_host_ends or raise num_micro_batches",
                 100 * self.storage.checkpoints.ssd, self.schedule.num_micro_batches, self.storage.checkpoint_host_ends)
-        module._device = self.root_device  # so `self.device` inside the module means the compute device
+        # Lightning's strategies set the device through module.to(); the blocks must not move, so set the
+        # attribute LightningModule.device reads, as model_to_device would have.
+        module._device = self.root_device
         self.setup_precision_plugin()
 
     @override
@@ -164,22 +179,51 @@ class GreedySnakeStrategy(Strategy):
             self.engine.flush()
 
     @override
+    def on_train_start(self) -> None:
+        # The global batch size from the loader: a short last batch is then recognised as such, and a
+        # batch size that can never split is refused before step 1.
+        loader = self.lightning_module.trainer.train_dataloader
+        size = getattr(loader, "batch_size", None)
+        if isinstance(size, int) and self.engine is not None:
+            if size % self.schedule.num_micro_batches:
+                raise ValueError(
+                    f"DataLoader batch_size={size} does not split into schedule.num_micro_batches="
+                    f"{self.schedule.num_micro_batches} equal micro-batches; make it a multiple of "
+                    f"{self.schedule.num_micro_batches} (micro-batch size x num_micro_batches)")
+            self.engine.global_batch_size = size
+
+    @override
     def on_train_end(self) -> None:
         if self.engine is not None:
             self.engine.flush()
 
     @override
     def teardown(self) -> None:
-        if self.engine is not None:
+        engine, self.engine = self.engine, None
+        if engine is not None:
             try:
-                self.engine.flush()
+                engine.flush()
+                self._give_back_weights(engine)
             finally:
-                self.engine.close()
-            self.engine = None
+                engine.close()  # releases files and locks even when the flush failed; re-raises
         self.precision_plugin.teardown()
         if self.accelerator is not None:
             self.accelerator.teardown()
         self.checkpoint_io.teardown()
+
+    def _give_back_weights(self, engine: SnakeEngine) -> None:
+        """After training the module holds the trained weights when they fit the host budget; otherwise
+        reading them raises an error that says how to get them (never meta tensors without a word)."""
+        module = self.lightning_module
+        budget = self.storage.host_budget_bytes
+        if budget is None or engine.master_bytes() <= budget:
+            engine.export_to_module()
+            return
+        message = (f"the trained weights ({engine.master_bytes() / 2**30:.2f} GiB) did not fit "
+                   f"storage.host_budget_bytes ({budget / 2**30:.2f} GiB), so they were not copied back into the "
+                   "module. Save them during training (ModelCheckpoint / trainer.save_checkpoint inside fit) and "
+                   "consolidate: python -m snake_strategy.checkpoint CKPT_DIR model.ckpt")
+        _install_weight_guard(module, message)
 
     # ------------------------------------------------------------------ the step
     @override
@@ -193,8 +237,6 @@ class GreedySnakeStrategy(Strategy):
 
     def _predict(self, batch: Any) -> StepPrediction:
         """The planner's roofline for this run, from the shapes seen in the first step."""
-        from snake_strategy.contract import split_micro_batches
-
         hardware = self.hardware
         if hardware == "probe":
             from snake_strategy.hardware import probe_hardware
@@ -202,9 +244,8 @@ class GreedySnakeStrategy(Strategy):
             hardware = probe_hardware(self.engine.ssd.path if self.engine.ssd else None, self.root_device)
         elif hardware is None:
             hardware = HardwareProfile(device_is_cpu=self.root_device.type == "cpu")
-        self.hardware = hardware
-        micro = split_micro_batches(batch, self.schedule.num_micro_batches)[0]
-        shape = self.engine.model_shape(micro, self.engine.checkpoint_bytes)
+        micro = self.engine.split(batch)[0][0]
+        shape = self.engine.model_shape(micro)
         if self.hardware_at_model_shape and shape.tokens_per_micro:
             # The compute roof at this model's own matmul shape (tokens x in) @ (in x out).
             from snake_strategy.hardware import matmul_flops_per_s
@@ -212,7 +253,7 @@ class GreedySnakeStrategy(Strategy):
             out_dim, in_dim = self.engine.largest_block_matrix()
             hardware = dataclasses.replace(
                 hardware, flops_per_s=matmul_flops_per_s(shape.tokens_per_micro, in_dim, out_dim, self.root_device))
-            self.hardware = hardware
+        self.hardware_profile = hardware
         self.model_shape = shape
         prediction = predict(shape, hardware, self.storage, self.schedule.kind, self.schedule.alpha)
         log.info("planner: predicted floor %.3f s/step (%s-bound; compute %.3f s, ssd %.3f s, optimizer %.3f s)",
@@ -231,7 +272,7 @@ class GreedySnakeStrategy(Strategy):
         """Outputs of the whole model, blocks streamed from their tiers (used by LayeredModule.forward)."""
         if self.engine is None:
             raise RuntimeError("streamed_forward needs a set-up strategy (inside Trainer.fit)")
-        return self.engine.streamed_forward(batch)
+        return self.engine.forward(batch)
 
     # ------------------------------------------------------------------ checkpoints
     @override
@@ -242,7 +283,7 @@ class GreedySnakeStrategy(Strategy):
         if self.engine is None:
             return self.lightning_module.state_dict()
         self.engine.flush()
-        block_keys = {f"{self.engine._blocks_prefix}.{k}" for k in self.lightning_module.blocks.state_dict()}
+        block_keys = {f"{self.engine.blocks_prefix}.{k}" for k in self.lightning_module.blocks.state_dict()}
         return {k: v for k, v in self.lightning_module.state_dict().items() if k not in block_keys}
 
     @override
@@ -257,7 +298,12 @@ class GreedySnakeStrategy(Strategy):
         if storage_options is not None:
             raise ValueError("strategy='greedysnake' writes checkpoint directories itself; storage_options is not supported")
         if self.engine is None:
-            raise RuntimeError("save_checkpoint needs a set-up strategy (inside Trainer.fit)")
+            # After fit: the module holds the trained weights (teardown gave them back), the optimizer
+            # state is gone with the run. An ordinary Lightning file, loadable by load_from_checkpoint.
+            log.warning("saving %s after fit: the trained weights are in it, the Adam moments are not (they end "
+                        "with the run); to resume training exactly, checkpoint during fit (ModelCheckpoint)", filepath)
+            self.checkpoint_io.save_checkpoint(checkpoint, filepath)
+            return
         snake_checkpoint.save(self.engine, checkpoint, filepath)
 
     @override
@@ -323,3 +369,22 @@ class GreedySnakeStrategy(Strategy):
                 cls.strategy_name, cls,
                 description="GreedySnake: SSD-offloaded training with the vertical (snake) schedule",
             )
+
+
+_GUARD_ATTR = "_greedysnake_weight_guard"
+
+
+def _install_weight_guard(module: torch.nn.Module, message: str) -> None:
+    def refuse(*args: Any, **kwargs: Any) -> None:
+        raise ValueError(message)
+
+    handles = [module.register_state_dict_pre_hook(lambda *a, **k: refuse()),
+               module.register_forward_pre_hook(lambda *a, **k: refuse())]
+    setattr(module, _GUARD_ATTR, handles)
+
+
+def _remove_weight_guard(module: torch.nn.Module) -> None:
+    for handle in getattr(module, _GUARD_ATTR, []):
+        handle.remove()
+    if hasattr(module, _GUARD_ATTR):
+        delattr(module, _GUARD_ATTR)

@@ -33,6 +33,7 @@ class UnitLayout:
     slots: list[ParamSlot]
     group_ranges: list[tuple[int, int, int]]  # (param group index, start, end), contiguous, ordered
     numel: int
+    first_block: int  # index of the unit's first block in the model's ``blocks``
     buffers: list[dict[str, Tensor]] = field(default_factory=list)  # per block, on the device
 
     def leaves(self, flat: Tensor) -> list[Tensor]:
@@ -43,15 +44,20 @@ class UnitLayout:
         """
         return [flat[s.offset:s.offset + s.numel].view(s.shape).detach().requires_grad_(True) for s in self.slots]
 
-    def forward(self, params: Tensor | list[Tensor], hidden: Tensor) -> Tensor:
-        """Run the unit's blocks on ``hidden`` with ``params`` (a flat vector or ``leaves``)."""
+    def forward(self, params: Tensor | list[Tensor], hidden: Tensor, side: dict | None = None,
+                check: Callable[[object, int], Tensor] | None = None) -> Tensor:
+        """Run the unit's blocks on ``hidden`` with ``params`` (a flat vector or ``leaves``); every block
+        also receives the side inputs as keyword arguments; ``check(output, block_index)`` validates
+        each block's output."""
         if isinstance(params, Tensor):
             params = [params[s.offset:s.offset + s.numel].view(s.shape) for s in self.slots]
         per_block: list[dict[str, Tensor]] = [dict(b) for b in self.buffers]
         for s, value in zip(self.slots, params):
             per_block[s.block][s.name] = value
-        for block, tensors in zip(self.blocks, per_block):
-            hidden = functional_call(block, tensors, (hidden,))
+        for j, (block, tensors) in enumerate(zip(self.blocks, per_block)):
+            hidden = functional_call(block, tensors, (hidden,), side or {})
+            if check is not None:
+                hidden = check(hidden, self.first_block + j)
         return hidden
 
     def flatten(self, blocks: list[nn.Module], dtype: torch.dtype) -> Tensor:
@@ -106,7 +112,7 @@ def build_layouts(
                 if buf.is_meta:
                     raise ValueError(f"block {start + j} has buffer '{name}' on the meta device; blocks must "
                                      "compute from parameters and input only (e.g. use is_causal=True, not a mask buffer)")
-        layouts.append(UnitLayout(u, unit_blocks, slots, [tuple(r) for r in ranges], offset,
+        layouts.append(UnitLayout(u, unit_blocks, slots, [tuple(r) for r in ranges], offset, start,
                                   [dict(b.named_buffers()) for b in unit_blocks]))
     return layouts
 

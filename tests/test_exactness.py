@@ -62,26 +62,26 @@ def _assert_close(a, b, precision, what):
             torch.testing.assert_close(a[name], b[name], rtol=1e-5, atol=1e-5, msg=f"{what} {name}")
 
 
-@pytest.mark.parametrize("split_backward,batched_forward", [(False, False), (True, False), (False, True), (True, True)])
+@pytest.mark.parametrize("batched_backward,batched_forward", [(False, False), (True, False), (False, True), (True, True)])
 @pytest.mark.parametrize("alpha", [0.0, 0.25, 0.5])
 @pytest.mark.parametrize("precision", ["64-true", "32-true"])
-def test_optimizer_overlap_is_exact(precision, alpha, split_backward, batched_forward, tmp_path):
+def test_optimizer_overlap_is_exact(precision, alpha, batched_backward, batched_forward, tmp_path):
     """The optimizer overlap runs undisturbed for 5 steps (nothing reads the weights until the end),
     with an LR schedule that changes every step, weights and moments on SSD."""
     module_kw = dict(warmup_steps=2, max_steps=STEPS)
     ref = run_reference(SMALL_GPT, STEPS, MICRO, MICRO_SIZE, precision, **module_kw)
     storage = dict(STORAGES["ssd"], ssd_dir=str(tmp_path / "ssd"))
     got, strategy = run_snake(SMALL_GPT, STEPS, MICRO, MICRO_SIZE, precision, storage=storage,
-                              schedule_extra={"alpha": alpha, "split_backward": split_backward,
+                              schedule_extra={"alpha": alpha, "batched_backward": batched_backward,
                                               "batched_forward": batched_forward},
                               only_last=True, **module_kw)
     assert len(got) == 1
-    _assert_close(got[0], ref[-1], precision, f"alpha={alpha} split_backward={split_backward}")
+    _assert_close(got[0], ref[-1], precision, f"alpha={alpha} batched_backward={batched_backward}")
 
 
 def test_forward_parts_are_really_deferred():
     """With alpha > 0 each unit has a non-empty forward part, so the deferral above is exercised."""
-    from snake_strategy.overlap import forward_split
+    from snake_strategy.memory import forward_split
     from snake_strategy.gpt import Block
     numel = sum(p.numel() for p in Block(SMALL_GPT).parameters())
     assert 0 < forward_split(numel, 0.25) < numel
@@ -108,15 +108,13 @@ def test_offloading_is_bitwise_identical_to_device_storage(tmp_path):
             assert torch.equal(a[name], b[name]), name
 
 
-def test_chunked_optimizer_steps_are_exact(monkeypatch, tmp_path):
+def test_chunked_optimizer_steps_are_exact(tmp_path):
     """Units larger than the worker's chunk are stepped in several chunks (as 4B-parameter units are)."""
-    from snake_strategy import overlap
     from snake_strategy.gpt import Block
 
-    monkeypatch.setattr(overlap, "STEP_CHUNK_ELEMS", 4096)
     assert sum(p.numel() for p in Block(SMALL_GPT).parameters()) > 3 * 4096
     ref = run_reference(SMALL_GPT, STEPS, MICRO, MICRO_SIZE, "64-true")
-    storage = dict(STORAGES["ssd"], ssd_dir=str(tmp_path / "ssd"))
+    storage = dict(STORAGES["ssd"], ssd_dir=str(tmp_path / "ssd"), optimizer_chunk_elems=4096)
     got, _ = run_snake(SMALL_GPT, STEPS, MICRO, MICRO_SIZE, "64-true", storage=storage,
                        schedule_extra={"alpha": 0.25}, only_last=True)
     _assert_close(got[0], ref[-1], "64-true", "chunked")

@@ -28,14 +28,15 @@ class StateLog(L.Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         engine = trainer.strategy.engine
         state = {f"param/{k}": v for k, v in engine.state_dict().items()}
-        for u, unit in enumerate(engine.units):
-            state[f"exp_avg/{u}"] = unit.exp_avg.read_full()
-            state[f"exp_avg_sq/{u}"] = unit.exp_avg_sq.read_full()
+        for u in range(engine.num_units):
+            unit = engine.unit_state(u)
+            state[f"exp_avg/{u}"] = unit["exp_avg"]
+            state[f"exp_avg_sq/{u}"] = unit["exp_avg_sq"]
         nonlayer = engine.nonlayer_state()
         for i, name in enumerate(nonlayer["names"]):
             state[f"exp_avg/{name}"] = nonlayer["exp_avg"][i]
             state[f"exp_avg_sq/{name}"] = nonlayer["exp_avg_sq"][i]
-        self.states.append((state, engine.loss_scale, engine.step_count, dict(engine.last_step_stats)))
+        self.states.append((state, engine.scaler.scale, engine.step_count, dict(engine.last_step_stats)))
 
 
 def test_overflow_skips_exactly_that_step(tmp_path):

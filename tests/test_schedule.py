@@ -6,11 +6,11 @@ the last unit's backward task is fused with its forward (never recomputed).
 """
 from __future__ import annotations
 
+import lightning as L
 import pytest
 import torch
 
 from snake_strategy import gpt
-from snake_strategy.activations import ActivationStore
 from snake_strategy.schedule import (
     BACKWARD,
     FORWARD,
@@ -24,7 +24,8 @@ from tests.helpers import SMALL_GPT, run_snake
 
 
 def as_tuples(tasks: list[Task]) -> list[tuple[str, int, int]]:
-    return [(t.kind, t.unit, t.micro) for t in tasks]
+    """One (kind, unit, micro-batch) per micro-batch of each task, in order."""
+    return [(t.kind, t.unit, m) for t in tasks for m in t.micro_batches]
 
 
 # ---------------------------------------------------------------------------------------- pure orders
@@ -43,7 +44,7 @@ def test_vertical_turning_points_reuse_the_micro_batch_just_finished():
             tasks = vertical_tasks(n, m)
             for prev, nxt in zip(tasks, tasks[1:]):
                 if prev.unit != nxt.unit or prev.kind != nxt.kind:
-                    assert nxt.micro == prev.micro, (n, m, prev, nxt)
+                    assert nxt.micro_batches == prev.micro_batches, (n, m, prev, nxt)
 
 
 def test_horizontal_order_n3_m2():
@@ -118,21 +119,39 @@ def test_unknown_kind_raises():
 def test_task_repr():
     assert repr(Task(FORWARD, 1, 2)) == "F(1,2)"
     assert repr(Task(BACKWARD, 0, 3)) == "B(0,3)"
+    assert repr(Task(BACKWARD, 1, (2, 1, 0))) == "B(1,2,1,0)"
+
+
+def test_batched_passes_are_explicit_tasks():
+    tasks = build_tasks("vertical", 3, 2, batched_forward=True, batched_backward=True)
+    assert [(t.kind, t.unit, t.micro_batches) for t in tasks] == [
+        (FORWARD, 0, (0, 1)), (FORWARD, 1, (1, 0)), (BACKWARD, 2, (0, 1)), (BACKWARD, 1, (1, 0)), (BACKWARD, 0, (0, 1))]
+    # Same micro-batch order as the unbatched schedule, and the same weight fetches.
+    assert as_tuples(tasks) == as_tuples(build_tasks("vertical", 3, 2))
+    assert weight_fetches(tasks) == weight_fetches(build_tasks("vertical", 3, 2))
+    with pytest.raises(ValueError, match="vertical"):
+        build_tasks("horizontal", 3, 2, batched_backward=True)
 
 
 # ---------------------------------------------------------------------------------------- real runs
+BLOCK_CALLS = {"no_grad": 0, "grad": 0}
+
+
+class CountingGPT(gpt.GPTModule):
+    """Counts block calls, split by grad mode (forward tasks run under no_grad), with forward hooks."""
+
+    def configure_model(self):
+        super().configure_model()
+        for block in self.blocks:
+            block.register_forward_hook(lambda *args: BLOCK_CALLS.__setitem__(
+                "grad" if torch.is_grad_enabled() else "no_grad",
+                BLOCK_CALLS["grad" if torch.is_grad_enabled() else "no_grad"] + 1))
+
+
 @pytest.fixture
-def block_calls(monkeypatch):
-    """Counts gpt.Block.forward calls, split by grad mode (forward tasks run under no_grad)."""
-    calls = {"no_grad": 0, "grad": 0}
-    original = gpt.Block.forward
-
-    def counting_forward(self, hidden):
-        calls["grad" if torch.is_grad_enabled() else "no_grad"] += 1
-        return original(self, hidden)
-
-    monkeypatch.setattr(gpt.Block, "forward", counting_forward)
-    return calls
+def block_calls():
+    BLOCK_CALLS.update(no_grad=0, grad=0)
+    return BLOCK_CALLS
 
 
 @pytest.mark.parametrize("kind", ["vertical", "horizontal"])
@@ -140,7 +159,7 @@ def block_calls(monkeypatch):
 def test_block_forward_calls_in_one_step(block_calls, kind, blocks_per_unit):
     micro = 3
     k, num_units = blocks_per_unit, SMALL_GPT.num_layers // blocks_per_unit
-    run_snake(SMALL_GPT, 1, micro, 1, "32-true", schedule_kind=kind, blocks_per_unit=k)
+    run_snake(SMALL_GPT, 1, micro, 1, "32-true", schedule_kind=kind, blocks_per_unit=k, module_cls=CountingGPT)
     # Forward tasks: units 0..N-2 for every micro-batch, without grad.
     assert block_calls["no_grad"] == micro * (num_units - 1) * k
     # Backward tasks: units 0..N-2 recomputed, the last unit computed once (fused), all with grad.
@@ -149,35 +168,30 @@ def test_block_forward_calls_in_one_step(block_calls, kind, blocks_per_unit):
 
 
 @pytest.mark.parametrize("blocks_per_unit", [1, 2])
-def test_block_forward_calls_with_split_backward(block_calls, blocks_per_unit):
-    # split_backward recomputes each unit once over all its micro-batches (one batched call per block).
+def test_block_forward_calls_with_batched_backward(block_calls, blocks_per_unit):
+    # batched_backward recomputes each unit once over all its micro-batches (one batched call per block).
     micro = 3
     k, num_units = blocks_per_unit, SMALL_GPT.num_layers // blocks_per_unit
-    run_snake(SMALL_GPT, 1, micro, 1, "32-true", blocks_per_unit=k, schedule_extra={"split_backward": True})
+    run_snake(SMALL_GPT, 1, micro, 1, "32-true", blocks_per_unit=k, schedule_extra={"batched_backward": True},
+              module_cls=CountingGPT)
     assert block_calls["no_grad"] == micro * (num_units - 1) * k
     assert block_calls["grad"] == num_units * k
 
 
-@pytest.fixture
-def executed_tasks(monkeypatch):
-    """Records one (kind, unit, micro) per task from the checkpoint each task reads.
+class TraceRecorder(L.Callback):
+    """Copies the engine's public task trace after every step."""
 
-    Every task of a multi-unit model reads its input checkpoint exactly once: forward tasks under
-    no_grad, backward tasks (recompute or fused last unit) with grad enabled.
-    """
-    seen = []
-    original = ActivationStore.get
+    def __init__(self) -> None:
+        self.steps: list[list[Task]] = []
 
-    def recording_get(self, unit, micro):
-        seen.append((BACKWARD if torch.is_grad_enabled() else FORWARD, unit, micro))
-        return original(self, unit, micro)
-
-    monkeypatch.setattr(ActivationStore, "get", recording_get)
-    return seen
+    def on_train_batch_end(self, trainer, *args):
+        self.steps.append(list(trainer.strategy.engine.trace.last.tasks))
 
 
-@pytest.mark.parametrize("kind", ["vertical", "horizontal"])
-def test_engine_executes_the_schedule_in_order(executed_tasks, kind):
-    run_snake(SMALL_GPT, 2, 3, 1, "32-true", schedule_kind=kind)
-    one_step = as_tuples(build_tasks(kind, SMALL_GPT.num_layers, 3))
-    assert executed_tasks == one_step + one_step
+@pytest.mark.parametrize("kind,batched", [("vertical", False), ("horizontal", False), ("vertical", True)])
+def test_engine_executes_the_schedule_in_order(kind, batched):
+    rec = TraceRecorder()
+    extra = {"batched_forward": True, "batched_backward": True} if batched else {}
+    run_snake(SMALL_GPT, 2, 3, 1, "32-true", schedule_kind=kind, schedule_extra=extra, callbacks=[rec])
+    one_step = build_tasks(kind, SMALL_GPT.num_layers, 3, batched, batched)
+    assert rec.steps == [one_step, one_step]

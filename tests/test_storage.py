@@ -13,7 +13,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import snake_strategy
 from snake_strategy.activations import ActivationStore
-from snake_strategy.config import TierSplit
+from snake_strategy.config import StorageConfig, TierSplit
 from snake_strategy.gpt import GPTModule
 from snake_strategy.storage import PAGE_BYTES, IOEngine, SsdDirectory, TieredTensor, TrafficCounters, aligned_empty
 from snake_strategy.storage import io_engine
@@ -149,7 +149,7 @@ def test_activation_store_ssd_round_trip(ssd, dtype, shape):
     directory, io = ssd
     counters = TrafficCounters()
     micro = 3
-    store = ActivationStore(SPLITS["ssd"], 0, micro, CPU, counters, io, directory)
+    store = ActivationStore(StorageConfig(checkpoints=SPLITS["ssd"], checkpoint_host_ends=0), micro, 2, 2, CPU, counters, io, directory)
     assert [store.tier_of(m) for m in range(micro)] == ["ssd"] * micro
     values = {(u, m): random_tensor(int(torch.Size(shape).numel()), dtype, seed=10 * u + m).view(shape)
               for u in range(2) for m in range(micro)}
@@ -172,7 +172,7 @@ def test_activation_store_ssd_round_trip(ssd, dtype, shape):
 def test_activation_store_host_ends_stay_in_memory(ssd):
     directory, io = ssd
     counters = TrafficCounters()
-    store = ActivationStore(SPLITS["ssd"], 1, 5, CPU, counters, io, directory)
+    store = ActivationStore(StorageConfig(checkpoints=SPLITS["ssd"], checkpoint_host_ends=1), 5, 2, 2, CPU, counters, io, directory)
     assert [store.tier_of(m) for m in range(5)] == ["host", "ssd", "ssd", "ssd", "host"]
     values = [random_tensor(64, torch.float32, seed=m).view(4, 16) for m in range(5)]
     for m, v in enumerate(values):
@@ -185,7 +185,7 @@ def test_activation_store_host_ends_stay_in_memory(ssd):
 
 def test_activation_store_rejects_changing_shapes(ssd):
     directory, io = ssd
-    store = ActivationStore(SPLITS["ssd"], 0, 2, CPU, TrafficCounters(), io, directory)
+    store = ActivationStore(StorageConfig(checkpoints=SPLITS["ssd"], checkpoint_host_ends=0), 2, 2, 2, CPU, TrafficCounters(), io, directory)
     store.put(0, 0, torch.zeros(4, 8))
     with pytest.raises(ValueError, match="same shape"):
         store.put(0, 1, torch.zeros(4, 4096))
@@ -194,7 +194,7 @@ def test_activation_store_rejects_changing_shapes(ssd):
 
 def test_activation_store_next_step_may_change_shape(ssd):
     directory, io = ssd
-    store = ActivationStore(SPLITS["ssd"], 0, 2, CPU, TrafficCounters(), io, directory)
+    store = ActivationStore(StorageConfig(checkpoints=SPLITS["ssd"], checkpoint_host_ends=0), 2, 2, 2, CPU, TrafficCounters(), io, directory)
     big, small = random_tensor(4 * 2048, torch.float32).view(4, 16, 128), random_tensor(2048, torch.float32).view(1, 16, 128)
     for m in range(2):
         store.put(0, m, big)

@@ -64,21 +64,8 @@ class StepStats(L.Callback):
         self.step_deltas.append(_delta(self._batch_start, engine.counters.snapshot()))
         self.traffic.append(dict(engine.last_step_stats["traffic"]))
         self.optimizer_traffic.append(dict(engine.last_step_stats["optimizer_traffic"]))
-        self.tasks = list(engine.tasks)
-        self.units = [
-            {
-                "numel": unit.layout.numel,
-                "split": unit.split,
-                "weights_ssd": unit.weights.ssd_bytes,
-                "weights_host": (unit.weights.host_end - unit.weights.device_end) * unit.weights.elem_bytes,
-                "weights_is_master": unit.weights is unit.master,
-                "master_ssd": unit.master.ssd_bytes,
-                "grads_ssd": unit.grads.ssd_bytes,
-                "exp_avg_ssd": unit.exp_avg.ssd_bytes,
-                "exp_avg_sq_ssd": unit.exp_avg_sq.ssd_bytes,
-            }
-            for unit in engine.units
-        ]
+        self.tasks = list(engine.trace.last.tasks)
+        self.units = engine.storage_layout()
 
     def on_train_end(self, trainer, pl_module):
         engine = trainer.strategy.engine
@@ -275,7 +262,7 @@ class SlowHooks(L.Callback):
     Waiting for the worker here (rather than sleeping) makes that timing deterministic under load."""
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer):
-        trainer.strategy.engine.overlap.wait_backward_parts()
+        trainer.strategy.engine.flush()  # waits for the worker's backward parts (nothing else is pending)
 
 
 def test_step_stats_account_for_every_byte(tmp_path):

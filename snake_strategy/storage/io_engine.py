@@ -45,28 +45,36 @@ DONE = Ticket([])
 class IOEngine:
     """Submit page-aligned reads and writes; get a Ticket back. Shut down with ``close()``."""
 
-    def __init__(self, num_threads: int = 2, chunk_bytes: int = CHUNK_BYTES) -> None:
+    def __init__(self, num_threads: int = 2, chunk_bytes: int = CHUNK_BYTES, before_transfer=None) -> None:
+        """``before_transfer(direction, num_bytes)``, when given, runs on the I/O thread before each chunk:
+        a test hook that slows the SSD down deterministically (see ``engine.EngineHooks``)."""
         if chunk_bytes % PAGE_BYTES:
             raise ValueError(f"chunk_bytes={chunk_bytes} must be a multiple of {PAGE_BYTES}")
         self._pool = ThreadPoolExecutor(max_workers=num_threads, thread_name_prefix="snake-io")
         self._chunk_bytes = chunk_bytes
+        self._before_transfer = before_transfer
 
     def submit_read(self, fd: int, offset: int, buffer: torch.Tensor) -> Ticket:
         """Fill the uint8 CPU tensor ``buffer`` from ``fd`` at byte ``offset``."""
-        return self._submit(_read_exact, fd, offset, buffer)
+        return self._submit(_read_exact, fd, offset, buffer, "read")
 
     def submit_write(self, fd: int, offset: int, buffer: torch.Tensor) -> Ticket:
         """Write the uint8 CPU tensor ``buffer`` to ``fd`` at byte ``offset``."""
-        return self._submit(_write_exact, fd, offset, buffer)
+        return self._submit(_write_exact, fd, offset, buffer, "write")
 
-    def _submit(self, fn, fd: int, offset: int, buffer: torch.Tensor) -> Ticket:
+    def _submit(self, fn, fd: int, offset: int, buffer: torch.Tensor, direction: str) -> Ticket:
         if buffer.dtype != torch.uint8 or buffer.dim() != 1:
             raise AssertionError("I/O buffers are 1-D uint8 views")
         futures = []
         for start in range(0, buffer.numel(), self._chunk_bytes):
             piece = buffer[start:start + self._chunk_bytes]
-            futures.append(self._pool.submit(fn, fd, offset + start, piece))
+            futures.append(self._pool.submit(self._transfer, fn, direction, fd, offset + start, piece))
         return Ticket(futures)
+
+    def _transfer(self, fn, direction: str, fd: int, offset: int, piece: torch.Tensor) -> None:
+        if self._before_transfer is not None:
+            self._before_transfer(direction, piece.numel())
+        fn(fd, offset, piece)
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)

@@ -1,0 +1,146 @@
+"""Build the engine's state from a module: check what it can train, lay out the units, and materialize
+every parameter straight into its tiers, one unit at a time (the model is never whole in memory).
+
+Initialisation follows ``nn.Module.apply``'s post-order, so a seeded run draws the same numbers as a
+normal in-memory init; pretrained weights stream in entry by entry instead.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import nn
+
+from snake_strategy.config import StorageConfig
+from snake_strategy.engine.state import NonLayerState, UnitStore
+from snake_strategy.memory import forward_split
+from snake_strategy.precision import DtypePolicy
+from snake_strategy.pretrained import PretrainedSource
+from snake_strategy.storage import IOEngine, SsdDirectory, TieredTensor, TrafficCounters
+from snake_strategy.units import UnitLayout, materialize_unit_blocks
+
+
+@dataclass
+class BuiltModel:
+    blocks_prefix: str  # the module name of ``module.blocks`` ("blocks", "model.layers", ...)
+    layouts: list[UnitLayout]
+    units: list[UnitStore]
+    nonlayer: NonLayerState
+
+
+def check_trainable(module: nn.Module, optimizer: torch.optim.Optimizer) -> dict[int, int]:
+    """Refuse what the engine cannot train exactly; return id(parameter) -> optimizer param-group index."""
+    group_of = {id(p): g for g, group in enumerate(optimizer.param_groups) for p in group["params"]}
+    frozen = [n for n, p in module.named_parameters() if not p.requires_grad]
+    if frozen:
+        raise ValueError(f"parameters {frozen[:5]}{' ...' if len(frozen) > 5 else ''} have requires_grad=False; "
+                         "frozen parameters are not supported yet by strategy='greedysnake' (train them, or use "
+                         "strategy='auto' for this model)")
+    missing = [n for n, p in module.named_parameters() if id(p) not in group_of]
+    if missing:
+        raise ValueError(f"parameters {missing} are not in the optimizer; configure_optimizers must cover them")
+    for i, block in enumerate(module.blocks):
+        for mod_name, mod in block.named_modules():
+            persistent = [b for b in mod._buffers if b not in mod._non_persistent_buffers_set and mod._buffers[b] is not None]
+            if persistent:
+                where = f"blocks[{i}]{'.' + mod_name if mod_name else ''}"
+                raise ValueError(
+                    f"{where} has buffers {persistent}: blocks must keep no state. Buffers that change in forward "
+                    "(BatchNorm running statistics) would be updated twice per micro-batch by the recompute. Use "
+                    "LayerNorm/GroupNorm, or register constant tables with persistent=False")
+    return group_of
+
+
+def build_model(module: nn.Module, optimizer: torch.optim.Optimizer, layouts: list[UnitLayout], storage: StorageConfig,
+                blocks_per_unit: int, alpha: float, dtypes: DtypePolicy, device: torch.device,
+                counters: TrafficCounters, io: IOEngine | None, ssd: SsdDirectory | None,
+                pretrained: str | None) -> BuiltModel:
+    """Materialize ``layouts`` (from ``units.build_layouts`` over ``check_trainable``'s groups)."""
+    group_of = {id(p): g for g, group in enumerate(optimizer.param_groups) for p in group["params"]}
+    blocks_prefix = next(name for name, mod in module.named_modules() if mod is module.blocks)
+    block_ids = {id(p) for p in module.blocks.parameters()}
+    named = [(n, p) for n, p in module.named_parameters() if id(p) not in block_ids]
+
+    def tiered(name: str, state: str, numel: int, dtype: torch.dtype) -> TieredTensor:
+        split = getattr(storage, "optimizer" if state in ("exp_avg", "exp_avg_sq") else state)
+        return TieredTensor(name, state, numel, dtype, split, device, counters, io, ssd)
+
+    def store_unit(layout: UnitLayout, flat: torch.Tensor) -> UnitStore:
+        layout.buffers = [{k: v.to(device) for k, v in d.items()} for d in layout.buffers]
+        name, n = f"unit{layout.index:05d}", layout.numel
+        weights = tiered(name, "weights", n, dtypes.compute)
+        weights.evict(flat.to(dtypes.compute))
+        if dtypes.compute == dtypes.master:
+            master = weights  # fp32/fp64 training: the compute copy is the master copy, stored once
+        else:
+            master = tiered(name, "master", n, dtypes.master)
+            master.evict(flat)
+        zeros = torch.zeros(n, dtype=dtypes.master)
+        exp_avg = tiered(name, "exp_avg", n, dtypes.master)
+        exp_avg.evict(zeros)
+        exp_avg_sq = tiered(name, "exp_avg_sq", n, dtypes.master)
+        exp_avg_sq.evict(zeros)
+        grads = tiered(name, "gradients", n, dtypes.master)
+        return UnitStore(layout, weights, master, exp_avg, exp_avg_sq, grads, forward_split(n, alpha))
+
+    source = PretrainedSource(pretrained) if pretrained else None
+    try:
+        units = _materialize(module, layouts, named, device, source, dtypes, blocks_prefix, blocks_per_unit,
+                             store_unit)
+    finally:
+        if source is not None:
+            source.close()
+    groups = [group_of[id(p)] for _, p in named]
+    nonlayer = NonLayerState([n for n, _ in named], [p for _, p in named], groups, dtypes)
+    return BuiltModel(blocks_prefix, layouts, units, nonlayer)
+
+
+def _materialize(module: nn.Module, layouts: list[UnitLayout], named: list[tuple[str, nn.Parameter]],
+                 device: torch.device, source: PretrainedSource | None, dtypes: DtypePolicy, blocks_prefix: str,
+                 blocks_per_unit: int, store_unit: Callable[[UnitLayout, torch.Tensor], UnitStore]) -> list[UnitStore]:
+    init_fn = getattr(module, "init_module_weights", None) or _reset_parameters
+    params = [p for _, p in named]
+    meta = [p.is_meta for p in params]
+    if any(meta) and not all(meta):
+        raise ValueError("the embedding/head parameters are partly on the meta device; build them all in "
+                         "configure_model() or all in __init__()")
+    init_nonlayer = any(meta) and source is None
+    for p in params:
+        # swap_tensors keeps the Parameter object the optimizer and tied modules refer to.
+        real = torch.empty_like(p, device=device) if p.is_meta else p.detach().to(device)
+        torch.utils.swap_tensors(p, nn.Parameter(real, requires_grad=p.requires_grad))
+    block_buffers = {id(b) for b in module.blocks.buffers()}
+    for name, buf in module.named_buffers():
+        if buf.is_meta and id(buf) not in block_buffers:
+            raise ValueError(f"buffer '{name}' is on the meta device; non-layer modules must not need buffers "
+                             "initialised outside reset_parameters")
+    units: list[UnitStore] = []
+
+    def walk(mod: nn.Module) -> None:
+        # The same post-order as nn.Module.apply, so a seeded init draws the same numbers.
+        if mod is module.blocks:
+            for layout in layouts:
+                if source is None:
+                    flat = materialize_unit_blocks(layout, init_fn, dtypes.master)
+                else:
+                    flat = source.unit_flat(layout, layout.index * blocks_per_unit, blocks_prefix, dtypes.master)
+                units.append(store_unit(layout, flat))
+            return
+        for child in mod.children():
+            walk(child)
+        if init_nonlayer:
+            init_fn(mod)
+
+    with torch.no_grad():
+        walk(module)
+        if source is not None:
+            for name, p in named:
+                p.copy_(source.tensor(name, p.shape))
+    return units
+
+
+def _reset_parameters(module: nn.Module) -> None:
+    reset = getattr(module, "reset_parameters", None)
+    if callable(reset):
+        reset()

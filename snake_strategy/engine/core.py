@@ -1,0 +1,405 @@
+"""``SnakeEngine``: the facade the strategy talks to. It owns every offloaded state of the blocks and the
+non-layer parameters' optimizer state, and exposes a small API: ``train_step``, ``optimizer_step``,
+``flush``, ``forward`` (evaluation), the state API (per unit and non-layer, for checkpoints), the memory
+plan, and ``close``.
+
+Threads (all started here, all joined by ``close``): the main thread computes (``StepRunner``); a
+prefetch thread fetches weights ahead (``WeightStreamer``); the optimizer worker steps units
+(``OptimizerOverlap``); the I/O engine's threads run the SSD transfers. Data flows one way:
+runner -> gradients -> overlap -> tiers.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+from torch import Tensor, nn
+
+from snake_strategy.activations import ActivationStore
+from snake_strategy.config import ScheduleConfig, StorageConfig
+from snake_strategy.contract import batch_size, batch_tensors, check_contract, slice_batch, split_micro_batches, unpack_pre_stage
+from snake_strategy.engine.build import build_model, check_trainable
+from snake_strategy.engine.gradients import GradientPath, defers_whole_units
+from snake_strategy.engine.overlap import OptimizerOverlap
+from snake_strategy.engine.runner import StepRunner, StepState
+from snake_strategy.engine.trace import TaskTrace
+from snake_strategy.engine.weights import WeightStreamer
+from snake_strategy.memory import MemoryInputs, format_plan, host_plan, pool_sizes, ssd_plan
+from snake_strategy.optim import check_optimizer, snapshot_hyper_params
+from snake_strategy.planner import ModelShape
+from snake_strategy.precision import DtypePolicy, LossScaler
+from snake_strategy.schedule import FORWARD, Task, build_tasks
+from snake_strategy.storage import IOEngine, SsdDirectory, TrafficCounters
+from snake_strategy.storage.aligned import return_large_frees_to_os
+from snake_strategy.storage.pool import BufferPool
+from snake_strategy.units import build_layouts
+
+
+@dataclass
+class EngineHooks:
+    """Test hooks that slow parts of the engine down deterministically (delay injection, never used in
+    production): ``before_optimizer_chunk(unit)`` runs on the optimizer worker before each chunk step,
+    ``before_ssd_transfer(direction, num_bytes)`` on an I/O thread before each SSD chunk."""
+
+    before_optimizer_chunk: Callable[[int], None] | None = None
+    before_ssd_transfer: Callable[[str, int], None] | None = None
+
+
+class SnakeEngine:
+    def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer, storage: StorageConfig,
+                 schedule: ScheduleConfig, dtypes: DtypePolicy, device: torch.device,
+                 clip: tuple[str, float] | None = None, pretrained: str | None = None,
+                 scaler: LossScaler | None = None, hooks: EngineHooks | None = None) -> None:
+        if clip is not None and clip[0] not in ("norm", "value"):
+            raise ValueError(f"gradient_clip_algorithm='{clip[0]}' is not supported; use 'norm' or 'value'")
+        check_contract(module)
+        check_optimizer(optimizer)
+        self.module, self.optimizer, self.storage, self.schedule = module, optimizer, storage, schedule
+        self.dtypes, self.device, self.clip = dtypes, device, clip
+        self.scaler = scaler if scaler is not None else LossScaler(dtypes.loss_scaling)
+        self.hooks = hooks or EngineHooks()
+        # Norm clipping and loss scaling defer each unit's whole update to the next forward.
+        self.alpha = 1.0 if defers_whole_units(clip, self.scaler.enabled) else schedule.alpha
+        self.counters = TrafficCounters()
+        self.trace = TaskTrace()
+        self.step_count = 0
+        self.last_step_stats: dict[str, Any] = {}
+        self.checkpoint_bytes = 0  # one unit input of one micro-batch, known after the first forward
+        self.global_batch_size: int | None = None  # samples per full step (set from the loader or batch 1)
+        self.io: IOEngine | None = None
+        self.ssd: SsdDirectory | None = None
+        self._parts: list[Any] = []  # everything with a close(), in creation order
+        self._train_end_snapshot: dict | None = None
+        return_large_frees_to_os()  # else freed buffers stay in the heap and RSS grows with depth
+        try:
+            if storage.uses_ssd():
+                self.ssd = SsdDirectory(storage.ssd_dir, storage.use_o_direct, storage.keep_ssd_files)
+                self.io = IOEngine(storage.num_io_threads, before_transfer=self.hooks.before_ssd_transfer)
+            self._build(pretrained)
+        except BaseException:
+            self.close()
+            raise
+
+    # ------------------------------------------------------------------ setup
+    def _build(self, pretrained: str | None) -> None:
+        s = self.schedule
+        # The SSD and host checks need the unit sizes: lay the units out first (cheap, no allocation),
+        # check, then materialize.
+        layouts = build_layouts(self.module.blocks, s.blocks_per_unit, check_trainable(self.module, self.optimizer))
+        self._unit_params = tuple(layout.numel for layout in layouts)
+        block_ids = {id(p) for p in self.module.blocks.parameters()}
+        self._nonlayer_numel = sum(p.numel() for p in self.module.parameters() if id(p) not in block_ids)
+        if self.ssd is not None:
+            self.ssd.check_free_space(sum(ssd_plan(self.memory_inputs()).values()),
+                                      "weights, master weights, optimizer moments and gradients")
+        self.check_host_budget()
+        built = build_model(self.module, self.optimizer, layouts, self.storage, s.blocks_per_unit, self.alpha, self.dtypes,
+                            self.device, self.counters, self.io, self.ssd, pretrained)
+        self.blocks_prefix, self.units, self.nonlayer = built.blocks_prefix, built.units, built.nonlayer
+        pools = pool_sizes(self.memory_inputs())
+        self.overlap = OptimizerOverlap(self.units, self.dtypes.compute, self.dtypes.master, self.device,
+                                        self.storage.optimizer_chunk_elems, self.hooks.before_optimizer_chunk)
+        self._parts.append(self.overlap)
+        self.weights = WeightStreamer(self.units, self.overlap, self.trace, s.prefetch_depth, self.dtypes.compute,
+                                      self.device)
+        self._parts.append(self.weights)
+        self.activations = ActivationStore(self.storage, s.num_micro_batches, len(self.units),
+                                           pools.checkpoint_staging, self.device, self.counters, self.io, self.ssd)
+        self.grad_pool = BufferPool("gradients", pools.grad_buffers, max(self._unit_params), self.dtypes.master,
+                                    self.device)
+        self.gradients = GradientPath(self.units, self.overlap, self.grad_pool, self.clip, self.scaler)
+        self.runner = StepRunner(self.module, self.units, self.nonlayer, self.weights, self.activations,
+                                 self.gradients, self.trace, self.device, self.dtypes.autocast)
+        self._tasks: dict[int, list] = {}
+
+    def tasks(self, num_micro: int | None = None) -> list:
+        """The task list of a step with ``num_micro`` micro-batches (the configured number by default)."""
+        num_micro = num_micro or self.schedule.num_micro_batches
+        if num_micro not in self._tasks:
+            s = self.schedule
+            self._tasks[num_micro] = build_tasks(s.kind, len(self.units), num_micro, s.batched_forward,
+                                                 s.batched_backward)
+        return self._tasks[num_micro]
+
+    # ------------------------------------------------------------------ memory plan
+    def memory_inputs(self, checkpoint_bytes: int = 0) -> MemoryInputs:
+        s = self.schedule
+        return MemoryInputs(
+            unit_params=self._unit_params, nonlayer_params=self._nonlayer_numel,
+            compute_bytes=self.dtypes.bytes_per("compute"), master_bytes=self.dtypes.bytes_per("master"),
+            device_is_cpu=self.device.type == "cpu", storage=self.storage, kind=s.kind,
+            num_micro=s.num_micro_batches, alpha=self.alpha, prefetch_depth=s.prefetch_depth,
+            blocks_per_unit=s.blocks_per_unit,
+            micro_per_backward_task=s.num_micro_batches if s.batched_backward else 1,
+            checkpoint_bytes=checkpoint_bytes)
+
+    def host_bytes_plan(self, checkpoint_bytes: int = 0) -> dict[str, int]:
+        """Host memory the run needs, by item (memory.host_plan)."""
+        return host_plan(self.memory_inputs(checkpoint_bytes))
+
+    def check_host_budget(self, checkpoint_bytes: int = 0) -> None:
+        budget = self.storage.host_budget_bytes
+        if budget is None:
+            return
+        plan = self.host_bytes_plan(checkpoint_bytes)
+        needed = sum(plan.values())
+        if needed > budget:
+            raise ValueError(
+                f"the plan needs {needed / 2**30:.2f} GiB ({needed} bytes) of host memory but "
+                f"storage.host_budget_bytes allows {budget / 2**30:.2f} GiB ({budget} bytes): {format_plan(plan)}. "
+                "To fit: move weights/optimizer/gradients/checkpoints shares to 'ssd', lower "
+                "schedule.prefetch_depth, use smaller units (schedule.blocks_per_unit), fewer micro-batches "
+                "or a smaller micro-batch, or raise storage.host_budget_bytes")
+
+    def model_shape(self, micro_batch: Any) -> ModelShape:
+        """The planner's view of this model for the given micro-batch (shapes only, no compute)."""
+        block_ids = {id(p) for p in self.module.blocks.parameters()}
+        head = {id(m.weight): m.weight.numel() for m in self.module.modules()
+                if isinstance(m, nn.Linear) and id(m.weight) not in block_ids}
+        tensors = batch_tensors(micro_batch)
+        tokens = max((t.numel() for t in tensors if not t.is_floating_point()), default=0) or tensors[0].shape[0]
+        return ModelShape(
+            num_units=len(self.units), params_per_unit=max(self._unit_params), nonlayer_params=self._nonlayer_numel,
+            head_params=sum(head.values()), tokens_per_micro=tokens, num_micro=self.schedule.num_micro_batches,
+            checkpoint_bytes=self.checkpoint_bytes, weight_bytes=self.dtypes.bytes_per("compute"),
+            master_bytes=self.dtypes.bytes_per("master"))
+
+    def largest_block_matrix(self) -> tuple[int, int]:
+        """(out, in) of the largest 2-D block parameter: the matmul shape the compute roof is probed at."""
+        shapes = [s.shape for u in self.units for s in u.layout.slots if len(s.shape) == 2]
+        return tuple(max(shapes, key=lambda sh: sh[0] * sh[1])) if shapes else (1, 1)
+
+    # ------------------------------------------------------------------ one optimizer step
+    def split(self, batch: Any) -> tuple[list[Any], list[int]]:
+        """The step's micro-batches and their sizes. A short batch (the last one of an epoch when the
+        loader keeps it) is cut into micro-batches of the full size, the last one smaller: the same
+        micro-batches plain Lightning with ``accumulate_grad_batches`` would see."""
+        num_micro = self.schedule.num_micro_batches
+        size = batch_size(batch)
+        if self.global_batch_size is None:
+            self.global_batch_size = size  # the first batch defines it, unless the strategy set it
+        full = self.global_batch_size
+        if size == full:
+            return split_micro_batches(batch, num_micro), [size // num_micro] * num_micro
+        if size > full:
+            raise ValueError(f"a batch of {size} samples is larger than the global batch of {full}; the DataLoader's "
+                             "batch size must stay fixed (micro-batch size x schedule.num_micro_batches)")
+        micro_size = full // num_micro
+        bounds = list(range(0, size, micro_size)) + [size]
+        return [slice_batch(batch, lo, hi) for lo, hi in zip(bounds, bounds[1:])], \
+            [hi - lo for lo, hi in zip(bounds, bounds[1:])]
+
+    def train_step(self, batch: Any) -> Tensor:
+        """Forward and backward of one global batch, with backward-part optimizer steps overlapped.
+
+        Returns the mean micro-batch loss (detached). Call ``optimizer_step`` afterwards.
+        """
+        micro_batches, sizes = self.split(batch)
+        if self.storage.host_budget_bytes is not None and not self.checkpoint_bytes:
+            # The checkpoints' size is known only now: check the budget before any block runs.
+            with torch.no_grad(), self.runner.autocast():
+                hidden, _ = unpack_pre_stage(self.module.pre_stage(micro_batches[0]))
+            self.check_host_budget(hidden.numel() * hidden.element_size())
+        start_s = time.perf_counter()
+        before = self.counters.snapshot()
+        self.trace.begin_step()
+        self.weights.take_wait_s()
+        self.activations.wait_s = self.activations.backpressure_s = 0.0
+        self.grad_pool.take_wait_s()
+        self._hps = snapshot_hyper_params(self.optimizer)
+        num_micro = self.schedule.num_micro_batches
+        self.gradients.begin_step(len(micro_batches), self._hps, self.step_count)
+        self.nonlayer.zero_grads()
+        self.overlap.submit_forward_parts()
+        self.activations.set_num_micro(self.storage, len(micro_batches))
+        # Every micro-batch's loss is divided by the configured count, a short batch's too (as Lightning's
+        # accumulation does in an epoch's last, partial window).
+        state = StepState(micro_batches, sizes, self.scaler.scale / num_micro)
+        try:
+            self.runner.run(self.tasks(len(micro_batches)), state)
+            self.gradients.flush()
+        except BaseException:
+            self.gradients.abandon()
+            raise
+        finally:
+            self.overlap.end_forward_parts()
+            self.weights.drain()
+            self.activations.clear()
+        self.checkpoint_bytes = self.checkpoint_bytes or state.checkpoint_bytes
+        # The optimizer phase is measured from here: the worker keeps moving bytes while Lightning runs
+        # its hooks, and those bytes belong to this step too.
+        self._train_end_snapshot = self.counters.snapshot()
+        io_wait_s, weight_backpressure_s = self.weights.take_wait_s()
+        self.last_step_stats = {
+            "train_s": time.perf_counter() - start_s,
+            "io_wait_s": io_wait_s + self.activations.wait_s,
+            "backpressure_wait_s": weight_backpressure_s + self.activations.backpressure_s,
+            "traffic": _delta(before, self._train_end_snapshot),
+        }
+        return torch.stack(state.losses).mean()
+
+    @torch.no_grad()
+    def optimizer_step(self) -> None:
+        """Finish the step: the last backward parts, the non-layer parameters; defer the forward parts."""
+        start_s = time.perf_counter()
+        stats = self.last_step_stats
+        before = self._train_end_snapshot or self.counters.snapshot()
+        wait_s = self.overlap.wait_backward_parts()
+        skip, factor = self.gradients.finish(self.nonlayer, stats)
+        if skip:
+            # fp16 overflow: every unit's update is still pending (deferred whole): drop them all.
+            self.overlap.drop_forward_parts()
+        else:
+            self.nonlayer.step(self._hps, self.step_count)
+            # Lightning steps the LR scheduler right after this returns: the forward parts keep this snapshot.
+            self.overlap.defer_forward_parts(self._hps, self.step_count, factor)
+            self.step_count += 1
+        stats["optimizer_s"] = time.perf_counter() - start_s
+        stats["optimizer_wait_s"] = wait_s
+        stats["optimizer_busy_s"] = self.overlap.take_busy_s()
+        stats["backpressure_wait_s"] = stats.get("backpressure_wait_s", 0.0) + self.grad_pool.take_wait_s()
+        stats["optimizer_traffic"] = _delta(before, self.counters.snapshot())
+        self._train_end_snapshot = None
+
+    def flush(self) -> None:
+        """Apply every pending optimizer update (call before anything reads weights outside training)."""
+        self.overlap.flush()
+        self.weights.drain()
+
+    # ------------------------------------------------------------------ evaluation
+    @torch.no_grad()
+    def forward(self, batch: Any) -> Tensor:
+        """Model outputs for ``batch``, blocks streamed in one unit at a time (read-only: no optimizer
+        state is read or written, nothing is written to the SSD)."""
+        self.flush()
+        tasks = [Task(FORWARD, u, (0,)) for u in range(len(self.units))]  # for the prefetcher
+        try:
+            with self.runner.autocast():
+                hidden, side = unpack_pre_stage(self.module.pre_stage(batch))
+                for u in range(len(self.units)):
+                    self.weights.prefetch_after(tasks, u)
+                    hidden = self.runner.unit_forward(u, self.weights.flat(u), hidden, side)
+                return self.module.post_stage(hidden)
+        finally:
+            self.weights.drain()
+
+    # ------------------------------------------------------------------ state API (checkpoints, export)
+    def unit_slots(self, u: int) -> list[tuple[str, list[int], int, int]]:
+        """(module name, shape, offset, numel) of every parameter of unit ``u``, in flat-vector order."""
+        return [(name, list(s.shape), s.offset, s.numel) for name, s in self.units[u].named_slots(self.blocks_prefix)]
+
+    def unit_numel(self, u: int) -> int:
+        return self.units[u].layout.numel
+
+    @property
+    def num_units(self) -> int:
+        return len(self.units)
+
+    def unit_state(self, u: int) -> dict[str, Tensor]:
+        """Unit ``u``'s master weights and Adam moments, fresh CPU copies (one unit at a time)."""
+        self.flush()
+        unit = self.units[u]
+        return {"master": unit.master.read_full(), "exp_avg": unit.exp_avg.read_full(),
+                "exp_avg_sq": unit.exp_avg_sq.read_full()}
+
+    @torch.no_grad()
+    def load_unit_state(self, u: int, state: dict[str, Tensor]) -> None:
+        self.flush()
+        unit = self.units[u]
+        for name in ("master", "exp_avg", "exp_avg_sq"):
+            getattr(unit, name).evict(state[name].to(self.dtypes.master))
+        if unit.weights is not unit.master:
+            unit.weights.evict(state["master"].to(self.dtypes.compute))
+
+    def nonlayer_state(self) -> dict[str, Any]:
+        """The non-layer parameters' master weights and moments, the step counter and the loss scaler."""
+        self.flush()
+        return {**self.nonlayer.state_dict(), "loss_scaler": self.scaler.state_dict(), "step_count": self.step_count}
+
+    def load_nonlayer_state(self, state: dict[str, Any]) -> None:
+        self.nonlayer.load_state_dict(state)
+        if "loss_scaler" in state:
+            self.scaler.load_state_dict(state["loss_scaler"])
+        if "step_count" in state:
+            self.step_count = int(state["step_count"])
+
+    def state_dict(self) -> dict[str, Tensor]:
+        """Every trainable parameter's master value by its module name (CPU copies, one unit at a time)."""
+        self.flush()
+        out = {name: master.detach().cpu().clone() for name, master in zip(self.nonlayer.names, self.nonlayer.master)}
+        for u in range(len(self.units)):
+            flat = self.units[u].master.read_full()
+            out.update({name: flat[offset:offset + numel].view(shape).clone()
+                        for name, shape, offset, numel in self.unit_slots(u)})
+        return out
+
+    def storage_layout(self) -> list[dict[str, int]]:
+        """Per unit: elements, the forward-part split, and the bytes each state keeps on the SSD (and the
+        weights on the host): what the traffic model is computed from (tests, telemetry)."""
+        out = []
+        for unit in self.units:
+            w = unit.weights
+            out.append({"numel": unit.layout.numel, "split": unit.split, "weights_ssd": w.ssd_bytes,
+                        "weights_host": (w.host_end - w.device_end) * w.elem_bytes,
+                        "weights_is_master": unit.weights is unit.master, "master_ssd": unit.master.ssd_bytes,
+                        "grads_ssd": unit.grads.ssd_bytes, "exp_avg_ssd": unit.exp_avg.ssd_bytes,
+                        "exp_avg_sq_ssd": unit.exp_avg_sq.ssd_bytes})
+        return out
+
+    def master_bytes(self) -> int:
+        return (sum(self._unit_params) + self._nonlayer_numel) * self.dtypes.bytes_per("master")
+
+    @torch.no_grad()
+    def export_to_module(self) -> None:
+        """Give the module its trained weights back (master values), streamed one unit at a time, so
+        ``model.state_dict()``, a second ``fit`` or a plain Trainer see them after training."""
+        self.flush()
+        for u in range(len(self.units)):
+            flat = self.units[u].master.read_full()
+            for j, block in enumerate(self.units[u].layout.blocks):
+                params = dict(block.named_parameters())
+                for s in self.units[u].layout.slots:
+                    if s.block == j:
+                        value = flat[s.offset:s.offset + s.numel].view(s.shape).clone()
+                        torch.utils.swap_tensors(params[s.name], nn.Parameter(value, params[s.name].requires_grad))
+        for p, master in zip(self.nonlayer.params, self.nonlayer.master):
+            if p is not master:
+                torch.utils.swap_tensors(p, nn.Parameter(master.detach().clone(), p.requires_grad))
+
+    # ------------------------------------------------------------------ teardown
+    def ssd_files(self) -> list[str]:
+        return self.ssd.files() if self.ssd is not None else []
+
+    def close(self) -> None:
+        """Release every buffer, thread, file and the lock, whatever fails on the way (idempotent); then
+        re-raise the first error. A Hydra multirun or a notebook retry relies on it."""
+        first_error: BaseException | None = None
+        steps = [part.close for part in reversed(self._parts)]
+        if getattr(self, "activations", None) is not None:
+            steps.append(self.activations.clear)
+        steps += [self._close_io]
+        for step in steps:
+            try:
+                step()
+            except BaseException as err:  # keep releasing: files and the lock must not leak
+                first_error = first_error or err
+        self._parts = []
+        self.units = []
+        if first_error is not None:
+            raise first_error
+
+    def _close_io(self) -> None:
+        io, ssd, self.io, self.ssd = self.io, self.ssd, None, None
+        try:
+            if io is not None:
+                io.close()
+        finally:
+            if ssd is not None:
+                ssd.close()
+
+
+def _delta(before: dict, after: dict) -> dict[str, int]:
+    return {"/".join(k): v - before.get(k, 0) for k, v in sorted(after.items()) if v - before.get(k, 0)}

@@ -1,0 +1,146 @@
+"""The gradient path of one step: accumulate each task's block gradients into the unit's flat buffer,
+and when a unit is complete check it, clip it and hand it to the optimizer worker; at the end of the
+step turn the loss scale and the global norm into ONE factor for everything still to be stepped.
+
+Policies (docs/design.md, "Clipping and loss scaling"):
+- clipping by value is element-wise: each complete unit is unscaled and clamped at once, and the normal
+  overlap applies;
+- clipping by norm and fp16 loss scaling need every gradient before any update (the global norm; the
+  overflow decision), so the whole update of every unit is deferred to the next forward (alpha = 1):
+  the worker parks the complete gradient, and ``finish`` computes the factor
+  ``unscale x min(1, max_norm / (norm + 1e-6))`` that the deferred steps apply (or skips the step).
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from snake_strategy.engine.overlap import OptimizerOverlap
+from snake_strategy.engine.state import NonLayerState, UnitStore
+from snake_strategy.optim import AdamHyperParams
+from snake_strategy.precision import LossScaler
+from snake_strategy.storage.pool import BufferPool
+
+
+def defers_whole_units(clip: tuple[str, float] | None, loss_scaling: bool) -> bool:
+    return loss_scaling or (clip is not None and clip[0] == "norm")
+
+
+class GradientPath:
+    def __init__(self, units: list[UnitStore], overlap: OptimizerOverlap, pool: BufferPool,
+                 clip: tuple[str, float] | None, scaler: LossScaler) -> None:
+        self._units, self._overlap, self._pool, self._clip, self._scaler = units, overlap, pool, clip, scaler
+        self._acc: tuple[int, Tensor] | None = None  # (unit, pool buffer) of the unit being accumulated
+        self._begin(1, [], 0)
+
+    def _begin(self, num_micro: int, hps: list[AdamHyperParams], step_before: int) -> None:
+        self._num_micro, self._hps, self._step_before = num_micro, hps, step_before
+        self._partial = [False] * len(self._units)  # horizontal: a partial sum waits in the store
+        self.done = [0] * len(self._units)  # micro-batches whose gradient reached the unit
+        self._used: list[set[int]] = [set() for _ in self._units]  # slots that received a gradient
+        self._overlap.unused = {}
+        self._grad_sq = torch.zeros((), dtype=torch.float64)  # squared norm of complete unit gradients
+        self._found_inf = False
+
+    def begin_step(self, num_micro: int, hps: list[AdamHyperParams], step_before: int) -> None:
+        assert self._acc is None, "a gradient accumulator survived the previous step"
+        self._begin(num_micro, hps, step_before)
+
+    def accumulate(self, u: int, grads: tuple[Tensor, ...], num_micro: int) -> None:
+        """Add one task's per-parameter gradients (covering ``num_micro`` micro-batches) into unit ``u``."""
+        if self._acc is not None and self._acc[0] != u:
+            self.flush()
+        slots = self._units[u].layout.slots
+        n = self._units[u].layout.numel
+        self._used[u].update(i for i, g in enumerate(grads) if g is not None)
+        if self._acc is None:
+            # The first task's gradients are copied in (no zero-fill, no extra pass). Blocks while both
+            # buffers are out (one with the worker): backpressure when the optimizer falls behind.
+            buffer = self._pool.acquire()
+            acc = buffer[:n]
+            for s, g in zip(slots, grads):
+                if g is None:
+                    acc[s.offset:s.offset + s.numel].zero_()  # an unused parameter: zero gradient
+                else:
+                    acc[s.offset:s.offset + s.numel].copy_(g.reshape(-1))
+            self._acc = (u, buffer)
+        else:
+            acc = self._acc[1][:n]
+            for s, g in zip(slots, grads):
+                if g is not None:
+                    acc[s.offset:s.offset + s.numel].add_(g.reshape(-1))
+        self.done[u] += num_micro
+        if self.done[u] == self._num_micro:
+            self.flush()  # complete: hand it to the optimizer worker right away
+
+    def flush(self) -> None:
+        """Move the unit being accumulated on: to the worker when complete, else to the gradient store."""
+        if self._acc is None:
+            return
+        u, buffer = self._acc
+        self._acc = None
+        unit = self._units[u]
+        acc = buffer[:unit.layout.numel]
+        if self._partial[u]:
+            # Horizontal schedule: an earlier micro-batch left a partial gradient; read, add.
+            acc.add_(unit.grads.acquire())
+        if self.done[u] < self._num_micro:
+            try:
+                unit.grads.evict(acc)
+            finally:
+                self._pool.release(buffer)
+            self._partial[u] = True
+            return
+        if self._scaler.enabled:
+            self._found_inf |= not bool(torch.isfinite(acc).all())  # a sync point on GPUs
+        if self._clip is not None and self._clip[0] == "value":
+            if self._scaler.enabled:
+                acc.mul_(1.0 / self._scaler.scale)  # clip the true gradient, not the scaled one
+            acc.clamp_(-self._clip[1], self._clip[1])
+        elif self._clip is not None:
+            self._grad_sq += torch.linalg.vector_norm(acc, dtype=torch.float64).square().cpu()
+        unused = [(s.offset, s.offset + s.numel) for i, s in enumerate(unit.layout.slots) if i not in self._used[u]]
+        if unused:
+            self._overlap.unused[u] = unused
+        self._overlap.submit_backward_part(u, acc, lambda: self._pool.release(buffer), self._hps, self._step_before)
+
+    def abandon(self) -> None:
+        """Give back the accumulator after a failed step (the step's gradients are lost, not applied)."""
+        if self._acc is not None:
+            self._pool.release(self._acc[1])
+            self._acc = None
+
+    def finish(self, nonlayer: NonLayerState, stats: dict) -> tuple[bool, float | None]:
+        """After every backward part is submitted and waited: (skip the step?, factor for deferred parts).
+
+        Applies the same factor to the non-layer gradients. Updates the loss scaler (16-mixed).
+        """
+        used = nonlayer.used_grads()
+        scale_used = self._scaler.scale
+        if self._scaler.enabled:
+            self._found_inf |= any(not bool(torch.isfinite(g).all()) for g in used)
+            stats["loss_scale"] = scale_used
+            if self._scaler.update(self._found_inf):
+                stats["skipped"] = True
+                return True, None
+        unscale = 1.0 / scale_used if self._scaler.enabled else None
+        if unscale is not None:
+            for g in used:
+                g.mul_(unscale)
+        if self._clip is None:
+            return False, unscale
+        algorithm, value = self._clip
+        if algorithm == "value":
+            for g in used:
+                g.clamp_(-value, value)
+            return False, None  # unit gradients were unscaled and clamped when they completed
+        grad_sq = self._grad_sq * (unscale**2 if unscale is not None else 1.0)
+        sq = grad_sq + sum((torch.linalg.vector_norm(g, dtype=torch.float64).square().cpu() for g in used),
+                           torch.zeros((), dtype=torch.float64))
+        total_norm = float(sq.sqrt())
+        # torch.nn.utils.clip_grad_norm_: factor = min(1, max_norm / (norm + 1e-6)), applied even when 1.
+        factor = min(1.0, value / (total_norm + 1e-6))
+        for g in used:
+            g.mul_(factor)
+        stats["grad_norm"], stats["clip_factor"] = total_norm, factor
+        return False, factor * unscale if unscale is not None else factor

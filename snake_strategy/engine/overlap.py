@@ -1,0 +1,235 @@
+"""The optimizer-step overlap: AdamW runs on a worker thread while the main thread computes.
+
+Each unit's flat vector is cut at ``split`` (about ``alpha`` of its elements, page-aligned):
+
+- backward part [split, n): stepped in the same iteration, on the worker, as soon as the unit's
+  gradient is complete (the unit is not read again in this iteration);
+- forward part [0, split): its gradient waits in the gradient store; it is stepped during the next
+  iteration's forward, before the unit's weights are fetched (``wait_forward_part``), with the
+  hyper-parameters and step number snapshotted at the end of the iteration that produced it.
+
+Every element is updated exactly once per iteration, with its full accumulated gradient, before it is
+next read: the parameter sequence is synchronous AdamW (docs/design.md, "Why the overlap is exact").
+``flush`` applies pending forward parts before anything else reads weights (validation, checkpoints,
+teardown).
+
+Memory: the worker steps in chunks of ``storage.optimizer_chunk_elems`` through a fixed scratch set, and gives each
+complete gradient buffer back to its pool when done; the backward therefore waits (backpressure) when
+the optimizer falls behind, instead of queueing gradients without bound.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from snake_strategy.engine.state import UnitStore
+from snake_strategy.optim import AdamHyperParams, adam_step
+from snake_strategy.storage.pool import BufferPool
+
+
+@dataclass
+class _Deferred:
+    hps: list[AdamHyperParams]
+    step_before: int
+    grad_scale: float | None  # unscale x global-norm clip coefficient, applied before the step (None: none)
+    unused: dict[int, list[tuple[int, int]]]  # per unit: element ranges of parameters that got no gradient
+    submitted: dict[int, Future] = field(default_factory=dict)
+
+
+class OptimizerOverlap:
+    """Owns the optimizer worker thread and the bookkeeping of pending unit steps.
+
+    ``before_chunk`` is a test hook called on the worker before each chunk's step (fault and delay
+    injection through the public ``EngineHooks``); it must not touch engine state.
+    """
+
+    def __init__(self, units: list[UnitStore], compute_dtype: torch.dtype, master_dtype: torch.dtype,
+                 device: torch.device, chunk_elems: int, before_chunk: Callable[[int], None] | None = None) -> None:
+        self._units, self._compute_dtype = units, compute_dtype
+        self._before_chunk = before_chunk
+        # One intra-op thread: AdamW is memory-bound, and the compute thread's matmuls own the cores.
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="snake-optim",
+                                        initializer=torch.set_num_threads, initargs=(1,))
+        self._chunk_elems = chunk_elems
+        chunk = min(chunk_elems, max((u.layout.numel for u in units), default=1))
+        # The worker's scratch: master, two moments and a parked gradient chunk (+ the compute copy).
+        self._scratch = {name: BufferPool(f"optimizer-{name}", 1, chunk, master_dtype, device)
+                         for name in ("master", "exp_avg", "exp_avg_sq", "grad")}
+        if compute_dtype != master_dtype:
+            self._scratch["compute"] = BufferPool("optimizer-compute", 1, chunk, compute_dtype, device)
+        self._backward_jobs: dict[int, Future] = {}
+        self._deferred: _Deferred | None = None
+        # Parameters that received no gradient in this step (unused in forward): torch's AdamW skips a
+        # parameter whose grad is None, so their values and moments are kept as they were.
+        self.unused: dict[int, list[tuple[int, int]]] = {}
+        self._lock = threading.Lock()
+        self.busy_s = 0.0  # worker time spent stepping, since the last reset
+
+    # ------------------------------------------------------------------ backward parts
+    def submit_backward_part(self, u: int, grad: torch.Tensor, release: Callable[[], None],
+                             hps: list[AdamHyperParams], step_before: int) -> None:
+        """Step unit ``u``'s backward part with the complete gradient ``grad`` (all n elements), park the
+        forward part's gradient in the gradient store, then call ``release`` (the buffer goes back to its
+        pool). ``grad`` must not be touched afterwards."""
+        self._backward_jobs[u] = self._pool.submit(self._backward_job, u, grad, release, hps, step_before)
+
+    def _backward_job(self, u: int, grad: torch.Tensor, release: Callable[[], None],
+                      hps: list[AdamHyperParams], step_before: int) -> None:
+        unit = self._units[u]
+        start_s = time.perf_counter()
+        try:
+            if unit.split:
+                unit.grads.evict(grad[:unit.split], 0, unit.split)
+            self._step_range(unit, unit.split, unit.layout.numel, lambda lo, hi: grad[lo:hi], hps, step_before, None,
+                             self.unused.get(u, []))
+        finally:
+            release()
+        self._add_busy(time.perf_counter() - start_s)
+
+    def wait_backward_parts(self) -> float:
+        """Block until every backward part of this iteration is applied; returns the seconds waited."""
+        start_s = time.perf_counter()
+        jobs, self._backward_jobs = self._backward_jobs, {}
+        for job in jobs.values():
+            job.result()  # sync point: the step is not finished before these are
+        return time.perf_counter() - start_s
+
+    # ------------------------------------------------------------------ forward parts
+    def defer_forward_parts(self, hps: list[AdamHyperParams], step_before: int, grad_scale: float | None) -> None:
+        if any(unit.split for unit in self._units):
+            self._deferred = _Deferred(hps, step_before, grad_scale, dict(self.unused))
+
+    def drop_forward_parts(self) -> None:
+        """Forget the parked gradients (a skipped fp16 step): nothing is applied."""
+        self._deferred = None
+
+    def submit_forward_parts(self) -> None:
+        """Queue every pending forward part (the worker applies them in unit order, ahead of use)."""
+        if self._deferred is not None:
+            for u in range(len(self._units)):
+                self._submit_forward_part(u)
+
+    def _submit_forward_part(self, u: int) -> Future | None:
+        d = self._deferred
+        if d is None or not self._units[u].split:
+            return None
+        if u not in d.submitted:
+            d.submitted[u] = self._pool.submit(self._forward_job, u, d.hps, d.step_before, d.grad_scale,
+                                               d.unused.get(u, []))
+        return d.submitted[u]
+
+    def _forward_job(self, u: int, hps: list[AdamHyperParams], step_before: int, grad_scale: float | None,
+                     unused: list[tuple[int, int]]) -> None:
+        unit = self._units[u]
+        start_s = time.perf_counter()
+        grad_pool = self._scratch["grad"]
+        buffer = grad_pool.acquire()
+
+        def parked_grad(lo: int, hi: int) -> torch.Tensor:
+            # Read back chunk by chunk into the scratch buffer: bounded memory however large the unit.
+            return unit.grads.fetch(buffer[:hi - lo], lo, hi)
+
+        try:
+            self._step_range(unit, 0, unit.split, parked_grad, hps, step_before, grad_scale, unused)
+        finally:
+            grad_pool.release(buffer)
+        self._add_busy(time.perf_counter() - start_s)
+
+    def wait_forward_part(self, u: int) -> None:
+        """Block until unit ``u``'s forward part is applied (called before its weights are read)."""
+        job = self._submit_forward_part(u)
+        if job is not None:
+            job.result()
+
+    def end_forward_parts(self) -> None:
+        """All forward parts of the pending iteration have been waited on; forget them."""
+        if self._deferred is not None and len(self._deferred.submitted) == sum(bool(u.split) for u in self._units):
+            for job in self._deferred.submitted.values():
+                job.result()
+            self._deferred = None
+
+    def flush(self) -> None:
+        """Apply every pending update now (before validation, checkpoint save, teardown)."""
+        self.wait_backward_parts()
+        if self._deferred is not None:
+            for u in range(len(self._units)):
+                self.wait_forward_part(u)
+            self._deferred = None
+
+    @property
+    def pending(self) -> bool:
+        return self._deferred is not None or bool(self._backward_jobs)
+
+    # ------------------------------------------------------------------ the arithmetic
+    def _step_range(self, unit: UnitStore, lo: int, hi: int, grad_of: Callable[[int, int], torch.Tensor],
+                    hps: list[AdamHyperParams], step_before: int, grad_scale: float | None,
+                    unused: list[tuple[int, int]]) -> None:
+        """AdamW on elements [lo, hi) of a unit, chunk by chunk (``grad_of(a, b)``: the gradient of elements
+        [a, b) of the unit, a buffer the step may scale in place)."""
+        for start in range(lo, hi, self._chunk_elems):
+            end = min(hi, start + self._chunk_elems)
+            if self._before_chunk is not None:
+                self._before_chunk(unit.layout.index)
+            grad = grad_of(start, end)
+            if grad_scale is not None:
+                grad.mul_(grad_scale)  # as torch.nn.utils.clip_grad_norm_ does, even when the factor is 1
+            keep = [(max(a, start), min(b, end)) for a, b in unused if max(a, start) < min(b, end)]
+            self._step_chunk(unit, start, end, grad, hps, step_before, keep)
+
+    def _step_chunk(self, unit: UnitStore, lo: int, hi: int, grad: torch.Tensor,
+                    hps: list[AdamHyperParams], step_before: int, keep: list[tuple[int, int]]) -> None:
+        scratch = {name: pool.acquire() for name, pool in self._scratch.items() if name != "grad"}
+        try:
+            with torch.no_grad():
+                master = _acquire(unit.master, scratch["master"], lo, hi)
+                exp_avg = _acquire(unit.exp_avg, scratch["exp_avg"], lo, hi)
+                exp_avg_sq = _acquire(unit.exp_avg_sq, scratch["exp_avg_sq"], lo, hi)
+                grad = grad.to(master.device, non_blocking=True)
+                kept = [(a, b, [t[a - lo:b - lo].clone() for t in (master, exp_avg, exp_avg_sq)]) for a, b in keep]
+                for group, start, end in unit.layout.group_ranges:
+                    s, e = max(start, lo) - lo, min(end, hi) - lo
+                    if s < e:
+                        adam_step([master[s:e]], [grad[s:e]], [exp_avg[s:e]], [exp_avg_sq[s:e]], step_before,
+                                  hps[group])
+                for a, b, values in kept:
+                    for t, v in zip((master, exp_avg, exp_avg_sq), values):
+                        t[a - lo:b - lo].copy_(v)
+                tickets = [t.start_evict(v, lo, hi) for t, v in
+                           ((unit.master, master), (unit.exp_avg, exp_avg), (unit.exp_avg_sq, exp_avg_sq))
+                           if not t.resident]
+                if unit.weights is not unit.master:
+                    compute = scratch["compute"][:hi - lo]
+                    compute.copy_(master)
+                    tickets.append(unit.weights.start_evict(compute, lo, hi))
+                for ticket in tickets:
+                    ticket.wait()  # the scratch is reused by the next chunk: the writes must be done
+        finally:
+            for name, buffer in scratch.items():
+                self._scratch[name].release(buffer)
+
+    def _add_busy(self, seconds: float) -> None:
+        with self._lock:
+            self.busy_s += seconds
+
+    def take_busy_s(self) -> float:
+        with self._lock:
+            busy, self.busy_s = self.busy_s, 0.0
+        return busy
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+        self._backward_jobs, self._deferred = {}, None
+        for pool in self._scratch.values():
+            pool.clear()
+
+
+def _acquire(t, scratch: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+    """Elements [lo, hi) of ``t``: in place when device-resident, else fetched into the scratch buffer."""
+    if t.resident:
+        return t.device_tensor()[lo:hi]
+    return t.fetch(scratch[:hi - lo], lo, hi)

@@ -1,0 +1,187 @@
+"""The step runner: executes one step's task list, one task after the other, on the main thread.
+
+Everything a step needs between tasks lives in one ``StepState`` object, created per step: the
+micro-batches, their side inputs, the RNG states to replay, the activation gradients flowing down and
+the losses. Weights come from the ``WeightStreamer``, checkpoints from the ``ActivationStore``,
+gradients go to the ``GradientPath``; the runner itself owns no long-lived state.
+
+Randomness (dropout) is replayed exactly: each forward task records the RNG state it started from and
+the recompute of the same (unit, micro-batches) restarts from it. When the forward and the backward
+group micro-batches differently (only one of the batched flags on) the masks cannot be replayed; a run
+whose blocks draw random numbers is then refused at its first step, before any update.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from snake_strategy.activations import ActivationStore
+from snake_strategy.contract import check_block_output, stack_side_inputs, unpack_pre_stage
+from snake_strategy.engine.gradients import GradientPath
+from snake_strategy.engine.state import NonLayerState, UnitStore
+from snake_strategy.engine.trace import TaskTrace
+from snake_strategy.engine.weights import WeightStreamer
+from snake_strategy.schedule import BACKWARD, Task
+
+
+@dataclass
+class StepState:
+    micro_batches: list[Any]
+    sizes: list[int]  # samples per micro-batch (the last one of a short batch may be smaller)
+    loss_factor: float  # loss scale / micro-batches per full step: the backward's seed
+    side: dict[int, dict[str, Any]] = field(default_factory=dict)  # per micro-batch side inputs
+    rng: dict[tuple[int, tuple[int, ...]], tuple[Tensor, Tensor | None]] = field(default_factory=dict)
+    random_units: set[int] = field(default_factory=set)  # units whose forward drew random numbers
+    act_grads: dict[int, Tensor] = field(default_factory=dict)  # dL/d(input of the unit below), per micro
+    losses: list[Tensor] = field(default_factory=list)
+    checkpoint_bytes: int = 0  # one unit input of one full micro-batch
+
+
+class StepRunner:
+    def __init__(self, module: nn.Module, units: list[UnitStore], nonlayer: NonLayerState, weights: WeightStreamer,
+                 activations: ActivationStore, gradients: GradientPath, trace: TaskTrace, device: torch.device,
+                 autocast: torch.dtype | None) -> None:
+        self.module, self.units, self.nonlayer = module, units, nonlayer
+        self.weights, self.activations, self.gradients, self.trace = weights, activations, gradients, trace
+        self.device, self._autocast_dtype = device, autocast
+
+    def autocast(self):
+        if self._autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self._autocast_dtype)
+
+    def run(self, tasks: list[Task], state: StepState) -> None:
+        for index, task in enumerate(tasks):
+            self.weights.prefetch_after(tasks, index)
+            if index + 1 < len(tasks):
+                following = tasks[index + 1]
+                # The checkpoints the next task starts from: SSD reads issued now overlap this task.
+                for m in following.micro_batches:
+                    self.activations.prefetch(following.unit, m)
+            self.trace.task(task)
+            if task.kind == BACKWARD:
+                self._backward(task, state)
+            else:
+                self._forward(task, state)
+
+    # ------------------------------------------------------------------ stages
+    def pre_stage(self, state: StepState, m: int) -> Tensor:
+        hidden, side = unpack_pre_stage(self.module.pre_stage(state.micro_batches[m]))
+        state.side[m] = side
+        return hidden
+
+    def unit_forward(self, u: int, params, hidden: Tensor, side: dict[str, Any]) -> Tensor:
+        return self.units[u].layout.forward(params, hidden, side, check_block_output)
+
+    def _side(self, state: StepState, order: tuple[int, ...]) -> dict[str, Any]:
+        return stack_side_inputs([state.side[m] for m in order], [state.sizes[m] for m in order])
+
+    # ------------------------------------------------------------------ tasks
+    def _forward(self, task: Task, state: StepState) -> None:
+        u, order = task.unit, task.micro_batches
+        with torch.no_grad(), self.autocast():
+            if u == 0:
+                for m in order:
+                    state.rng[(-1, (m,))] = _rng_state(self.device)
+                    self.activations.put(0, m, self.pre_stage(state, m))
+            xs = [self.activations.get(u, m) for m in order]
+            w = self.weights.leaves(u)
+            before = _rng_state(self.device)
+            state.rng[(u, order)] = before
+            # One product per Linear over all micro-batches when batched (larger matmuls run faster).
+            y = self.unit_forward(u, w, torch.cat(xs) if len(xs) > 1 else xs[0], self._side(state, order))
+            if not _same_rng(before, _rng_state(self.device)):
+                state.random_units.add(u)
+        for m, y_m in zip(order, y.split([state.sizes[m] for m in order])):
+            self.activations.put(u + 1, m, y_m)
+            state.checkpoint_bytes = max(state.checkpoint_bytes, y_m.numel() * y_m.element_size())
+
+    def _backward(self, task: Task, state: StepState) -> None:
+        u, order = task.unit, task.micro_batches
+        last = u == len(self.units) - 1
+        w = self.weights.leaves(u)
+        batches = [state.micro_batches[m] for m in order]
+        sizes = [state.sizes[m] for m in order]
+        with torch.enable_grad():
+            if last and u == 0:
+                # A single-unit model: the embedding joins the fused task's graph directly.
+                with self.autocast():
+                    x = torch.cat([self.pre_stage(state, m) for m in order])
+                    losses = self._post_losses(self.unit_forward(u, w, x, self._side(state, order)), batches, sizes)
+                grads = torch.autograd.grad(sum(losses) * state.loss_factor, w + self.nonlayer.params,
+                                            allow_unused=True)
+                self.nonlayer.accumulate(grads[len(w):])
+                self.gradients.accumulate(u, grads[:len(w)], len(order))
+                state.losses += [loss.detach() for loss in losses]
+                return
+            x = torch.cat([self.activations.get(u, m) for m in order]) if len(order) > 1 else self.activations.get(u, order[0])
+            x = x.detach().requires_grad_(True)
+            if last:
+                with self.autocast():
+                    losses = self._post_losses(self.unit_forward(u, w, x, self._side(state, order)), batches, sizes)
+                grads = torch.autograd.grad(sum(losses) * state.loss_factor, [x] + w + self.nonlayer.params,
+                                            allow_unused=True)
+                self.nonlayer.accumulate(grads[1 + len(w):])
+                state.losses += [loss.detach() for loss in losses]
+            else:
+                with self._replay(state, u, order), self.autocast():
+                    y = self.unit_forward(u, w, x, self._side(state, order))
+                g = torch.cat([state.act_grads.pop(m) for m in order]) if len(order) > 1 else state.act_grads.pop(order[0])
+                grads = torch.autograd.grad(y, [x] + w, g, allow_unused=True)
+            self.gradients.accumulate(u, grads[1:1 + len(w)], len(order))
+            for m, dx in zip(order, grads[0].split(sizes)):
+                self.activations.drop(u, m)
+                if u > 0:
+                    state.act_grads[m] = dx
+            if u == 0:
+                # The embedding's backward, once for all micro-batches of the task (one dense embedding
+                # gradient instead of one per micro-batch), each replaying its RNG stream.
+                hidden = []
+                for m in order:
+                    with _replayed(state.rng.pop((-1, (m,))), self.device), self.autocast():
+                        hidden.append(self.pre_stage(state, m))
+                h = torch.cat(hidden) if len(hidden) > 1 else hidden[0]
+                self.nonlayer.accumulate(torch.autograd.grad(h, self.nonlayer.params, grads[0], allow_unused=True))
+
+    def _replay(self, state: StepState, u: int, order: tuple[int, ...]):
+        """The RNG stream the forward of (u, order) saw, or nothing to replay when it drew no numbers."""
+        saved = state.rng.pop((u, order), None)
+        if saved is None:
+            for key in [k for k in state.rng if k[0] == u]:
+                state.rng.pop(key)
+            if u in state.random_units:
+                raise ValueError(
+                    f"the blocks of unit {u} draw random numbers (dropout), and schedule.batched_forward / "
+                    "batched_backward group micro-batches differently in the forward and the recompute, so the "
+                    "recompute cannot replay the forward's masks. Set both flags to the same value, or use "
+                    "dropout 0 in the blocks")
+            return contextlib.nullcontext()
+        return _replayed(saved, self.device)
+
+    def _post_losses(self, hidden: Tensor, batches: list[Any], sizes: list[int]) -> list[Tensor]:
+        outputs = self.module.post_stage(hidden)
+        return [self.module.compute_loss(out, b) for out, b in zip(outputs.split(sizes), batches)]
+
+
+def _rng_state(device: torch.device) -> tuple[Tensor, Tensor | None]:
+    cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+    return torch.get_rng_state(), cuda
+
+
+def _same_rng(a: tuple[Tensor, Tensor | None], b: tuple[Tensor, Tensor | None]) -> bool:
+    return torch.equal(a[0], b[0]) and (a[1] is None or torch.equal(a[1], b[1]))
+
+
+@contextlib.contextmanager
+def _replayed(state: tuple[Tensor, Tensor | None], device: torch.device):
+    """Run with the RNG stream a forward task saw (dropout masks); the outer stream is restored after."""
+    devices = [device] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices, device_type=device.type if devices else "cuda"):
+        torch.set_rng_state(state[0])
+        if state[1] is not None:
+            torch.cuda.set_rng_state(state[1], device)
+        yield

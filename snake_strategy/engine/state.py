@@ -1,0 +1,113 @@
+"""The training state the engine owns: per-unit tiered tensors and the non-layer parameters' AdamW state.
+
+Each object owns its tensors and knows how to step, save and restore itself; the step runner and the
+optimizer overlap only call these methods.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from snake_strategy.optim import AdamHyperParams, adam_step
+from snake_strategy.precision import DtypePolicy
+from snake_strategy.storage import TieredTensor
+from snake_strategy.units import UnitLayout
+
+
+@dataclass
+class UnitStore:
+    """Every offloaded state of one unit."""
+
+    layout: UnitLayout
+    weights: TieredTensor
+    master: TieredTensor  # the same object as ``weights`` when the compute dtype is the master dtype
+    exp_avg: TieredTensor
+    exp_avg_sq: TieredTensor
+    grads: TieredTensor
+    split: int  # forward part = [0, split), backward part = [split, numel)
+
+    def named_slots(self, blocks_prefix: str):
+        """(module name, slot) of each parameter of the unit, in flat-vector order."""
+        for s in self.layout.slots:
+            yield f"{blocks_prefix}.{self.layout.first_block + s.block}.{s.name}", s
+
+    def tensors(self) -> tuple[TieredTensor, ...]:
+        seen, out = set(), []
+        for t in (self.weights, self.master, self.exp_avg, self.exp_avg_sq, self.grads):
+            if id(t) not in seen:
+                seen.add(id(t))
+                out.append(t)
+        return tuple(out)
+
+
+class NonLayerState:
+    """The embedding/head parameters (``pre_stage``/``post_stage``): on the device, stepped in place.
+
+    ``params`` are the module's own Parameter objects (in the compute dtype); ``master`` is a separate
+    fp32 copy only when the compute dtype differs (bf16-true); moments and gradients are in the master
+    dtype. ``used`` marks the parameters that received a gradient this step (an unused one is not
+    stepped, as torch's AdamW skips parameters whose ``grad`` is None).
+    """
+
+    def __init__(self, names: list[str], params: list[nn.Parameter], groups: list[int], dtypes: DtypePolicy) -> None:
+        self.names, self.params, self.groups = names, params, groups
+        self.master = [p if p.dtype == dtypes.master and dtypes.compute == dtypes.master
+                       else p.detach().to(dtypes.master, copy=True) for p in params]
+        for p in params:
+            if p.dtype != dtypes.compute:
+                # swap_tensors keeps the Parameter object that the optimizer and tied modules refer to.
+                torch.utils.swap_tensors(p, nn.Parameter(p.detach().to(dtypes.compute), p.requires_grad))
+        self.exp_avg = [torch.zeros_like(m) for m in self.master]
+        self.exp_avg_sq = [torch.zeros_like(m) for m in self.master]
+        self.grads = [torch.zeros_like(m) for m in self.master]
+        self.used = [False] * len(params)
+
+    @property
+    def numel(self) -> int:
+        return sum(p.numel() for p in self.params)
+
+    def zero_grads(self) -> None:
+        for g in self.grads:
+            g.zero_()
+        self.used = [False] * len(self.params)
+
+    def accumulate(self, grads: tuple[Tensor | None, ...]) -> None:
+        for i, g in enumerate(grads):
+            if g is not None:
+                self.grads[i].add_(g)
+                self.used[i] = True
+
+    def used_grads(self) -> list[Tensor]:
+        return [g for g, used in zip(self.grads, self.used) if used]
+
+    @torch.no_grad()
+    def step(self, hps: list[AdamHyperParams], step_before: int) -> None:
+        for group, hp in enumerate(hps):
+            idx = [i for i, g in enumerate(self.groups) if g == group and self.used[i]]
+            adam_step([self.master[i] for i in idx], [self.grads[i] for i in idx],
+                      [self.exp_avg[i] for i in idx], [self.exp_avg_sq[i] for i in idx], step_before, hp)
+            for i in idx:
+                if self.params[i] is not self.master[i]:
+                    self.params[i].copy_(self.master[i])
+
+    def state_dict(self) -> dict[str, Any]:
+        """CPU copies of the master weights and moments, for checkpoints."""
+        def cpu(tensors: list[Tensor]) -> list[Tensor]:
+            return [t.detach().cpu().clone() for t in tensors]
+
+        return {"names": list(self.names), "master": cpu(self.master), "exp_avg": cpu(self.exp_avg),
+                "exp_avg_sq": cpu(self.exp_avg_sq)}
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state["names"] != self.names:
+            raise ValueError(f"checkpoint non-layer parameters {state['names']} do not match the model's {self.names}")
+        for i, p in enumerate(self.params):
+            self.master[i].copy_(state["master"][i])
+            self.exp_avg[i].copy_(state["exp_avg"][i])
+            self.exp_avg_sq[i].copy_(state["exp_avg_sq"][i])
+            if p is not self.master[i]:
+                p.copy_(self.master[i])

@@ -1,0 +1,119 @@
+"""The weight streamer: one unit's compute weights resident, the next ``prefetch_depth`` on their way.
+
+A prefetch thread fetches upcoming units (in task order) into buffers of a bounded pool of
+``1 + prefetch_depth`` unit-sized buffers while the current unit computes; before fetching a unit it
+waits for that unit's pending forward-part optimizer step, so it never reads a stale weight. Weights do
+not change during a step, so leaving a unit writes nothing back: the weight traffic is exactly
+``schedule.weight_fetches``. Fully device-resident weights are used in place, with no buffer at all.
+"""
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+from torch import Tensor
+
+from snake_strategy.engine.overlap import OptimizerOverlap
+from snake_strategy.engine.state import UnitStore
+from snake_strategy.engine.trace import FetchRecord, TaskTrace
+from snake_strategy.schedule import Task, unit_run_ahead
+from snake_strategy.storage.pool import BufferPool
+
+
+class WeightStreamer:
+    def __init__(self, units: list[UnitStore], overlap: OptimizerOverlap, trace: TaskTrace, prefetch_depth: int,
+                 compute_dtype: torch.dtype, device: torch.device) -> None:
+        self._units, self._overlap, self._trace, self._depth = units, overlap, trace, prefetch_depth
+        in_place = all(u.weights.resident for u in units)
+        self.pool = None if in_place else BufferPool(
+            "weights", 1 + prefetch_depth, max(u.layout.numel for u in units), compute_dtype, device)
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="snake-prefetch",
+                                          initializer=torch.set_num_threads, initargs=(1,))
+        self._prefetched: dict[int, tuple[Future, float]] = {}  # unit -> (job, issue time)
+        self._resident: tuple[int, Tensor | None, list[Tensor]] | None = None  # (unit, pool buffer, leaves)
+        self.wait_s = 0.0  # main-thread time blocked on weight fetches, since the last take
+
+    # ------------------------------------------------------------------ fetching
+    def _fetch(self, u: int) -> tuple[Tensor | None, Tensor, float]:
+        """(pool buffer or None, the unit's flat weights, done time). Runs on either thread."""
+        self._overlap.wait_forward_part(u)  # the deferred update of this unit must land first
+        weights = self._units[u].weights
+        if self.pool is None:
+            return None, weights.device_tensor(), time.perf_counter()
+        buffer = self.pool.acquire()  # backpressure: blocks while resident + prefetched fill the pool
+        try:
+            flat = weights.fetch(buffer[:weights.numel])
+        except BaseException:
+            self.pool.release(buffer)
+            raise
+        return buffer, flat, time.perf_counter()
+
+    def prefetch_after(self, tasks: list[Task], index: int) -> None:
+        """Make sure the weights of the next ``prefetch_depth`` units after task ``index`` are on their way."""
+        resident = tasks[index].unit
+        for u in unit_run_ahead(tasks, index, self._depth):
+            if u != resident and u not in self._prefetched and not self._units[u].weights.resident:
+                self._prefetched[u] = (self._thread.submit(self._fetch, u), time.perf_counter())
+
+    def leaves(self, u: int) -> list[Tensor]:
+        """Unit ``u``'s compute weights, one grad-requiring leaf per parameter (fetched if needed)."""
+        if self._resident is not None and self._resident[0] == u:
+            return self._resident[2]
+        self.release()  # first: at most one unit is held besides the prefetched ones
+        needed_s = time.perf_counter()
+        job = self._prefetched.pop(u, None)
+        if job is not None:
+            buffer, flat, done_s = job[0].result()  # sync point when the prefetch is late
+            issued_s = job[1]
+        else:
+            buffer, flat, done_s = self._fetch(u)
+            issued_s = needed_s
+        self.wait_s += time.perf_counter() - needed_s
+        self._trace.fetch(FetchRecord(u, job is not None, issued_s, done_s, needed_s))
+        self._resident = (u, buffer, self._units[u].layout.leaves(flat))
+        return self._resident[2]
+
+    def flat(self, u: int) -> Tensor:
+        """Unit ``u``'s flat weights, read-only (evaluation): the resident buffer, fetched if needed."""
+        self.leaves(u)
+        buffer = self._resident[1]
+        weights = self._units[u].weights
+        return weights.device_tensor() if buffer is None else buffer[:weights.numel]
+
+    def release(self) -> None:
+        """Give the resident unit's buffer back to the pool."""
+        if self._resident is not None:
+            _, buffer, _ = self._resident
+            self._resident = None
+            if buffer is not None:
+                self.pool.release(buffer)
+
+    def drain(self) -> None:
+        """Finish and release every prefetch in flight (end of a step, flush, close)."""
+        self.release()
+        jobs, self._prefetched = self._prefetched, {}
+        first_error = None
+        for job, _ in jobs.values():
+            try:
+                buffer, _, _ = job.result()
+            except BaseException as err:
+                first_error = first_error or err
+                continue
+            if buffer is not None:
+                self.pool.release(buffer)
+        if first_error is not None:
+            raise first_error
+
+    def take_wait_s(self) -> tuple[float, float]:
+        """(seconds blocked on fetches, of which waiting for a free buffer) since the last call."""
+        wait, self.wait_s = self.wait_s, 0.0
+        return wait, self.pool.take_wait_s() if self.pool is not None else 0.0
+
+    def close(self) -> None:
+        try:
+            self.drain()
+        finally:
+            self._thread.shutdown(wait=True)
+            if self.pool is not None:
+                self.pool.clear()

@@ -1,0 +1,181 @@
+"""The one memory model: how many bytes each state and buffer takes on the host and on the SSD.
+
+Pure functions of plain data. Three users read the same numbers from here:
+
+- the engine's host-budget and SSD free-space checks (``engine/core.py``),
+- the planner's choice of placement (``planner.plan``),
+- the activation store's placement of checkpoints (``checkpoint_tiers``).
+
+On a CPU "device", device shares live in host memory too, so they count against the host budget.
+Every in-flight buffer the engine allocates comes from a bounded pool whose size is set here
+(``PoolSizes``): the budget covers them, and when a pool is empty the producer waits (backpressure)
+instead of allocating more. docs/design.md, "Memory model", explains each item.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from snake_strategy.config import StorageConfig, TierSplit
+from snake_strategy.storage.aligned import round_up
+
+# Elements per alignment unit of the SSD tier (4 KiB pages of fp32/bf16/fp64 all divide it).
+ALIGN_ELEMS = 4096
+# Autograd's saved tensors and transient gradients inside one block's backward, in multiples of the
+# block's input (one checkpoint). A GPT-2 block saves ~14 hidden-sized tensors (LayerNorm outputs,
+# q/k/v, attention output, the 4x-wide MLP pair) and builds about as many transient gradients.
+WORKSPACE_CHECKPOINTS_PER_BLOCK = 24
+# What the budget cannot see and the engine does not allocate: allocator fragmentation, glibc arenas
+# of the worker threads, Lightning's per-step objects. Peak RSS <= baseline at setup + plan + this
+# (tests/test_memory.py measures it).
+RSS_SLACK_BYTES = 96 * 2**20
+
+
+@dataclass(frozen=True)
+class PoolSizes:
+    """How many buffers each bounded pool holds (the in-flight limit of its producer)."""
+
+    weight_buffers: int  # resident unit + prefetched units
+    grad_buffers: int  # one filling, the rest waiting for / inside the optimizer worker
+    checkpoint_staging: int  # SSD checkpoint writes in flight
+
+
+@dataclass(frozen=True)
+class MemoryInputs:
+    """What the model and the run look like, as far as memory is concerned."""
+
+    unit_params: tuple[int, ...]  # parameters per unit
+    nonlayer_params: int
+    compute_bytes: int  # per compute weight
+    master_bytes: int  # per master weight / moment / gradient element
+    device_is_cpu: bool
+    storage: StorageConfig
+    kind: str = "vertical"
+    num_micro: int = 1
+    alpha: float = 0.0  # the effective forward share (1.0 when whole units are deferred)
+    prefetch_depth: int = 1
+    blocks_per_unit: int = 1
+    micro_per_backward_task: int = 1  # all of them when the backward is batched
+    checkpoint_bytes: int = 0  # one unit input of one micro-batch; 0 while unknown
+
+    @property
+    def total_params(self) -> int:
+        return sum(self.unit_params)
+
+    @property
+    def max_unit_params(self) -> int:
+        return max(self.unit_params)
+
+    @property
+    def separate_master(self) -> bool:
+        return self.compute_bytes != self.master_bytes
+
+
+def pool_sizes(inputs: MemoryInputs) -> PoolSizes:
+    # Two gradient buffers: the backward fills one while the worker steps the other. A third would only
+    # help when the optimizer is briefly slower than one unit's backward; it costs a unit of memory.
+    staging = 2 if checkpoint_tiers(inputs.storage, inputs.num_micro).count("ssd") else 0
+    return PoolSizes(weight_buffers=1 + inputs.prefetch_depth, grad_buffers=2, checkpoint_staging=staging)
+
+
+def forward_split(numel: int, alpha: float) -> int:
+    """The page-aligned end of a unit's forward part (all of it for alpha >= 1: whole-unit deferral)."""
+    if alpha >= 1.0:
+        return numel
+    split = round(alpha * numel / ALIGN_ELEMS) * ALIGN_ELEMS
+    return max(0, min(split, numel))
+
+
+def checkpoint_tiers(storage: StorageConfig, num_micro: int) -> list[str]:
+    """The tier of each micro-batch's activation checkpoints (the same for every unit).
+
+    The first and last ``checkpoint_host_ends`` micro-batches are the snake's turning points: the next
+    task needs them at once, so they stay in memory. The SSD share is taken from the end of the middle
+    ones, the device share from its start.
+    """
+    split: TierSplit = storage.checkpoints
+    ends = storage.checkpoint_host_ends
+    middle = [m for m in range(num_micro) if ends <= m < num_micro - ends]
+    num_ssd = min(len(middle), round(split.ssd * num_micro))
+    num_device = min(len(middle) - num_ssd, round(split.device * num_micro))
+    tiers = ["host"] * num_micro
+    for m in middle[:num_device]:
+        tiers[m] = "device"
+    for m in middle[len(middle) - num_ssd:] if num_ssd else []:
+        tiers[m] = "ssd"
+    return tiers
+
+
+def stored_gradient_elems(inputs: MemoryInputs) -> int:
+    """Elements the gradient store holds: horizontal parks whole partial sums; vertical only each unit's
+    forward part (nothing at alpha 0)."""
+    if inputs.kind == "horizontal":
+        return inputs.total_params
+    return sum(forward_split(n, inputs.alpha) for n in inputs.unit_params)
+
+
+def _in_memory(split: TierSplit, device_is_cpu: bool) -> float:
+    return split.host + (split.device if device_is_cpu else 0.0)
+
+
+def host_plan(inputs: MemoryInputs) -> dict[str, int]:
+    """Host bytes of the run, item by item (``checkpoint*`` items only once checkpoint_bytes is known)."""
+    s, cpu = inputs.storage, inputs.device_is_cpu
+    e_c, e_m = inputs.compute_bytes, inputs.master_bytes
+    total, unit = inputs.total_params, inputs.max_unit_params
+    pools = pool_sizes(inputs)
+    chunk = min(unit, s.optimizer_chunk_elems)
+    weights_in_place = s.weights.device == 1.0  # fully device-resident weights are used in place
+    plan = {
+        "weights": int(total * e_c * _in_memory(s.weights, cpu)),
+        "optimizer_moments": int(2 * total * e_m * _in_memory(s.optimizer, cpu)),
+        "gradients": int(stored_gradient_elems(inputs) * e_m * _in_memory(s.gradients, cpu)),
+        # compute copy, master (when separate), 2 moments, gradient, one transient gradient from autograd
+        "nonlayer_params_and_state": inputs.nonlayer_params * (e_c + 4 * e_m + (e_m if inputs.separate_master else 0)),
+        "weight_buffers": 0 if weights_in_place else pools.weight_buffers * unit * e_c,
+        # + the horizontal schedule's partial sum, read back to be added (one unit, transient)
+        "gradient_buffers": (pools.grad_buffers + (inputs.kind == "horizontal")) * unit * e_m,
+        # the worker's chunk of master + 2 moments + parked gradient (+ the refreshed compute copy)
+        "optimizer_scratch": 4 * chunk * e_m + (chunk * e_c if inputs.separate_master else 0),
+    }
+    if inputs.separate_master:
+        plan["master"] = int(total * e_m * _in_memory(s.master, cpu))
+    if inputs.checkpoint_bytes:
+        ckpt = inputs.checkpoint_bytes
+        tiers = checkpoint_tiers(s, inputs.num_micro)
+        in_memory = sum(1 for t in tiers if t == "host" or (t == "device" and cpu))
+        num_units = len(inputs.unit_params)
+        plan["checkpoints"] = in_memory * num_units * ckpt
+        plan["activation_grads"] = inputs.num_micro * ckpt
+        if pools.checkpoint_staging:
+            # staging of writes in flight + the reads of the next task
+            plan["checkpoint_io_buffers"] = (pools.checkpoint_staging + inputs.micro_per_backward_task) * round_up(ckpt)
+        plan["compute_workspace"] = (WORKSPACE_CHECKPOINTS_PER_BLOCK * inputs.blocks_per_unit
+                                     * inputs.micro_per_backward_task * ckpt)
+    return plan
+
+
+def ssd_plan(inputs: MemoryInputs) -> dict[str, int]:
+    """SSD bytes of the run, item by item (files are page-rounded per unit)."""
+    s = inputs.storage
+    e_c, e_m = inputs.compute_bytes, inputs.master_bytes
+
+    def per_unit(fraction: float, elem_bytes: int, numels) -> int:
+        return sum(round_up(int(n * fraction) * elem_bytes) for n in numels) if fraction else 0
+
+    units = inputs.unit_params
+    plan = {
+        "weights": per_unit(s.weights.ssd, e_c, units),
+        "optimizer_moments": 2 * per_unit(s.optimizer.ssd, e_m, units),
+        "gradients": int(stored_gradient_elems(inputs) * e_m * s.gradients.ssd),
+    }
+    if inputs.separate_master:
+        plan["master"] = per_unit(s.master.ssd, e_m, units)
+    if inputs.checkpoint_bytes:
+        num_ssd = checkpoint_tiers(s, inputs.num_micro).count("ssd")
+        plan["checkpoints"] = num_ssd * len(units) * round_up(inputs.checkpoint_bytes)
+    return plan
+
+
+def format_plan(plan: dict[str, int]) -> str:
+    """``"weights 1.20 GiB, ..."``, largest first."""
+    return ", ".join(f"{k} {v / 2**30:.2f} GiB" for k, v in sorted(plan.items(), key=lambda kv: -kv[1]))
