@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
+import functools
 import json
 import os
 import shutil
@@ -115,24 +116,21 @@ def _exchange(a: Path, b: Path) -> bool:
     raise OSError(code, f"exchanging {a} and {b} failed: {os.strerror(code)}")
 
 
-_RENAMEAT2: list = []
-
-
+@functools.cache
 def _renameat2():
-    if not _RENAMEAT2:
-        function = None
-        if sys.platform.startswith("linux"):
-            try:
-                function = ctypes.CDLL(None, use_errno=True).renameat2
-                function.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
-            except (OSError, AttributeError):  # a C library older than glibc 2.28, musl before 1.2.?
-                function = None
-        _RENAMEAT2.append(function)
-    return _RENAMEAT2[0]
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        function = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):  # a C library without it (glibc before 2.28)
+        return None
+    function.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    return function
 
 
-def _sibling(final: Path, kind: str, pid: int | None = None) -> Path:
-    return final.with_name(f".{final.name}.{kind}-{os.getpid() if pid is None else pid}")
+def _sibling(final: Path, kind: str) -> Path:
+    # The pid tells a later run whether the owner is still alive (a save in progress) or dead (garbage).
+    return final.with_name(f".{final.name}.{kind}-{os.getpid()}")
 
 
 def _leftovers(final: Path) -> list[tuple[Path, str, int]]:
@@ -240,7 +238,7 @@ def _read_manifest(root: Path) -> dict:
 
 def load(engine: SnakeEngine, path: str | os.PathLike) -> dict[str, Any]:
     """Stream a checkpoint into the engine's tiers; returns Lightning's checkpoint dict."""
-    _recover(Path(path), clean=True)
+    _recover(Path(path), clean=True)  # a resuming run owns the name: adopt, and drop dead runs' leftovers
     root = locate(path)
     manifest = _read_manifest(root)
     if len(manifest["units"]) != len(engine.units) or manifest["blocks_per_unit"] != engine.schedule.blocks_per_unit:
@@ -367,7 +365,8 @@ def _fsync_dir(path: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
-    parser = argparse.ArgumentParser(prog="python -m snake_strategy.checkpoint", description="Consolidate a greedysnake checkpoint directory into one file "
+    parser = argparse.ArgumentParser(prog="python -m snake_strategy.checkpoint",
+                                     description="Consolidate a greedysnake checkpoint directory into one file "
                                                  "that LightningModule.load_from_checkpoint reads.")
     parser.add_argument("checkpoint_dir")
     parser.add_argument("output_file")

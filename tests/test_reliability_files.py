@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import os
+import shutil
 import subprocess
 import sys
 import types
@@ -162,20 +163,14 @@ def test_leftovers_of_a_live_process_are_left_alone(saved, tmp_path):
     """Another process's temporary directory is its save in progress (an evaluation script reading the
     checkpoints while training writes them must not destroy it)."""
     path, _ = saved
-    alive = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
-    try:
-        final = tmp_path / "last.ckpt"
-        import shutil
-        shutil.copytree(path, final)
-        theirs = tmp_path / f".last.ckpt.tmp-{alive.pid}"
-        theirs.mkdir()
-        dead = tmp_path / ".last.ckpt.tmp-999999999"
-        dead.mkdir()
-        assert snake_checkpoint._recover(final, clean=True) == final
-        assert theirs.is_dir() and not dead.exists()
-    finally:
-        alive.kill()
-        alive.wait()
+    final = tmp_path / "last.ckpt"
+    shutil.copytree(path, final)
+    theirs = tmp_path / f".last.ckpt.tmp-{os.getppid()}"  # our parent: alive, and not us
+    theirs.mkdir()
+    dead = tmp_path / ".last.ckpt.tmp-999999999"  # above any pid_max: no such process
+    dead.mkdir()
+    assert snake_checkpoint._recover(final, clean=True) == final
+    assert theirs.is_dir() and not dead.exists()
 
 
 def test_missing_checkpoint_says_so(tmp_path, saved):
@@ -203,8 +198,6 @@ def test_cli_missing_directory_is_one_line(tmp_path, capsys):
 
 def test_cli_partial_directory_is_one_line(tmp_path, saved, capsys):
     """A save interrupted before its manifest (the hidden temporary directory)."""
-    import shutil
-
     path, _ = saved
     partial = tmp_path / ".last.ckpt.tmp-1234"
     shutil.copytree(path, partial)
@@ -222,8 +215,6 @@ def test_cli_missing_output_directory_is_one_line(tmp_path, saved, capsys):
 
 
 def test_cli_truncated_unit_file_says_it_is_shorter(tmp_path, saved, capsys):
-    import shutil
-
     path, _ = saved
     copy = tmp_path / "copy.ckpt"
     shutil.copytree(path, copy)
@@ -269,7 +260,8 @@ def test_load_consolidated_feeds_load_from_checkpoint_without_a_file(saved):
     module = GPTModule.load_from_checkpoint(buffer, weights_only=False)
     for name, p in module.named_parameters():
         assert torch.equal(p.detach(), live[name]), name
-    assert "consolidate it with `python -m snake_strategy.checkpoint" in str(snake_checkpoint.wrong_strategy_error(path))
+    message = str(snake_checkpoint.wrong_strategy_error(path))
+    assert "consolidate it with `python -m snake_strategy.checkpoint" in message
 
 
 # ---------------------------------------------------------------------------------------- item 4: the SSD directory

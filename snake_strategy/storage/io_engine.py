@@ -248,8 +248,8 @@ class SsdDirectory:
             try:
                 os.mkdir(level)
             except FileExistsError:
-                if not os.path.isdir(level):
-                    raise
+                if not os.path.isdir(level):  # a file in the way
+                    raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), level) from None
                 continue  # a concurrent mkdir: not ours to remove
             self._created_dirs.append(level)
 
