@@ -9,20 +9,32 @@ Layout of ``<name>.ckpt/`` (a directory):
     manifest.json    written last: format, step, layouts (names, shapes, offsets), sizes and CRC-32s
 
 Saving streams one unit at a time from its tiers (never the whole model in memory) into a temporary
-sibling directory that is renamed into place only when complete, so a failure (ENOSPC, EIO, a kill)
-leaves the previous checkpoint intact. Loading verifies every file's size and CRC-32 before use and
+sibling ``.<name>.tmp-<pid>`` that replaces ``<name>`` only when complete, so a failure (ENOSPC, EIO, a
+kill) leaves the previous checkpoint intact. The replacement keeps a complete checkpoint under the name
+at every instant: one atomic exchange of the two directories where the filesystem has it (Linux
+``renameat2(RENAME_EXCHANGE)``), otherwise the old one is renamed aside to ``.<name>.old-<pid>`` first.
+A kill between those two renames leaves the name missing and the old checkpoint aside: the next save or
+load of that name moves it back (and removes the leftovers of dead runs), and ``read_manifest``,
+``consolidate`` and the CLI read it too. Loading verifies every file's size and CRC-32 before use and
 names the file that fails.
 """
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import errno
+import functools
 import json
 import os
 import shutil
+import sys
 import zlib
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+
+from snake_strategy.storage.io_engine import pid_alive
 
 if TYPE_CHECKING:
     from snake_strategy.engine import SnakeEngine
@@ -34,7 +46,8 @@ _DTYPES = {str(d): d for d in (torch.float32, torch.float64, torch.bfloat16, tor
 
 def save(engine: SnakeEngine, checkpoint: dict[str, Any], path: str | os.PathLike) -> None:
     final = Path(path)
-    tmp = final.with_name(f".{final.name}.tmp-{os.getpid()}")
+    _recover(final, clean=True)
+    tmp = _sibling(final, "tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     (tmp / "units").mkdir(parents=True)
     try:
@@ -56,16 +69,153 @@ def save(engine: SnakeEngine, checkpoint: dict[str, Any], path: str | os.PathLik
                     "blocks_per_unit": engine.schedule.blocks_per_unit, "units": units, "files": files}
         (tmp / "manifest.json").write_text(json.dumps(manifest))
         _fsync_dir(tmp)
-        if final.exists():
-            shutil.rmtree(final) if final.is_dir() else final.unlink()
-        os.rename(tmp, final)
+        _replace(tmp, final)
     except BaseException:
+        # Before the replacement ``tmp`` holds the unfinished new checkpoint, after an exchange the old one:
+        # garbage either way. The checkpoint under ``final`` (or set aside, see _replace) is untouched.
         shutil.rmtree(tmp, ignore_errors=True)
         raise
 
 
-def read_manifest(path: str | os.PathLike) -> dict:
+def _replace(new: Path, final: Path) -> None:
+    """Put the complete directory ``new`` under ``final``'s name, a complete checkpoint there at every instant."""
+    if not os.path.lexists(final):
+        os.rename(new, final)  # nothing to displace: one atomic rename
+        _fsync_parent(final)
+        return
+    if _exchange(new, final):
+        trash = new  # the old checkpoint now lies under the temporary name
+    else:
+        # Two renames: between them the name is missing and the old checkpoint lies aside, complete,
+        # where _recover finds it if this process dies there.
+        trash = _sibling(final, "old")
+        os.rename(final, trash)
+        try:
+            os.rename(new, final)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.rename(trash, final)  # put the old one back; if even that fails, _recover will
+            raise
+    _fsync_parent(final)
+    _remove(trash)
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two directory entries atomically (Linux ``renameat2(RENAME_EXCHANGE)``); False where the
+    platform, the C library or the filesystem does not offer it."""
+    renameat2 = _renameat2()
+    if renameat2 is None:
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    if renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0:
+        return True
+    code = ctypes.get_errno()
+    if code in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP, errno.EOPNOTSUPP):
+        return False  # e.g. NFS, some FUSE filesystems, old kernels
+    raise OSError(code, f"exchanging {a} and {b} failed: {os.strerror(code)}")
+
+
+@functools.cache
+def _renameat2():
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        function = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):  # a C library without it (glibc before 2.28)
+        return None
+    function.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    return function
+
+
+def _sibling(final: Path, kind: str) -> Path:
+    # The pid tells a later run whether the owner is still alive (a save in progress) or dead (garbage).
+    return final.with_name(f".{final.name}.{kind}-{os.getpid()}")
+
+
+def _leftovers(final: Path) -> list[tuple[Path, str, int]]:
+    """``(path, kind, pid)`` of the temporary (``tmp``) and set-aside (``old``) siblings of ``final``."""
+    prefix = f".{final.name}."
+    try:
+        names = os.listdir(final.parent)
+    except OSError:
+        return []
+    found = []
+    for name in names:
+        if not name.startswith(prefix):
+            continue
+        kind, _, pid = name[len(prefix):].partition("-")
+        if kind in ("tmp", "old") and pid.isdigit():
+            found.append((final.parent / name, kind, int(pid)))
+    return found
+
+
+def _recover(final: Path, clean: bool) -> Path | None:
+    """The directory that holds checkpoint ``final``: itself, or the old checkpoint a killed save set aside
+    (moved back under its name; read where it lies if that is not allowed). None if there is neither.
+
+    ``clean`` also removes what dead runs left: unfinished temporary directories and set-aside copies of
+    a checkpoint that was replaced. A live process's siblings are its save in progress: never touched.
+    """
+    mine_or_dead = [(p, kind) for p, kind, pid in _leftovers(final) if pid == os.getpid() or not pid_alive(pid)]
+    found: Path | None = final if os.path.lexists(final) else None
+    if found is None:
+        asides = sorted((p for p, kind in mine_or_dead if kind == "old" and (p / "manifest.json").exists()),
+                        key=lambda p: p.stat().st_mtime)
+        if asides:
+            found = asides[-1]
+            try:
+                os.rename(found, final)
+                found = final
+            except OSError:
+                pass  # e.g. a read-only copy of the checkpoints: use it in place
+    if clean:
+        for leftover, _ in mine_or_dead:
+            if leftover != found:
+                _remove(leftover)
+    return found
+
+
+def locate(path: str | os.PathLike) -> Path:
+    """The checkpoint directory to read for ``path`` (see _recover); a ValueError that says what is there
+    when it holds no checkpoint."""
+    final = Path(path)
+    found = _recover(final, clean=False)
+    if found is None:
+        busy = [pid for _, kind, pid in _leftovers(final) if kind == "old" and pid_alive(pid)]
+        if busy:
+            raise ValueError(f"{final} is being replaced by a running process (pid {busy[0]}) right now; retry "
+                             "in a moment")
+        partial = [p.name for p, kind, _ in _leftovers(final) if kind == "tmp"]
+        raise ValueError(f"there is no checkpoint at {final}"
+                         + (f" (only the unfinished save {partial[0]})" if partial else "")
+                         + ": check the path (ckpt_path); ModelCheckpoint names them <dirpath>/<filename>.ckpt")
+    if found.is_file():
+        raise ValueError(f"{found} is a file, not a greedysnake checkpoint directory: an ordinary Lightning "
+                         "checkpoint loads with strategy='auto', or as weights with "
+                         "GreedySnakeStrategy(pretrained=path)")
+    return found
+
+
+def is_checkpoint_dir(path: str | os.PathLike) -> bool:
+    """True for a greedysnake checkpoint directory (complete or not), which plain Lightning cannot read."""
     root = Path(path)
+    return root.is_dir() and ((root / "manifest.json").exists() or (root / "meta.pt").exists()
+                              or (root / "units").is_dir())
+
+
+def wrong_strategy_error(path: str | os.PathLike) -> ValueError:
+    """What to tell someone who hands a greedysnake checkpoint directory to plain Lightning."""
+    return ValueError(f"{path} is a greedysnake checkpoint directory; consolidate it with `python -m "
+                      f"snake_strategy.checkpoint {path} out.ckpt` and load out.ckpt, or resume with "
+                      "strategy='greedysnake'")
+
+
+def read_manifest(path: str | os.PathLike) -> dict:
+    """The verified manifest of the checkpoint at ``path`` (every file's size and CRC-32 checked)."""
+    return _read_manifest(locate(path))
+
+
+def _read_manifest(root: Path) -> dict:
     manifest_path = root / "manifest.json"
     if not manifest_path.exists():
         raise ValueError(f"{root} is not a complete greedysnake checkpoint (no manifest.json): an interrupted save "
@@ -74,8 +224,12 @@ def read_manifest(path: str | os.PathLike) -> dict:
         manifest = json.loads(manifest_path.read_text())
     except ValueError as err:
         raise ValueError(f"{manifest_path} is corrupt: {err}") from None
-    if manifest.get("format") != FORMAT:
-        raise ValueError(f"{manifest_path} has format {manifest.get('format')!r}, expected {FORMAT!r}")
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        found = manifest.get("format") if isinstance(manifest, dict) else None
+        raise ValueError(f"{manifest_path} has format {found!r}, expected {FORMAT!r}")
+    missing = [k for k in ("step_count", "master_dtype", "blocks_per_unit", "units", "files") if k not in manifest]
+    if missing:
+        raise ValueError(f"{manifest_path} is corrupt: it lacks {missing}")
     for name, info in manifest["files"].items():
         _verify(root / name, info)
     return manifest
@@ -83,8 +237,9 @@ def read_manifest(path: str | os.PathLike) -> dict:
 
 def load(engine: SnakeEngine, path: str | os.PathLike) -> dict[str, Any]:
     """Stream a checkpoint into the engine's tiers; returns Lightning's checkpoint dict."""
-    root = Path(path)
-    manifest = read_manifest(root)
+    _recover(Path(path), clean=True)  # a resuming run owns the name: adopt, and drop dead runs' leftovers
+    root = locate(path)
+    manifest = _read_manifest(root)
     if len(manifest["units"]) != engine.num_units or manifest["blocks_per_unit"] != engine.schedule.blocks_per_unit:
         raise ValueError(f"{root} holds {len(manifest['units'])} units of {manifest['blocks_per_unit']} blocks; this "
                          f"run has {engine.num_units} of {engine.schedule.blocks_per_unit} (schedule.blocks_per_unit)")
@@ -107,8 +262,22 @@ def consolidate(path: str | os.PathLike, out_path: str | os.PathLike) -> dict[st
     ``LightningModule.load_from_checkpoint(out_path)`` and ``torch.load(out_path)`` read it.
     Holds the whole model in memory once: that is what a single-file state dict is.
     """
-    root = Path(path)
-    manifest = read_manifest(root)
+    out = Path(out_path)
+    if out.is_dir():
+        raise ValueError(f"the output {out} is a directory; name the file to write, e.g. {out / 'model.ckpt'}")
+    if not out.parent.is_dir():
+        raise ValueError(f"the output directory {out.parent} does not exist; create it or write elsewhere")
+    checkpoint = load_consolidated(path)
+    torch.save(checkpoint, out)
+    return checkpoint
+
+
+def load_consolidated(path: str | os.PathLike) -> dict[str, Any]:
+    """The checkpoint at ``path`` as the dict of one ordinary Lightning checkpoint file (every parameter
+    in ``state_dict``, no optimizer state), in memory: what ``consolidate`` writes, and what
+    ``load_from_checkpoint`` can read from a buffer without a file on disk."""
+    root = locate(path)
+    manifest = _read_manifest(root)
     checkpoint = torch.load(root / "meta.pt", map_location="cpu", weights_only=False)
     dtype = _DTYPES[manifest["master_dtype"]]
     state = dict(checkpoint.get("state_dict", {}))
@@ -118,7 +287,6 @@ def consolidate(path: str | os.PathLike, out_path: str | os.PathLike) -> dict[st
             state[name] = flat[offset:offset + numel].view(shape).clone()
     checkpoint["state_dict"] = state
     checkpoint.pop("optimizer_states", None)
-    torch.save(checkpoint, out_path)
     return checkpoint
 
 
@@ -137,7 +305,8 @@ def _read_raw(path: Path, numel: int, dtype: torch.dtype) -> torch.Tensor:
     with open(path, "rb") as f:
         got = f.readinto(memoryview(raw))
     if got != raw.nbytes:
-        raise ValueError(f"checkpoint file {path} is truncated ({got} of {raw.nbytes} bytes)")
+        raise ValueError(f"checkpoint file {path} is shorter than the manifest says ({got} of {raw.nbytes} "
+                         "bytes): truncated after it was written")
     return value
 
 
@@ -150,14 +319,35 @@ def _verify(path: Path, info: dict) -> None:
     if not path.exists():
         raise ValueError(f"checkpoint file {path} is missing")
     size = path.stat().st_size
+    if size < info["bytes"]:
+        raise ValueError(f"checkpoint file {path} is shorter than the manifest says ({size} of {info['bytes']} "
+                         "bytes): truncated, e.g. an interrupted copy or a full disk; use another checkpoint")
     if size != info["bytes"]:
-        raise ValueError(f"checkpoint file {path} has {size} bytes, the manifest says {info['bytes']} (truncated or torn)")
+        raise ValueError(f"checkpoint file {path} is longer than the manifest says ({size}, not {info['bytes']} "
+                         "bytes): overwritten or appended to; use another checkpoint")
     crc = 0
     with open(path, "rb") as f:
         while chunk := f.read(16 * 2**20):
             crc = zlib.crc32(chunk, crc)
     if crc != info["crc32"]:
         raise ValueError(f"checkpoint file {path} is corrupt (CRC-32 {crc:#010x}, manifest {info['crc32']:#010x})")
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+
+
+def _fsync_parent(path: Path) -> None:
+    # A rename is durable only once the directory that holds the names is on disk.
+    fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _fsync_dir(path: Path) -> None:
@@ -172,12 +362,18 @@ def _fsync_dir(path: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
-    parser = argparse.ArgumentParser(description="Consolidate a greedysnake checkpoint directory into one file "
+    parser = argparse.ArgumentParser(prog="python -m snake_strategy.checkpoint",
+                                     description="Consolidate a greedysnake checkpoint directory into one file "
                                                  "that LightningModule.load_from_checkpoint reads.")
     parser.add_argument("checkpoint_dir")
     parser.add_argument("output_file")
     args = parser.parse_args(argv)
-    checkpoint = consolidate(args.checkpoint_dir, args.output_file)
+    try:
+        checkpoint = consolidate(args.checkpoint_dir, args.output_file)
+    except (ValueError, OSError) as err:
+        # A user's mistake or a damaged checkpoint: one line that names it, as argparse does for bad usage.
+        print(f"{parser.prog}: error: {err}", file=sys.stderr)
+        return 2
     print(f"wrote {args.output_file}: {len(checkpoint['state_dict'])} tensors")
     return 0
 

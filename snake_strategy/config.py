@@ -5,6 +5,8 @@ Every user error raises ValueError naming the field and the fix.
 """
 from __future__ import annotations
 
+import numbers
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
@@ -58,6 +60,18 @@ class TierSplit:
         raise ValueError(f"storage.{name} must be a tier name or a mapping of tier fractions, got {value!r}")
 
 
+def whole_number(value: Any, name: str) -> int:
+    """``value`` as an int: YAML, JSON and arithmetic (``total / micro_size``) give ``2.0`` for 2; a
+    fraction, a bool or a string is a mistake worth naming rather than a TypeError deep in the engine."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ValueError(f"{name}={value!r} must be a whole number, not {type(value).__name__}")
+    if isinstance(value, numbers.Integral):
+        return int(value)
+    if not float(value).is_integer():
+        raise ValueError(f"{name}={value!r} must be a whole number")
+    return int(value)
+
+
 @dataclass
 class StorageConfig:
     """Where each training state lives.
@@ -86,6 +100,10 @@ class StorageConfig:
     optimizer_chunk_elems: int = 8192 * 4096
 
     def __post_init__(self) -> None:
+        for name in ("checkpoint_host_ends", "num_io_threads", "optimizer_chunk_elems"):
+            setattr(self, name, whole_number(getattr(self, name), f"storage.{name}"))
+        if self.host_budget_bytes is not None:
+            self.host_budget_bytes = whole_number(self.host_budget_bytes, "storage.host_budget_bytes")
         if self.host_budget_bytes is not None and self.host_budget_bytes <= 0:
             raise ValueError(f"storage.host_budget_bytes={self.host_budget_bytes} must be positive (or null)")
         for state in STATES:
@@ -98,7 +116,8 @@ class StorageConfig:
         if self.num_io_threads < 1:
             raise ValueError(f"storage.num_io_threads={self.num_io_threads} must be >= 1")
         if self.ssd_dir is not None:
-            self.ssd_dir = str(self.ssd_dir)
+            # "~/ssd" or "$SCRATCH/run1" as a shell would read it, not a directory literally named "~".
+            self.ssd_dir = os.path.expandvars(os.path.expanduser(os.fspath(self.ssd_dir)))
 
     def uses_ssd(self) -> bool:
         return any(getattr(self, state).ssd > 0 for state in STATES)
@@ -137,6 +156,8 @@ class ScheduleConfig:
         if self.split_backward is not None:
             raise ValueError("schedule.split_backward was renamed schedule.batched_backward (it runs a unit's backward "
                              "as one batched pass over all micro-batches); set batched_backward instead")
+        for name in ("num_micro_batches", "blocks_per_unit", "prefetch_depth"):
+            setattr(self, name, whole_number(getattr(self, name), f"schedule.{name}"))
         if self.kind not in SCHEDULES:
             raise ValueError(f"schedule.kind='{self.kind}' is not one of {SCHEDULES}")
         if not 0.0 <= self.alpha <= 0.5:

@@ -308,7 +308,7 @@ class GreedySnakeStrategy(Strategy):
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        if not os.path.isdir(checkpoint_path):
+        if os.path.isfile(checkpoint_path):
             raise ValueError(
                 f"{checkpoint_path} is not a greedysnake checkpoint directory; to start from the weights of an "
                 "ordinary state dict or .ckpt file, pass GreedySnakeStrategy(pretrained=path) instead of ckpt_path"

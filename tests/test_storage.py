@@ -368,6 +368,7 @@ def train(storage: dict, steps: int = 2, micro: int = 3, precision: str = "32-tr
 
 def test_ssd_files_live_in_ssd_dir_during_training_and_go_after(tmp_path):
     ssd_dir = tmp_path / "ssd"
+    ssd_dir.mkdir()  # the user's: it stays (one the run creates is removed, tests/test_reliability_files.py)
     _, observer = train(dict(STORAGE_ALL_SSD, ssd_dir=str(ssd_dir)))
     assert observer.path == str(ssd_dir)
     for files in observer.files:

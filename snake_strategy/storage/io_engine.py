@@ -80,6 +80,10 @@ class IOEngine:
         self._pool.shutdown(wait=True)
 
 
+class ShortReadError(OSError):
+    """A state file ended before the bytes its layout places there: the file is short, the disk is fine."""
+
+
 def _read_exact(fd: int, offset: int, buffer: torch.Tensor) -> None:
     try:
         _read_loop(fd, offset, buffer)
@@ -100,9 +104,13 @@ def _explained(err: OSError, op: str, fd: int, offset: int, num_bytes: int) -> O
         path = os.readlink(f"/proc/self/fd/{fd}")
     except OSError:
         path = f"fd {fd}"
-    hint = {errno.ENOSPC: "the SSD tier is full: free space in storage.ssd_dir or point it at a larger disk",
-            errno.EIO: "the disk reported an I/O error: check the device (dmesg) before resuming from the "
-                       "last checkpoint"}.get(err.errno, "check storage.ssd_dir")
+    if isinstance(err, ShortReadError):
+        hint = ("the file is shorter than this run's layout says: something outside this run truncated or "
+                "replaced it (give every run its own storage.ssd_dir); resume from the last checkpoint")
+    else:
+        hint = {errno.ENOSPC: "the SSD tier is full: free space in storage.ssd_dir or point it at a larger disk",
+                errno.EIO: "the disk reported an I/O error: check the device (dmesg) before resuming from the "
+                           "last checkpoint"}.get(err.errno, "check storage.ssd_dir")
     return OSError(err.errno, f"SSD tier {op} of {num_bytes} bytes at offset {offset} in {path} failed: "
                               f"{err.strerror}; {hint}")
 
@@ -113,7 +121,8 @@ def _read_loop(fd: int, offset: int, buffer: torch.Tensor) -> None:
     while done < len(view):
         got = os.preadv(fd, [view[done:]], offset + done)
         if got == 0:
-            raise OSError(errno.EIO, f"short read: file ends {len(view) - done} bytes early at offset {offset + done}")
+            raise ShortReadError(errno.EIO, f"short read: file ends {len(view) - done} bytes early at offset "
+                                            f"{offset + done}")
         done += got
 
 
@@ -126,7 +135,8 @@ def _write_loop(fd: int, offset: int, buffer: torch.Tensor) -> None:
 
 class SsdDirectory:
     """Owns the directory of state files: checks it, opens files (O_DIRECT when the filesystem allows
-    it), and removes what it created on ``close()``."""
+    it), and removes what it created on ``close()``: its files, the lock, and every directory it made
+    (state sub-directories, and ``path`` itself with any missing parents). What was there before stays."""
 
     def __init__(self, path: str | None, use_o_direct: bool = True, keep_files: bool = False) -> None:
         self._owns_dir = path is None
@@ -135,14 +145,23 @@ class SsdDirectory:
         self._fds: dict[str, int] = {}
         self._created_dirs: list[str] = []
         self._lock = threading.Lock()
-        self._check_writable()
         self._lock_path = os.path.join(self.path, LOCK_NAME)
-        self._take_lock()
-        self.o_direct = use_o_direct and self._probe_o_direct()
+        self._holds_lock = False
+        self._closed = False
+        try:
+            self._check_writable()
+            self._take_lock()
+            self.o_direct = use_o_direct and self._probe_o_direct()
+        except BaseException:
+            try:
+                self.close()  # e.g. a busy directory: leave no directory this attempt created
+            except OSError:
+                pass  # the error that stopped the start is the one to report
+            raise
 
     def _check_writable(self) -> None:
         try:
-            os.makedirs(self.path, exist_ok=True)
+            self._makedirs(self.path)
             probe = os.path.join(self.path, ".snake-write-probe")
             with open(probe, "wb") as f:
                 f.write(b"\0" * PAGE_BYTES)
@@ -161,7 +180,7 @@ class SsdDirectory:
                 fd = os.open(self._lock_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
             except FileExistsError:
                 owner = _lock_owner(self._lock_path)
-                if owner is not None and _alive(owner):
+                if owner is not None and pid_alive(owner):
                     raise ValueError(
                         f"storage.ssd_dir='{self.path}' is in use by a running process (pid {owner}, lock file "
                         f"{self._lock_path}); give this run its own storage.ssd_dir"
@@ -172,6 +191,7 @@ class SsdDirectory:
                 except FileNotFoundError:
                     pass
                 continue
+            self._holds_lock = True
             with os.fdopen(fd, "w") as f:
                 f.write(str(os.getpid()))
             return
@@ -211,9 +231,7 @@ class SsdDirectory:
         full = os.path.join(self.path, relative_path)
         parent = os.path.dirname(full)
         with self._lock:
-            if not os.path.isdir(parent):
-                os.makedirs(parent)
-                self._created_dirs.append(parent)
+            self._makedirs(parent)
         flags = os.O_RDWR | os.O_CREAT | os.O_TRUNC | (os.O_DIRECT if self.o_direct else 0)
         fd = os.open(full, flags, 0o600)
         os.ftruncate(fd, size_bytes)
@@ -225,25 +243,73 @@ class SsdDirectory:
         with self._lock:
             return sorted(self._fds)
 
+    def _makedirs(self, path: str) -> None:
+        """``os.makedirs``, remembering every level it creates (close removes them, deepest first)."""
+        missing = []
+        while not os.path.isdir(path):
+            missing.append(path)
+            parent = os.path.dirname(path)
+            if parent == path:
+                break
+            path = parent
+        for level in reversed(missing):
+            try:
+                os.mkdir(level)
+            except FileExistsError:
+                if not os.path.isdir(level):  # a file in the way
+                    raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), level) from None
+                continue  # a concurrent mkdir: not ours to remove
+            self._created_dirs.append(level)
+
     def close(self) -> None:
+        """Close every file, remove the files, the lock and the directories this run created, even when
+        one of those steps fails; then raise the first failure. Safe to call again (a no-op)."""
+        if self._closed:
+            return
+        self._closed = True
+        errors: list[BaseException] = []
+
+        def attempt(fn, *args) -> None:
+            try:
+                fn(*args)
+            except BaseException as err:  # noqa: BLE001 - the rest must still be released; re-raised below
+                errors.append(err)
+
         with self._lock:
             fds, self._fds = self._fds, {}
         for full, fd in fds.items():
-            os.close(fd)
-            if not self._keep_files and os.path.exists(full):
-                os.remove(full)
-        if os.path.exists(self._lock_path) and _lock_owner(self._lock_path) == os.getpid():
-            os.remove(self._lock_path)
+            attempt(os.close, fd)
+            if not self._keep_files:
+                attempt(_remove_file, full)
+        attempt(self._release_lock)
         if self._owns_dir:
-            shutil.rmtree(self.path, ignore_errors=True)
+            attempt(shutil.rmtree, self.path, True)
         elif not self._keep_files:
-            # Remove the per-state sub-directories this run created (deepest first), only if empty.
-            for d in sorted(self._created_dirs, key=len, reverse=True):
-                try:
-                    os.rmdir(d)
-                except OSError:
-                    pass
+            attempt(self._remove_created_dirs)
+        if errors:
+            raise errors[0]
 
+    def _release_lock(self) -> None:
+        # Only the lock this object wrote: after a failed start, the file may be another run's.
+        if self._holds_lock and _lock_owner(self._lock_path) == os.getpid():
+            os.remove(self._lock_path)
+        self._holds_lock = False
+
+    def _remove_created_dirs(self) -> None:
+        # Deepest first, and only when empty: a user's file put there during the run is never removed.
+        for d in sorted(self._created_dirs, key=len, reverse=True):
+            try:
+                os.rmdir(d)
+            except OSError:
+                pass
+        self._created_dirs = []
+
+
+def _remove_file(path: str) -> None:
+    try:
+        os.remove(path)
+    except FileNotFoundError:
+        pass
 
 
 def _lock_owner(path: str) -> int | None:
@@ -254,7 +320,8 @@ def _lock_owner(path: str) -> int | None:
         return None  # unreadable or torn: treat as stale
 
 
-def _alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether a process with this id exists (a lock or a temporary file's owner is still running)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
