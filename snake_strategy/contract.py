@@ -60,7 +60,8 @@ class LayeredModule(pl.LightningModule):
     ``strategy="greedysnake"`` (blocks streamed from their storage tiers).
     """
 
-    def pre_stage(self, batch: Any) -> Tensor:
+    def pre_stage(self, batch: Any) -> Tensor | tuple[Tensor, dict[str, Any]]:
+        """batch -> hidden, or (hidden, side): ``side`` holds keyword arguments every block receives."""
         raise NotImplementedError("implement pre_stage(batch) -> hidden (the embedding)")
 
     def post_stage(self, hidden: Tensor) -> Tensor:
@@ -87,8 +88,17 @@ class LayeredModule(pl.LightningModule):
             # Under greedysnake the blocks live in their tiers: the strategy streams them in.
             return streamed(batch)
         hidden = self.pre_stage(batch)
+        # pre_stage may add side inputs (rotary cos/sin, attention mask, ...) that every block receives
+        # as keyword arguments: computed once per micro-batch, not trained through.
+        side: dict[str, Any] = {}
+        if isinstance(hidden, tuple):
+            hidden, side = hidden
+            if not isinstance(side, dict):
+                raise ValueError(f"{type(self).__name__}.pre_stage returned a tuple whose second item is a "
+                                 f"{type(side).__name__}; return `hidden` or `(hidden, side)` with `side` a dict "
+                                 "of keyword arguments for every block")
         for block in self.blocks:
-            hidden = block(hidden)
+            hidden = block(hidden, **side)
         return self.post_stage(hidden)
 
     def training_step(self, batch: Any, batch_idx: int) -> Tensor:
