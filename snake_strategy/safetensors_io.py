@@ -223,6 +223,12 @@ class ShardedSafetensorsWriter:
             done += os.pwrite(self._fds[shard], view[done:], offset + done)
         self.written.add(name)
 
+    def abort(self) -> None:
+        """Close the files without checking completeness (the export failed; its files are partial)."""
+        for fd in self._fds:
+            os.close(fd)
+        self._fds = []
+
     def close(self) -> list[str]:
         """Check that every planned tensor arrived, write the index (sharded case); return the files."""
         for fd in self._fds:
