@@ -246,10 +246,13 @@ class HFCausalLM(LayeredModule):
             source.close()
 
     def _hand_weights_dir_to_strategy(self) -> None:
-        strategy = self._trainer.strategy if self._trainer is not None else None
-        if strategy is None or not hasattr(strategy, "pretrained"):
-            raise ValueError(f"HFCausalLM('{self.weights_dir}') was built on the meta device outside a strategy that "
-                             "streams weights in; use Trainer(strategy='greedysnake') or build it on a real device")
+        if self._trainer is None:
+            return  # a meta build for inspection (shapes, names): nothing to load into
+        strategy = self._trainer.strategy
+        if not hasattr(strategy, "pretrained"):
+            raise ValueError(f"HFCausalLM('{self.weights_dir}') was built on the meta device by "
+                             f"{type(strategy).__name__}, which cannot stream its weights in; use "
+                             "Trainer(strategy='greedysnake') or a strategy that builds on a real device")
         if strategy.pretrained is None:
             strategy.pretrained = self.weights_dir  # the engine streams it in unit by unit at setup
 
