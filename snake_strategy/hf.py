@@ -148,6 +148,7 @@ class HFCausalLM(LayeredModule):
             ``pretrained`` to the directory when it is unset (streamed in unit by unit).
         learning_rate, weight_decay, betas, eps: ``torch.optim.AdamW`` settings (one group).
         attn_implementation: "sdpa" or "eager" (both take the materialized masks of the side inputs).
+        path: a local model directory, the same as passing it as ``config`` (for Hydra's ``model.path=``).
 
     Batches: dicts with ``input_ids``, optional ``attention_mask`` (1 = token, 0 = padding; right
     padding) and optional ``labels`` (-100 ignored; without labels, ``input_ids`` with padding set to
@@ -163,10 +164,14 @@ class HFCausalLM(LayeredModule):
     micro-batches hold different numbers of valid tokens (HF Trainer's ``num_items_in_batch``).
     """
 
-    def __init__(self, config: PretrainedConfig | Mapping[str, Any] | str | os.PathLike, learning_rate: float = 1e-4,
-                 weight_decay: float = 0.0, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-                 attn_implementation: str = "sdpa") -> None:
+    def __init__(self, config: PretrainedConfig | Mapping[str, Any] | str | os.PathLike | None = None,
+                 learning_rate: float = 1e-4, weight_decay: float = 0.0, betas: tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-8, attn_implementation: str = "sdpa", path: str | os.PathLike | None = None) -> None:
         super().__init__()
+        if (config is None) == (path is None):
+            raise ValueError("HFCausalLM needs exactly one of config=<PretrainedConfig or dict> or path=<local model "
+                             "directory> (Hydra: model.path=/dir/with/config.json)")
+        config = path if config is None else config
         if attn_implementation not in ATTENTION_IMPLEMENTATIONS:
             raise ValueError(f"attn_implementation='{attn_implementation}' is not supported; use one of "
                              f"{ATTENTION_IMPLEMENTATIONS} (the side inputs carry materialized masks)")

@@ -276,3 +276,21 @@ def test_greedysnake_equals_plain_lightning(family, kind, tmp_path):
     assert got.keys() == expected.keys()
     for name in got:
         torch.testing.assert_close(got[name], expected[name], rtol=0, atol=1e-10, msg=name)
+
+
+# ---------------------------------------------------------------------- Hydra
+def test_hydra_model_configs_instantiate(tmp_path):
+    from hydra import compose, initialize_config_dir
+    from hydra.utils import instantiate
+
+    from snake_strategy.train import CONFIG_DIR
+    hf_model("llama").save_pretrained(tmp_path / "local")
+    for overrides in (["model=hf_tiny_llama"], ["model=hf_local", f"model.path={tmp_path / 'local'}"]):
+        with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+            cfg = compose("train", overrides=overrides + ["data.context_len=16"])
+        module = instantiate(cfg.model, _convert_="all")
+        assert isinstance(module, HFCausalLM) and module.hf_config.model_type == "llama"
+        module.configure_model()
+        assert module({"input_ids": torch.zeros(1, 4, dtype=torch.long)}).shape[-1] == module.hf_config.vocab_size
+    with pytest.raises(ValueError, match="exactly one of"):
+        HFCausalLM()
