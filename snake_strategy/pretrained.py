@@ -35,7 +35,7 @@ class PretrainedSource:
             self.directory = SafetensorsDirectory(path)
             return
         if not os.path.isfile(path):
-            raise ValueError(f"pretrained='{path}' does not exist; pass a torch.save'd state dict, a Lightning "
+            raise ValueError(f"pretrained='{path}' is not a file or a directory; pass a torch.save'd state dict, a Lightning "
                              ".ckpt or a HuggingFace model directory (model.safetensors or sharded)")
         try:
             loaded = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
