@@ -1,9 +1,17 @@
 """Stream pretrained weights into the tiers one unit at a time, never holding the whole model.
 
-Sources: a ``torch.save``'d state dict (``.pt``/``.bin``) or a Lightning checkpoint (its ``state_dict``;
-greedysnake's own checkpoints are consolidated and load here for fine-tuning). The file is opened with
-``torch.load(mmap=True)``: tensors stay in the file until a unit copies its own, so resident memory
-holds one unit at a time plus clean file pages the kernel can drop.
+Sources:
+
+- a ``torch.save``'d state dict (``.pt``/``.bin``) or a Lightning checkpoint (its ``state_dict``;
+  greedysnake's own checkpoints are consolidated and load here for fine-tuning). The file is opened with
+  ``torch.load(mmap=True)``: tensors stay in the file until a unit copies its own.
+- a HuggingFace model directory (``model.safetensors``, or shards listed by
+  ``model.safetensors.index.json``), read tensor by tensor with ``pread`` (see safetensors_io). Names
+  are the module's parameter names; ``snake_strategy.hf.HFCausalLM`` names its parameters exactly as
+  the HF checkpoint does, so no key map is needed. Checkpoints saved from the bare trunk (keys without
+  the ``model.``/``transformer.`` prefix, as the original GPT-2 files) are found too.
+
+Either way resident memory holds one unit at a time (plus one tensor being copied).
 """
 from __future__ import annotations
 
@@ -13,13 +21,22 @@ from collections.abc import Mapping
 import torch
 from torch import Tensor
 
+from snake_strategy.safetensors_io import SafetensorsDirectory
 from snake_strategy.units import UnitLayout
 
 
 class PretrainedSource:
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str | os.PathLike) -> None:
+        path = os.fspath(path)
+        self.path = path
+        self.state: Mapping[str, Tensor] = {}
+        self.directory: SafetensorsDirectory | None = None
+        if os.path.isdir(path):
+            self.directory = SafetensorsDirectory(path)
+            return
         if not os.path.isfile(path):
-            raise ValueError(f"pretrained='{path}' is not a file; pass a torch.save'd state dict or a Lightning .ckpt")
+            raise ValueError(f"pretrained='{path}' is not a file or a directory; pass a torch.save'd state dict, a Lightning "
+                             ".ckpt or a HuggingFace model directory (model.safetensors or sharded)")
         try:
             loaded = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
         except Exception as err:  # torch raises several types for foreign or corrupt files
@@ -27,19 +44,28 @@ class PretrainedSource:
         state = loaded.get("state_dict", loaded) if isinstance(loaded, Mapping) else None
         if not isinstance(state, Mapping) or not all(isinstance(v, Tensor) for v in state.values()):
             raise ValueError(f"pretrained='{path}' holds no state dict of tensors")
-        self.path, self.state = path, state
+        self.state = state
+
+    def _names(self) -> list[str]:
+        return self.directory.keys() if self.directory is not None else list(self.state)
 
     def tensor(self, name: str, shape: torch.Size) -> Tensor:
-        if name not in self.state:
+        if self.directory is not None:
+            # A trunk-only HF checkpoint stores "h.0.attn..." where the causal LM says "transformer.h.0.attn...".
+            candidates = [name] + ([name.split(".", 1)[1]] if "." in name else [])
+            found = next((c for c in candidates if c in self.directory), None)
+            value = self.directory.read(found) if found is not None else None
+        else:
+            value = self.state.get(name)
+        if value is None:
             raise ValueError(f"pretrained='{self.path}' has no entry '{name}' (it has e.g. "
-                             f"{sorted(self.state)[:5]}); the file must come from the same model class")
-        value = self.state[name]
+                             f"{sorted(self._names())[:5]}); the weights must come from the same model class")
         if value.shape != shape:
             raise ValueError(f"pretrained '{name}' has shape {tuple(value.shape)}, the model expects {tuple(shape)}")
         return value
 
     def unit_flat(self, layout: UnitLayout, first_block: int, prefix: str, dtype: torch.dtype) -> Tensor:
-        """The unit's flat vector, read entry by entry from the file."""
+        """The unit's flat vector, read entry by entry from the source."""
         flat = torch.empty(layout.numel, dtype=dtype)
         for s in layout.slots:
             source = self.tensor(f"{prefix}.{first_block + s.block}.{s.name}", s.shape)
@@ -48,3 +74,5 @@ class PretrainedSource:
 
     def close(self) -> None:
         self.state = {}  # drops the mmap
+        if self.directory is not None:
+            self.directory.close()

@@ -1,0 +1,410 @@
+"""HuggingFace causal LMs as layered modules: Llama, Mistral, Qwen2, Qwen3 and GPT-2, with no user glue.
+
+``HFCausalLM`` builds the HF model from its config (on the meta device under greedysnake), keeps the HF
+modules themselves and drives them stage by stage:
+
+    pre_stage:  input_ids -> token (+ position) embedding; the side inputs every layer needs (attention
+                masks, rotary cos/sin, position ids), computed once per micro-batch
+    blocks:     the HF decoder layers, called as ``layer(hidden, **side)``
+    post_stage: final norm -> lm_head -> logits
+
+The families agree on that layout and differ only in attribute names and in where positions enter,
+which the small ``FAMILIES`` table records. Parameter names are exactly the HF checkpoint's
+(``model.layers.3.mlp.up_proj.weight``, ``transformer.h.0.attn.c_attn.weight``, ...): the trunk's
+children are registered under the same attribute names, so ``state_dict()``, ``pretrained=<HF dir>``
+and ``export_hf`` need no key map.
+
+The blocks are the HF layer objects with their class swapped for a subclass (``SideInputLayer`` + the
+HF class): the parameters and names stay the HF layer's own, while the subclass picks the right mask
+for sliding-window layers and always returns one tensor. Rotary embeddings stay in ``pre_stage`` (their
+``inv_freq`` buffer would be a block buffer otherwise).
+
+No download ever: configs come as objects, dicts or local directories.
+"""
+from __future__ import annotations
+
+import copy
+import functools
+import os
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+try:
+    import transformers
+    from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
+    from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+except ImportError as err:  # the adapter is an optional extra
+    raise ImportError("snake_strategy.hf needs transformers>=5 and safetensors: pip install -e '.[hf]'") from err
+
+from snake_strategy.module import LayeredModule
+from snake_strategy.pretrained import PretrainedSource
+from snake_strategy.safetensors_io import ShardedSafetensorsWriter
+
+IGNORE_INDEX = -100  # HF's label value for "no loss here" (padding, prompts)
+ATTENTION_IMPLEMENTATIONS = ("sdpa", "eager")
+
+
+@dataclass(frozen=True)
+class Family:
+    """Where a family keeps its pieces (attribute names inside the HF causal-LM class)."""
+
+    trunk: str  # child of the causal LM holding embeddings, layers and final norm
+    embed: str
+    layers: str
+    norm: str
+    positions: str | None = None  # learned absolute position embedding, added in pre_stage
+    rotary: str | None = None  # rotary embedding module: its cos/sin go to every layer
+    dropout: str | None = None  # embedding dropout, applied in pre_stage
+    sliding_without_layer_types: bool = False  # config.sliding_window set => every layer is sliding
+
+
+_LLAMA_LIKE = Family("model", "embed_tokens", "layers", "norm", rotary="rotary_emb")
+FAMILIES: dict[str, Family] = {
+    "llama": _LLAMA_LIKE,
+    "mistral": Family("model", "embed_tokens", "layers", "norm", rotary="rotary_emb", sliding_without_layer_types=True),
+    "qwen2": _LLAMA_LIKE,
+    "qwen3": _LLAMA_LIKE,
+    "gpt2": Family("transformer", "wte", "h", "ln_f", positions="wpe", dropout="drop"),
+}
+
+
+class SideInputLayer(nn.Module):
+    """Mixed in before a HF decoder-layer class: ``layer(hidden, **side) -> hidden``.
+
+    ``side`` carries both masks when a model mixes full and sliding-window layers; each layer takes
+    the one its attention type needs (``snake_sliding``) and passes the rest through unchanged.
+    """
+
+    snake_sliding = False
+
+    def forward(self, hidden_states: Tensor, attention_mask: Tensor | None = None,
+                sliding_attention_mask: Tensor | None = None, **side: Any) -> Tensor:
+        mask = sliding_attention_mask if self.snake_sliding else attention_mask
+        out = super().forward(hidden_states, attention_mask=mask, **side)
+        # Older HF layers return (hidden, attention weights, ...); the contract wants one tensor.
+        return out[0] if isinstance(out, tuple) else out
+
+
+@functools.cache
+def side_input_class(layer_class: type) -> type:
+    return type(f"Snake{layer_class.__name__}", (SideInputLayer, layer_class), {"__module__": __name__})
+
+
+def resolve_config(config: PretrainedConfig | Mapping[str, Any] | str | os.PathLike
+                   ) -> tuple[PretrainedConfig, str | None]:
+    """(a private copy of the config, the directory its weights are in or None). Never downloads."""
+    if isinstance(config, PretrainedConfig):
+        return copy.deepcopy(config), None
+    if isinstance(config, Mapping):
+        fields = dict(config)
+        model_type = fields.pop("model_type", None)
+        if model_type is None:
+            raise ValueError("a config dict needs 'model_type' (one of " + ", ".join(FAMILIES) + ")")
+        return AutoConfig.for_model(model_type, **fields), None
+    if isinstance(config, (str, os.PathLike)):
+        path = os.fspath(config)
+        if not os.path.isfile(os.path.join(path, "config.json")):
+            raise ValueError(f"model path '{path}' is not a local model directory with a config.json; "
+                             "snake_strategy.hf never downloads: save_pretrained the model to a directory first")
+        cfg = AutoConfig.from_pretrained(path, local_files_only=True)
+        has_weights = any(os.path.isfile(os.path.join(path, f))
+                          for f in ("model.safetensors", "model.safetensors.index.json"))
+        return cfg, path if has_weights else None
+    raise ValueError(f"config must be a transformers PretrainedConfig, a dict with 'model_type' or a local model "
+                     f"directory; got {type(config).__name__}")
+
+
+def family_of(config: PretrainedConfig) -> Family:
+    family = FAMILIES.get(config.model_type)
+    if family is None:
+        raise ValueError(f"model_type '{config.model_type}' is not supported by snake_strategy.hf; supported: "
+                         f"{', '.join(FAMILIES)} (transformers {transformers.__version__})")
+    return family
+
+
+def layer_kinds(config: PretrainedConfig, family: Family) -> list[str]:
+    """'full_attention' or 'sliding_attention' per decoder layer, as the HF model decides it."""
+    n = config.num_hidden_layers
+    types = getattr(config, "layer_types", None)
+    if types:
+        return list(types[:n])
+    if family.sliding_without_layer_types and getattr(config, "sliding_window", None) is not None:
+        return ["sliding_attention"] * n
+    return ["full_attention"] * n
+
+
+class HFCausalLM(LayeredModule):
+    """A HF causal LM (Llama, Mistral, Qwen2, Qwen3, GPT-2) for ``strategy="greedysnake"`` and plain Lightning.
+
+    Args:
+        config: a ``transformers.PretrainedConfig``, a dict with ``model_type``, or a local model
+            directory (config.json + model.safetensors or shards). A directory's weights are loaded:
+            directly under plain strategies, and under greedysnake by setting the strategy's
+            ``pretrained`` to the directory when it is unset (streamed in unit by unit).
+        learning_rate, weight_decay, betas, eps: ``torch.optim.AdamW`` settings (one group).
+        attn_implementation: "sdpa" or "eager" (both take the materialized masks of the side inputs).
+        path: a local model directory, the same as passing it as ``config`` (for Hydra's ``model.path=``).
+
+    Batches: dicts with ``input_ids``, optional ``attention_mask`` (1 = token, 0 = padding; right
+    padding) and optional ``labels`` (-100 ignored; without labels, ``input_ids`` with padding set to
+    -100). HF shifts labels inside the loss: position t predicts label t+1. The project's own
+    ``(input_ids, next_token_targets)`` tuples (TextDataModule) are accepted too, targets unshifted.
+
+    Loss normalisation: ``compute_loss`` returns the token-mean cross entropy of ONE micro-batch (HF's
+    ``ForCausalLMLoss`` without ``num_items_in_batch``), in float32 or better (float64 stays float64,
+    where HF would round the logits to float32). With gradient accumulation the step's gradient is the
+    mean of the micro-batch means, which is what plain Lightning + the HF model +
+    ``accumulate_grad_batches=M`` computes (each micro-batch loss divided by M); the strategy's mean
+    over its micro-batches equals it. It is not the token-mean over the whole global batch when
+    micro-batches hold different numbers of valid tokens (HF Trainer's ``num_items_in_batch``).
+    """
+
+    def __init__(self, config: PretrainedConfig | Mapping[str, Any] | str | os.PathLike | None = None,
+                 learning_rate: float = 1e-4, weight_decay: float = 0.0, betas: tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-8, attn_implementation: str = "sdpa", path: str | os.PathLike | None = None) -> None:
+        super().__init__()
+        if (config is None) == (path is None):
+            raise ValueError("HFCausalLM needs exactly one of config=<PretrainedConfig or dict> or path=<local model "
+                             "directory> (Hydra: model.path=/dir/with/config.json)")
+        config = path if config is None else config
+        if attn_implementation not in ATTENTION_IMPLEMENTATIONS:
+            raise ValueError(f"attn_implementation='{attn_implementation}' is not supported; use one of "
+                             f"{ATTENTION_IMPLEMENTATIONS} (the side inputs carry materialized masks)")
+        self.hf_config, self.weights_dir = resolve_config(config)
+        self.family = family_of(self.hf_config)
+        self.attn_implementation = attn_implementation
+        self.learning_rate, self.weight_decay, self.betas, self.eps = learning_rate, weight_decay, tuple(betas), eps
+        # A dict config keeps load_from_checkpoint working; the weights come from the checkpoint then.
+        self.save_hyperparameters({"config": self.hf_config.to_dict(), "learning_rate": learning_rate,
+                                   "weight_decay": weight_decay, "betas": list(betas), "eps": eps,
+                                   "attn_implementation": attn_implementation})
+
+    # ------------------------------------------------------------------ building
+    @property
+    def blocks(self) -> nn.ModuleList:
+        trunk = self._modules.get(self.family.trunk)
+        if trunk is None:
+            raise AttributeError("blocks")  # not built yet: configure_model() builds them
+        return getattr(trunk, self.family.layers)
+
+    @property
+    def trunk(self) -> nn.Module:
+        return self._modules[self.family.trunk]
+
+    def configure_model(self) -> None:
+        if self.family.trunk in self._modules:
+            return  # already built: Lightning and the strategy may both call this
+        target = torch.empty(0).device  # "meta" under greedysnake, the CPU/GPU otherwise
+        # Always construct on meta: HF's constructors would otherwise draw (and waste) random numbers.
+        with torch.device("meta"):
+            hf = AutoModelForCausalLM.from_config(self.hf_config, attn_implementation=self.attn_implementation)
+        self.hf_config = hf.config
+        fam = self.family
+        hf_trunk = getattr(hf, fam.trunk)
+        if list(hf_trunk.named_parameters(recurse=False)):
+            raise ValueError(f"{type(hf_trunk).__name__} has parameters of its own; snake_strategy.hf cannot "
+                             "place them (not a supported layout)")
+        # A plain container under the HF attribute name keeps the HF parameter names; HF's trunk forward
+        # (which would run all layers at once) is not needed.
+        trunk = nn.Module()
+        for name, child in hf_trunk.named_children():
+            trunk.add_module(name, child)
+        for layer, kind in zip(getattr(trunk, fam.layers), layer_kinds(self.hf_config, fam)):
+            layer.__class__ = side_input_class(type(layer))
+            layer.snake_sliding = kind == "sliding_attention"
+        if fam.rotary is not None:
+            # inv_freq is computed, not trained: build it for real even when everything else is meta.
+            with torch.device("cpu" if target.type == "meta" else target):
+                setattr(trunk, fam.rotary, type(getattr(trunk, fam.rotary))(config=self.hf_config))
+        self.add_module(fam.trunk, trunk)
+        self.lm_head = hf.lm_head
+        tied = hf.lm_head.weight is getattr(trunk, fam.embed).weight
+        self._hf_init_weights = hf._init_weights  # HF's per-module init (uses the config's ranges)
+        self._layer_kinds = set(layer_kinds(self.hf_config, fam))
+        if target.type != "meta":
+            for name, child in self.named_children():
+                if name != fam.trunk:
+                    child.to_empty(device=target)
+            for name, child in trunk.named_children():
+                if name != fam.rotary:
+                    child.to_empty(device=target)
+            if tied:  # after to_empty, which gives every module its own new tensor
+                self.lm_head.weight = getattr(trunk, fam.embed).weight
+            self.apply(self.init_module_weights)
+            if self.weights_dir is not None:
+                self._load_weights_dir()
+        elif self.weights_dir is not None:
+            self._hand_weights_dir_to_strategy()
+
+    @torch.no_grad()
+    def _load_weights_dir(self) -> None:
+        source = PretrainedSource(self.weights_dir)
+        try:
+            for name, p in self.named_parameters():
+                p.copy_(source.tensor(name, p.shape))
+        finally:
+            source.close()
+
+    def _hand_weights_dir_to_strategy(self) -> None:
+        if self._trainer is None:
+            return  # a meta build for inspection (shapes, names): nothing to load into
+        strategy = self._trainer.strategy
+        if not hasattr(strategy, "pretrained"):
+            raise ValueError(f"HFCausalLM('{self.weights_dir}') was built on the meta device by "
+                             f"{type(strategy).__name__}, which cannot stream its weights in; use "
+                             "Trainer(strategy='greedysnake') or a strategy that builds on a real device")
+        if strategy.pretrained is None:
+            strategy.pretrained = self.weights_dir  # the engine streams it in unit by unit at setup
+
+    def init_module_weights(self, module: nn.Module) -> None:
+        init = self.__dict__.get("_hf_init_weights")
+        if init is not None:
+            init(module)
+        else:
+            super().init_module_weights(module)
+
+    # ------------------------------------------------------------------ stages
+    @staticmethod
+    def _inputs(batch: Any) -> tuple[Tensor, Tensor | None]:
+        if isinstance(batch, Mapping):
+            if "input_ids" not in batch:
+                raise ValueError(f"HFCausalLM batches need 'input_ids' (got keys {sorted(batch)})")
+            return batch["input_ids"], batch.get("attention_mask")
+        if isinstance(batch, (tuple, list)):
+            return batch[0], None
+        if isinstance(batch, Tensor):
+            return batch, None
+        raise ValueError(f"HFCausalLM takes dict batches with input_ids/attention_mask/labels, "
+                         f"(input_ids, targets) tuples or an input_ids tensor; got {type(batch).__name__}")
+
+    def pre_stage(self, batch: Any) -> tuple[Tensor, dict[str, Any]]:
+        input_ids, padding_mask = self._inputs(batch)
+        fam, trunk = self.family, self.trunk
+        embeds = getattr(trunk, fam.embed)(input_ids)
+        positions = torch.arange(input_ids.shape[1], device=input_ids.device).unsqueeze(0)
+        hidden = embeds
+        if fam.positions is not None:
+            hidden = hidden + getattr(trunk, fam.positions)(positions)
+        if fam.dropout is not None:
+            hidden = getattr(trunk, fam.dropout)(hidden)
+        side: dict[str, Any] = {"position_ids": positions}
+        mask_args = dict(config=self.hf_config, inputs_embeds=embeds, attention_mask=padding_mask, cache=None,
+                         position_ids=positions, allow_is_causal_skip=False)
+        # Always materialized (no is_causal shortcut): every micro-batch then has the same side keys,
+        # whether or not it holds padding, and the strategy can concatenate them.
+        if "full_attention" in self._layer_kinds:
+            side["attention_mask"] = create_causal_mask(**mask_args)
+        if "sliding_attention" in self._layer_kinds:
+            side["sliding_attention_mask"] = create_sliding_window_causal_mask(**mask_args)
+        if fam.rotary is not None:
+            side["position_embeddings"] = tuple(getattr(trunk, fam.rotary)(hidden, positions))
+        return hidden, side
+
+    def post_stage(self, hidden: Tensor) -> Tensor:
+        return self.lm_head(getattr(self.trunk, self.family.norm)(hidden))
+
+    def compute_loss(self, outputs: Tensor, batch: Any) -> Tensor:
+        """Token-mean cross entropy of this micro-batch (see the class docstring for why per micro-batch)."""
+        logits = outputs if outputs.dtype in (torch.float32, torch.float64) else outputs.float()
+        if isinstance(batch, (tuple, list)):
+            targets = batch[1]  # already the next tokens
+        else:
+            input_ids, padding_mask = self._inputs(batch)
+            labels = batch.get("labels") if isinstance(batch, Mapping) else None
+            if labels is None:
+                labels = input_ids if padding_mask is None else input_ids.masked_fill(padding_mask == 0, IGNORE_INDEX)
+            targets = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten().to(logits.device), ignore_index=IGNORE_INDEX)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=self.learning_rate, betas=self.betas, eps=self.eps,
+                                 weight_decay=self.weight_decay)
+
+    # ------------------------------------------------------------------ inference
+    @torch.no_grad()
+    def generate(self, input_ids: Tensor, max_new_tokens: int) -> Tensor:
+        """Greedy decoding: ``input_ids`` (batch, prompt length, no padding) plus ``max_new_tokens`` tokens.
+
+        Re-runs the whole sequence for every new token (no KV cache yet): fine for trying a model in a
+        notebook, quadratic in the length. Does not stop at EOS. Works under plain strategies and,
+        through ``forward``, under any strategy that streams the forward pass.
+        """
+        if max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+        limit = getattr(self.hf_config, "max_position_embeddings", None)
+        if limit is not None and input_ids.shape[1] + max_new_tokens > limit:
+            raise ValueError(f"prompt length {input_ids.shape[1]} + max_new_tokens {max_new_tokens} exceeds the "
+                             f"model's max_position_embeddings={limit}; generate fewer tokens")
+        was_training = self.training
+        self.eval()
+        try:
+            tokens = input_ids
+            for _ in range(max_new_tokens):
+                logits = self({"input_ids": tokens})
+                tokens = torch.cat([tokens, logits[:, -1].argmax(dim=-1, keepdim=True).to(tokens.dtype)], dim=1)
+        finally:
+            self.train(was_training)
+        return tokens
+
+
+# ---------------------------------------------------------------------- export
+def module_weights(module: HFCausalLM) -> Iterator[tuple[str, Tensor]]:
+    """The module's trained weights by HF name, one unit at a time under greedysnake (master copies)."""
+    trainer = module._trainer
+    engine = getattr(trainer.strategy, "engine", None) if trainer is not None else None
+    if engine is None:
+        for name, p in module.named_parameters():
+            yield name, p.detach()
+        return
+    state = engine.nonlayer_state()  # the non-layer master weights only
+    yield from zip(state["names"], state["master"])
+    for u in range(engine.num_units):
+        flat = engine.unit_state(u)["master"]  # one unit in memory at a time
+        for name, shape, offset, numel in engine.unit_slots(u):
+            yield name, flat[offset:offset + numel].view(shape)
+
+
+def export_hf(source: HFCausalLM | Mapping[str, Tensor] | Iterable[tuple[str, Tensor]], out_dir: str | os.PathLike,
+              config: PretrainedConfig | Mapping[str, Any] | str | os.PathLike | None = None, *,
+              dtype: torch.dtype = torch.float32, max_shard_bytes: int = 5 * 2**30) -> list[str]:
+    """Write ``config.json`` + (sharded) safetensors that ``AutoModelForCausalLM.from_pretrained`` loads.
+
+    ``source``: an ``HFCausalLM`` (inside or after ``Trainer.fit``; under greedysnake its units are read
+    one at a time), a state dict (e.g. a consolidated checkpoint's ``state_dict``) or an iterable of
+    ``(name, tensor)`` pairs; the latter two need ``config``. Names are HF names; tied output weights
+    (``lm_head.weight`` of GPT-2) are written once, as HF does. Returns the weight files written.
+    """
+    if isinstance(source, HFCausalLM):
+        cfg = source.hf_config if config is None else resolve_config(config)[0]
+        weights: Iterable[tuple[str, Tensor]] = module_weights(source)
+    else:
+        if config is None:
+            raise ValueError("export_hf(state, out_dir) needs config=<PretrainedConfig, dict or model directory> "
+                             "when the source is not an HFCausalLM")
+        cfg = resolve_config(config)[0]
+        weights = source.items() if isinstance(source, Mapping) else source
+    # The plan (names, shapes) comes from the model built on meta: headers can then be written first.
+    planner = HFCausalLM(cfg)
+    with torch.device("meta"):
+        planner.configure_model()
+    params = dict(planner.named_parameters())
+    aliases = set(planner.state_dict()) - set(params)  # tied duplicates such as lm_head.weight
+    plan = [(name, dtype if p.is_floating_point() else p.dtype, p.shape) for name, p in params.items()]
+    writer = ShardedSafetensorsWriter(out_dir, plan, max_shard_bytes)
+    try:
+        for name, tensor in weights:
+            if name not in aliases:
+                writer.write(name, tensor)
+    except BaseException:
+        writer.abort()
+        raise
+    files = writer.close()
+    saved = copy.deepcopy(planner.hf_config)
+    saved.dtype = dtype  # the files' dtype, so from_pretrained(dtype="auto") agrees with them
+    saved.save_pretrained(out_dir)
+    return files

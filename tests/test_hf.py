@@ -1,0 +1,296 @@
+"""snake_strategy.hf: HF causal LMs as layered modules, streamed safetensors in and out.
+
+Every model is a tiny config built here (no download). float64 checks are bitwise or atol 1e-10.
+"""
+import json
+import os
+
+import pytest
+
+pytest.importorskip("transformers")
+pytest.importorskip("safetensors")
+
+import lightning as L  # noqa: E402
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch.utils.data import DataLoader, Dataset  # noqa: E402
+from transformers import AutoModelForCausalLM  # noqa: E402
+from transformers import GPT2Config, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config  # noqa: E402
+
+import snake_strategy  # noqa: E402
+from snake_strategy.hf import HFCausalLM, export_hf  # noqa: E402
+from snake_strategy.pretrained import PretrainedSource  # noqa: E402
+from snake_strategy.units import build_layouts  # noqa: E402
+from tests.helpers import ParamRecorder, trainer_kwargs  # noqa: E402
+
+VOCAB, SEQ, MICRO, MICRO_SIZE, STEPS = 128, 12, 2, 2, 2
+
+
+def tiny_config(family: str):
+    common = dict(vocab_size=VOCAB, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    if family == "gpt2":
+        return GPT2Config(n_embd=32, n_layer=3, n_head=4, n_positions=64, resid_pdrop=0.0, embd_pdrop=0.0,
+                          attn_pdrop=0.0, **common)
+    llama_like = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=64, **common)
+    if family == "llama":
+        return LlamaConfig(**llama_like)
+    if family == "mistral":  # a window shorter than the sequence, so the sliding mask matters
+        return MistralConfig(sliding_window=5, **llama_like)
+    if family == "qwen2":  # mixed layers: the first full, the others sliding
+        return Qwen2Config(use_sliding_window=True, sliding_window=5, max_window_layers=1, **llama_like)
+    if family == "qwen3":  # tied embeddings, q/k norms
+        return Qwen3Config(head_dim=8, tie_word_embeddings=True, **llama_like)
+    raise AssertionError(family)
+
+
+FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "gpt2"]
+
+
+def hf_model(family: str, seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(tiny_config(family)).double()
+
+
+def batches(num: int, size: int, seed: int = 7) -> list[dict[str, torch.Tensor]]:
+    """Right-padded samples of different lengths; labels ignore the padding and each sample's first two tokens."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(num):
+        ids = torch.randint(3, VOCAB, (size, SEQ), generator=g)
+        lengths = torch.randint(SEQ // 2, SEQ + 1, (size,), generator=g)
+        mask = (torch.arange(SEQ)[None, :] < lengths[:, None]).long()
+        ids = ids.masked_fill(mask == 0, 0)
+        labels = ids.masked_fill(mask == 0, -100)
+        labels[:, :2] = -100
+        out.append({"input_ids": ids, "attention_mask": mask, "labels": labels})
+    return out
+
+
+class Samples(Dataset):
+    def __init__(self, micro_batches):
+        self.rows = [{k: v[i] for k, v in b.items()} for b in micro_batches for i in range(len(b["input_ids"]))]
+
+    def __len__(self):
+        return len(self.rows)
+
+    def __getitem__(self, i):
+        return self.rows[i]
+
+
+def built(config_or_dir) -> HFCausalLM:
+    module = HFCausalLM(config_or_dir)
+    module.configure_model()
+    return module
+
+
+@pytest.fixture(autouse=True)
+def float64_default():
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    yield
+    torch.set_default_dtype(previous)
+
+
+# ---------------------------------------------------------------------- forward
+@pytest.mark.parametrize("family", FAMILIES)
+def test_logits_and_names_equal_hf(family):
+    hf = hf_model(family)
+    module = built(tiny_config(family))
+    assert set(module.state_dict()) == set(hf.state_dict())  # the HF names, no key map
+    assert list(module.blocks.buffers()) == []  # the engine refuses block buffers
+    module.load_state_dict(hf.state_dict())
+    batch = batches(1, 3)[0]
+    with torch.no_grad():
+        expected = hf(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        got = module(batch)
+        assert torch.equal(got, expected)
+        unpadded = {"input_ids": batch["input_ids"]}
+        torch.testing.assert_close(module(unpadded), hf(input_ids=batch["input_ids"]).logits, rtol=0, atol=1e-10)
+        # The loss is HF's causal-LM loss (HF rounds logits to float32 first; float64 here stays float64).
+        hf_loss = hf(**batch).loss
+        torch.testing.assert_close(module.compute_loss(got, batch).float(), hf_loss, rtol=1e-6, atol=0)
+
+
+def test_tied_embeddings_stay_tied():
+    for family in ("gpt2", "qwen3"):
+        module = built(tiny_config(family))
+        assert module.lm_head.weight is module.trunk.get_submodule(
+            "wte" if family == "gpt2" else "embed_tokens").weight
+
+
+# ---------------------------------------------------------------------- training
+def reference_training(hf, micro_batches, lr):
+    """The raw HF model, the same manual accumulation loop as Lightning: each micro-batch mean / M."""
+    opt = torch.optim.AdamW(hf.parameters(), lr=lr, weight_decay=0.01)
+    for step in range(STEPS):
+        opt.zero_grad()
+        for mb in micro_batches[step * MICRO:(step + 1) * MICRO]:
+            logits = hf(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"]).logits
+            loss = F.cross_entropy(logits[:, :-1].flatten(0, 1), mb["labels"][:, 1:].flatten(), ignore_index=-100)
+            (loss / MICRO).backward()
+        opt.step()
+    return {n: p.detach() for n, p in hf.named_parameters()}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_plain_lightning_accumulation_equals_hf_loop(family, tmp_path):
+    hf = hf_model(family)
+    hf.save_pretrained(tmp_path / "start")
+    micro_batches = batches(STEPS * MICRO, MICRO_SIZE)
+    expected = reference_training(hf, micro_batches, lr=1e-2)
+    module = HFCausalLM(tmp_path / "start", learning_rate=1e-2, weight_decay=0.01)
+    rec = ParamRecorder(only_last=True)
+    trainer = L.Trainer(strategy="auto", precision="64-true", max_steps=STEPS, accumulate_grad_batches=MICRO,
+                        callbacks=[rec], **trainer_kwargs())
+    trainer.fit(module, DataLoader(Samples(micro_batches), batch_size=MICRO_SIZE, shuffle=False))
+    got = rec.states[-1]
+    assert got.keys() == expected.keys()
+    moved = max((got[n] - hf_model(family).state_dict()[n]).abs().max().item() for n in got)
+    assert moved > 1e-3
+    for name in got:
+        torch.testing.assert_close(got[name], expected[name], rtol=0, atol=1e-10, msg=name)
+
+
+# ---------------------------------------------------------------------- safetensors in
+@pytest.mark.parametrize("shard", [None, "20KB"])
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_pretrained_source_reads_hf_directory_bitwise(family, shard, tmp_path):
+    hf = hf_model(family)
+    kwargs = {} if shard is None else {"max_shard_size": shard}
+    hf.save_pretrained(tmp_path, **kwargs)
+    assert os.path.exists(tmp_path / "model.safetensors.index.json") == (shard is not None)
+    module = built(tiny_config(family))
+    source = PretrainedSource(str(tmp_path))
+    for name, p in module.named_parameters():
+        assert torch.equal(source.tensor(name, p.shape), hf.state_dict()[name]), name
+    # Unit by unit, as the engine asks: "<blocks prefix>.<block>.<name>".
+    module.load_state_dict(hf.state_dict())
+    layouts = build_layouts(module.blocks, 2, {id(p): 0 for p in module.parameters()})
+    for layout in layouts:
+        flat = source.unit_flat(layout, layout.index * 2, "transformer.h" if family == "gpt2" else "model.layers",
+                                torch.float64)
+        assert torch.equal(flat, layout.flatten(layout.blocks, torch.float64))
+    with pytest.raises(ValueError, match="has no entry"):
+        source.tensor("model.nothing.weight", torch.Size([1]))
+    source.close()
+
+
+def test_trunk_only_checkpoint_is_found(tmp_path):
+    """The original GPT-2 files store 'h.0...' without the 'transformer.' prefix."""
+    hf = hf_model("gpt2")
+    hf.transformer.save_pretrained(tmp_path)
+    source = PretrainedSource(str(tmp_path))
+    w = hf.transformer.h[1].mlp.c_fc.weight
+    assert torch.equal(source.tensor("transformer.h.1.mlp.c_fc.weight", w.shape), w)
+
+
+def test_hf_directory_errors(tmp_path):
+    with pytest.raises(ValueError, match="neither model.safetensors"):
+        PretrainedSource(str(tmp_path))
+    hf_model("llama").save_pretrained(tmp_path)
+    (tmp_path / "model.safetensors").write_bytes((tmp_path / "model.safetensors").read_bytes()[:-10])
+    with pytest.raises(ValueError, match="truncated or corrupt"):
+        PretrainedSource(str(tmp_path))
+    with pytest.raises(ValueError, match="never downloads"):
+        HFCausalLM("meta-llama/Llama-2-7b-hf")
+    with pytest.raises(ValueError, match="not supported"):
+        HFCausalLM({"model_type": "bert"})
+
+
+# ---------------------------------------------------------------------- safetensors out
+@pytest.mark.parametrize("family", FAMILIES)
+def test_export_round_trip(family, tmp_path):
+    hf = hf_model(family)
+    hf.save_pretrained(tmp_path / "start", max_shard_size="20KB")
+    module = built(tmp_path / "start")  # loads the sharded directory
+    files = export_hf(module, tmp_path / "out", dtype=torch.float64, max_shard_bytes=30_000)
+    assert len(files) > 1 and (tmp_path / "out" / "model.safetensors.index.json").exists()
+    back = AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float64)
+    assert back.state_dict().keys() == hf.state_dict().keys()
+    for name, value in hf.state_dict().items():
+        assert torch.equal(back.state_dict()[name], value), name
+    if family in ("gpt2", "qwen3"):
+        assert back.lm_head.weight is back.get_input_embeddings().weight
+    batch = batches(1, 2)[0]
+    with torch.no_grad():
+        assert torch.equal(back(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits,
+                           hf(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits)
+
+
+def test_export_from_state_dict_single_file(tmp_path):
+    hf = hf_model("gpt2")
+    state = hf.state_dict()  # holds the tied lm_head.weight too: written once
+    files = export_hf(state, tmp_path, config=hf.config, dtype=torch.float32)
+    assert files == ["model.safetensors"] and not (tmp_path / "model.safetensors.index.json").exists()
+    assert json.loads((tmp_path / "config.json").read_text())["model_type"] == "gpt2"
+    back = AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert back.transformer.wte.weight.dtype == torch.float32
+    assert torch.equal(back.transformer.wte.weight, state["transformer.wte.weight"].float())
+    with pytest.raises(ValueError, match="never written"):
+        export_hf({"transformer.wte.weight": state["transformer.wte.weight"]}, tmp_path / "bad", config=hf.config)
+    with pytest.raises(ValueError, match="needs config"):
+        export_hf(state, tmp_path / "bad2")
+
+
+# ---------------------------------------------------------------------- generation
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_greedy_generate_matches_hf(family):
+    hf = hf_model(family).eval()
+    module = built(tiny_config(family))
+    module.load_state_dict(hf.state_dict())
+    prompt = batches(1, 2)[0]["input_ids"][:, :4]
+    got = module.generate(prompt, max_new_tokens=5)
+    tokens = prompt
+    with torch.no_grad():
+        for _ in range(5):
+            tokens = torch.cat([tokens, hf(input_ids=tokens).logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+    assert torch.equal(got, tokens)
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        module.generate(prompt, max_new_tokens=100)
+
+
+# ---------------------------------------------------------------------- greedysnake
+@pytest.mark.skipif(not getattr(snake_strategy, "SUPPORTS_SIDE_INPUTS", False),
+                    reason="the engine does not pass side inputs to blocks yet (snake_strategy.SUPPORTS_SIDE_INPUTS)")
+@pytest.mark.parametrize("kind", ["vertical", "horizontal"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_greedysnake_equals_plain_lightning(family, kind, tmp_path):
+    hf = hf_model(family)
+    hf.save_pretrained(tmp_path / "start", max_shard_size="20KB")
+    micro_batches = batches(STEPS * MICRO, MICRO_SIZE)
+
+    def fit(strategy, batch_size, accumulate):
+        rec = ParamRecorder(only_last=True)
+        trainer = L.Trainer(strategy=strategy, precision="64-true", max_steps=STEPS,
+                            accumulate_grad_batches=accumulate, callbacks=[rec], **trainer_kwargs())
+        module = HFCausalLM(tmp_path / "start", learning_rate=1e-2, weight_decay=0.01)
+        trainer.fit(module, DataLoader(Samples(micro_batches), batch_size=batch_size, shuffle=False))
+        return rec.states[-1]
+
+    expected = fit("auto", MICRO_SIZE, MICRO)
+    strategy = snake_strategy.GreedySnakeStrategy(
+        storage={"weights": "ssd", "optimizer": "ssd", "gradients": "host", "ssd_dir": str(tmp_path / "ssd")},
+        schedule={"kind": kind, "num_micro_batches": MICRO, "alpha": 0.25})
+    got = fit(strategy, MICRO_SIZE * MICRO, 1)
+    assert got.keys() == expected.keys()
+    for name in got:
+        torch.testing.assert_close(got[name], expected[name], rtol=0, atol=1e-10, msg=name)
+
+
+# ---------------------------------------------------------------------- Hydra
+def test_hydra_model_configs_instantiate(tmp_path):
+    from hydra import compose, initialize_config_dir
+    from hydra.utils import instantiate
+
+    from snake_strategy.train import CONFIG_DIR
+    hf_model("llama").save_pretrained(tmp_path / "local")
+    for overrides in (["model=hf_tiny_llama"], ["model=hf_local", f"model.path={tmp_path / 'local'}"]):
+        with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+            cfg = compose("train", overrides=overrides + ["data.context_len=16"])
+        module = instantiate(cfg.model, _convert_="all")
+        assert isinstance(module, HFCausalLM) and module.hf_config.model_type == "llama"
+        module.configure_model()
+        assert module({"input_ids": torch.zeros(1, 4, dtype=torch.long)}).shape[-1] == module.hf_config.vocab_size
+    with pytest.raises(ValueError, match="exactly one of"):
+        HFCausalLM()
