@@ -357,6 +357,10 @@ class SnakeEngine:
         """Give the module its trained weights back (master values), streamed one unit at a time, so
         ``model.state_dict()``, a second ``fit`` or a plain Trainer see them after training."""
         self.flush()
+        # The working buffers are not needed any more: give their memory back before the weights arrive.
+        for pool in (self.grad_pool, self.weights.pool):
+            if pool is not None:
+                pool.clear()
         for u in range(len(self.units)):
             flat = self.units[u].master.read_full()
             for j, block in enumerate(self.units[u].layout.blocks):
