@@ -379,3 +379,18 @@ def test_free_space_check_counts_ssd_activation_checkpoints(tmp_path, monkeypatc
                                                     context_len=4096))
     with pytest.raises(ValueError, match="activation checkpoints"):
         L.Trainer(strategy=_snake(2, storage=storage), max_steps=1, **trainer_kwargs()).fit(module, loader)
+
+
+# ---------------------------------------------------------------------------------------- a directory for plain Lightning
+def test_a_greedysnake_directory_with_a_plain_strategy(tmp_path):
+    ckpt = L.pytorch.callbacks.ModelCheckpoint(dirpath=str(tmp_path / "ck"), save_last=True)
+    module2 = _model()
+    L.Trainer(strategy=_snake(2), max_steps=2, callbacks=[ckpt], **trainer_kwargs(enable_checkpointing=True)).fit(
+        module2, _loader(8, 4))
+    directory = tmp_path / "ck" / "last.ckpt"
+    assert directory.is_dir()
+    loaded = GPTModule.load_from_checkpoint(directory, map_location="cpu")
+    for name, value in _params(module2).items():
+        assert torch.equal(_params(loaded)[name], value), name
+    with pytest.raises(ValueError, match="is a greedysnake checkpoint directory; consolidate it"):
+        L.Trainer(max_steps=3, **trainer_kwargs()).fit(_model(), _loader(8, 4), ckpt_path=str(directory))
