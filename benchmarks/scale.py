@@ -96,7 +96,7 @@ def run_scale(preset_name: str, steps: int, context_len: int, micro_batch_size: 
         setup_s=marks.get("setup_done", start) - start, total_s=total_s,
         ssd_write_bytes_per_step=int(statistics.median(writes)), ssd_read_bytes_per_step=int(statistics.median(reads)),
         ssd_write_bytes_total_steps=int(sum(writes)), prediction=strategy.prediction.as_dict(),
-        hardware=strategy.hardware.__dict__,
+        hardware=strategy.hardware_profile.__dict__,
     )
 
 

@@ -174,6 +174,7 @@ def _pause_after_touching(path, marker):
     wrap(shutil, "rmtree")
     wrap(os, "rename")
     wrap(os, "replace")
+    wrap(snake_checkpoint, "_exchange")  # the atomic swap (renameat2 RENAME_EXCHANGE) where Linux has it
 
 
 class _OverwriteAndPause(L.Callback):
@@ -210,9 +211,7 @@ def straight_six(tmp_path_factory):
 
 @pytest.mark.parametrize("mode", [
     "during_write",
-    pytest.param("at_replace", marks=pytest.mark.xfail(
-        strict=True, reason="issue 9 item 6: save() removes the old checkpoint directory before renaming the new "
-                            "one into place; a kill between the two leaves no checkpoint at the path")),
+    "at_replace",
 ])
 def test_sigkill_inside_an_overwriting_save(tmp_path, straight_six, mode):
     """A process is SIGKILLed deterministically inside a save that overwrites its previous checkpoint
@@ -241,11 +240,17 @@ def test_sigkill_inside_an_overwriting_save(tmp_path, straight_six, mode):
         proc.communicate()
     assert proc.returncode == -signal.SIGKILL
     manifest = snake_checkpoint.read_manifest(ckpt)  # complete and verified ...
-    assert manifest["step_count"] == 3  # ... and the previous one (the step-4 save never completed)
+    if mode == "during_write":
+        assert manifest["step_count"] == 3  # ... and the previous one (the step-4 save never completed)
+    else:
+        # ... the previous one, or the new one when the kill landed right after an atomic swap
+        assert manifest["step_count"] in (3, 4), manifest["step_count"]
+    assert [e for e in os.listdir(ckpt_dir) if not e.startswith(".")] == [ckpt.name]
     resumed, trainer = _fit(6, ssd, ckpt_path=str(ckpt))
     assert trainer.global_step == 6
-    for name in straight_six:
-        assert torch.equal(straight_six[name], resumed[name]), name
+    if manifest["step_count"] == 3:  # an epoch boundary: bitwise (mid-epoch, Lightning replays the epoch)
+        for name in straight_six:
+            assert torch.equal(straight_six[name], resumed[name]), name
 
 
 def test_enospc_during_a_step_is_clear_and_keeps_the_last_checkpoint(tmp_path, monkeypatch):

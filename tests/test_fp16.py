@@ -181,8 +181,8 @@ class _ScaleLog(L.Callback):
 def test_fp16_scale_doubles_after_2000_clean_steps():
     """GradScaler's growth: the scale doubles after growth_interval (2000) consecutive clean steps.
 
-    The strategy has no option for the growth interval (it is fixed at 2000), so this needs 2001 steps
-    of a tiny model (about 30 s on 2 cores): opt-in with --runslow.
+    With the default interval this needs 2001 steps of a tiny model (about 30 s on 2 cores): opt-in with
+    --runslow. ``test_fp16_scale_doubles_after_the_growth_interval`` checks a short interval by default.
     """
     from snake_strategy.gpt import GPTConfig
 
@@ -198,3 +198,21 @@ def test_fp16_scale_doubles_after_2000_clean_steps():
     assert len(log.scales) == steps and not any(log.skipped)
     assert log.scales[:2000] == [2.0**16] * 2000
     assert log.scales[2000] == 2.0**17
+
+
+def test_fp16_scale_doubles_after_the_growth_interval():
+    """The same with GreedySnakePrecision(growth_interval=3): doubles after every 3 clean steps, and an
+    overflow resets the count (torch.amp.GradScaler's policy)."""
+    from snake_strategy.gpt import GPTConfig
+
+    tiny = GPTConfig(vocab_size=8, d_model=8, num_layers=2, num_heads=1, context_len=16)
+    steps = 8
+    x, y = token_data(steps * 4, tiny.context_len, tiny.vocab_size)
+    log = _ScaleLog()
+    strategy = snake_strategy.GreedySnakeStrategy(
+        schedule={"num_micro_batches": 2},
+        precision_plugin=GreedySnakePrecision("16-mixed", growth_interval=3))
+    trainer = L.Trainer(strategy=strategy, max_steps=steps, callbacks=[log], **trainer_kwargs())
+    trainer.fit(GPTModule(tiny), train_dataloaders=DataLoader(TensorDataset(x, y), batch_size=4))
+    assert not any(log.skipped)
+    assert log.scales == [2.0**16] * 3 + [2.0**17] * 3 + [2.0**18] * 2
