@@ -10,7 +10,6 @@ runner -> gradients -> overlap -> tiers.
 """
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass
 from typing import Any, Callable
