@@ -104,6 +104,9 @@ class Progress:
         if not every_s > 0:
             raise ValueError(f"Progress(every_s={every_s}) must be a positive number of seconds (5 by default); "
                              "to silence the lines use log=False or Trainer(enable_progress_bar=False)")
+        if log not in (True, False, None):
+            raise ValueError(f"Progress(log={log!r}) must be True (write lines), False (never) or None (follow the "
+                             "Trainer's enable_progress_bar)")
         self.log = log
         self.every_s = float(every_s)
         self.listeners: list[Listener] = list(listeners or [])
@@ -145,6 +148,12 @@ class Progress:
             log.info(event.message)
 
 
+def or_quiet(progress: Progress | None) -> Progress:
+    """``progress``, or a reporter that writes no lines: the default of library calls (``save``,
+    ``consolidate``, ``SnakeEngine``), so existing callers stay silent."""
+    return progress if progress is not None else Progress(log=False)
+
+
 class _Tracker:
     """What a phase and a step share: timing, the ETA and the log cadence."""
 
@@ -172,6 +181,8 @@ class _Tracker:
         return min(1.0, self.done / self.total) if self.total else 0.0
 
     def _report(self, stage: str, now_s: float, detail: str = "") -> None:
+        if not self.progress.active:
+            return
         write_line = stage != UPDATE or now_s >= self.next_line_s
         if write_line:
             self.next_line_s = now_s + self.progress.every_s
