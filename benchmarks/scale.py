@@ -45,7 +45,8 @@ def run_scale(preset_name: str, steps: int, context_len: int, micro_batch_size: 
         ssd_dir=ssd_dir, weights={"ssd": 1.0}, optimizer={"ssd": 1.0}, gradients={"host": 1.0},
         checkpoints={"ssd": 1.0}, checkpoint_host_ends=0, host_budget_bytes=host_budget_bytes)
     schedule = snake_strategy.ScheduleConfig(kind="vertical", num_micro_batches=num_micro, alpha=alpha)
-    strategy = snake_strategy.GreedySnakeStrategy(storage=storage, schedule=schedule, hardware="probe")
+    strategy = snake_strategy.GreedySnakeStrategy(storage=storage, schedule=schedule, hardware="probe",
+                                                  progress=True)  # setup and long steps say where they are
     marks: dict[str, float] = {}
     steps_s: list[float] = []
     losses: list[float] = []

@@ -97,7 +97,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         raise ValueError("configs storage/ and schedule/ must target snake_strategy.StorageConfig and "
                          f"snake_strategy.ScheduleConfig; got {type(storage).__name__}, {type(schedule).__name__}")
 
-    strategy = GreedySnakeStrategy(storage=storage, schedule=schedule)
+    strategy = GreedySnakeStrategy(storage=storage, schedule=schedule, progress=cfg.get("progress", True))
     kwargs = trainer_kwargs(cfg, out_dir)
     report_cb = StepReport(log_every_n_steps=int(kwargs.get("log_every_n_steps") or 10))
     trainer = L.Trainer(strategy=strategy, callbacks=[report_cb], **kwargs)
