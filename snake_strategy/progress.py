@@ -129,10 +129,9 @@ class Progress:
         """Whether anything would receive an event (the hot path skips all work when not)."""
         return self.logs or bool(self.listeners)
 
-    def phase(self, phase: str, total: int, what: str = "units", total_bytes: int = 0,
-              label: str | None = None) -> PhaseProgress:
-        """Start tracking ``total`` items of a phase (emits its first event now)."""
-        return PhaseProgress(self, phase, label or phase, total, what, total_bytes)
+    def phase(self, phase: str, total: int, what: str = "units", total_bytes: int = 0) -> PhaseProgress:
+        """Start tracking ``total`` items (``what``) of a phase; emits its first event now."""
+        return PhaseProgress(self, phase, phase, total, what, total_bytes)
 
     def step(self, step: int, total_tasks: int) -> StepProgress | None:
         """A tracker for optimizer step ``step``'s task loop, or None when nobody listens (no cost)."""
