@@ -119,7 +119,7 @@ def run_worker(system: str, preset: dict, ssd_dir: str, alpha: float, split_back
         result["optimizer_busy_s"] = statistics.median(s.get("optimizer_busy_s", 0.0) for s in timed)
         result["exposed_io_fraction"] = result["io_wait_s"] / s_per_step
         result["prediction"] = strategy.prediction.as_dict()
-        result["hardware"] = strategy.hardware.__dict__
+        result["hardware"] = strategy.hardware_profile.__dict__
         result["traffic_per_step"] = counted[len(counted) // 2] if counted else {}
     return result
 

@@ -263,7 +263,7 @@ class GreedySnakeStrategy(Strategy):
                 hardware, flops_per_s=matmul_flops_per_s(shape.tokens_per_micro, in_dim, out_dim, self.root_device))
         self.hardware_profile = hardware
         self.model_shape = shape
-        prediction = predict(shape, hardware, self.storage, self.schedule.kind, self.schedule.alpha)
+        prediction = predict(shape, hardware, self.storage, self.schedule.kind, self.engine.alpha)
         log.info("planner: predicted floor %.3f s/step (%s-bound; compute %.3f s, ssd %.3f s, optimizer %.3f s)",
                  prediction.roofline_s, prediction.bound, prediction.compute_s, prediction.ssd_s, prediction.optimizer_s)
         return prediction

@@ -50,12 +50,12 @@ def trainer_kwargs(**overrides) -> dict:
 
 
 def run_reference(config: GPTConfig, steps: int, micro: int, micro_size: int, precision: str, lr: float = 1e-3,
-                  seed: int = 0, trainer_extra: dict | None = None, **module_kw) -> list[dict[str, torch.Tensor]]:
+                  seed: int = 0, trainer_extra: dict | None = None, module_cls: type = GPTModule, **module_kw) -> list[dict[str, torch.Tensor]]:
     """Plain Lightning: micro-batches from the loader, accumulate_grad_batches=micro, torch.optim.AdamW."""
     x, y = token_data(steps * micro * micro_size, config.context_len, config.vocab_size)
     loader = DataLoader(TensorDataset(x, y), batch_size=micro_size, shuffle=False)
     torch.manual_seed(seed)
-    module = GPTModule(config, learning_rate=lr, **module_kw)
+    module = module_cls(config, learning_rate=lr, **module_kw)
     rec = ParamRecorder(every_n_batches=micro)
     trainer = L.Trainer(strategy="auto", precision=precision, max_steps=steps, accumulate_grad_batches=micro,
                         callbacks=[rec], **trainer_kwargs(**(trainer_extra or {})))
@@ -66,7 +66,8 @@ def run_reference(config: GPTConfig, steps: int, micro: int, micro_size: int, pr
 def run_snake(config: GPTConfig, steps: int, micro: int, micro_size: int, precision: str, storage=None,
               schedule_kind: str = "vertical", blocks_per_unit: int = 1, lr: float = 1e-3, seed: int = 0,
               schedule_extra: dict | None = None, only_last: bool = False, validate_every_step: bool = False,
-              callbacks: list | None = None, trainer_extra: dict | None = None, module_cls=GPTModule, **module_kw) -> tuple[list[dict[str, torch.Tensor]], snake_strategy.GreedySnakeStrategy]:
+              callbacks: list | None = None, trainer_extra: dict | None = None, module_cls: type = GPTModule,
+              **module_kw) -> tuple[list[dict[str, torch.Tensor]], snake_strategy.GreedySnakeStrategy]:
     x, y = token_data(steps * micro * micro_size, config.context_len, config.vocab_size)
     loader = DataLoader(TensorDataset(x, y), batch_size=micro * micro_size, shuffle=False)
     torch.manual_seed(seed)
