@@ -29,6 +29,7 @@ from snake_strategy.engine import EngineHooks, SnakeEngine
 from snake_strategy.module import LayeredModule
 from snake_strategy.planner import HardwareProfile, StepPrediction, predict
 from snake_strategy.precision import GreedySnakePrecision
+from snake_strategy.progress import Progress
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +45,9 @@ class GreedySnakeStrategy(Strategy):
         pretrained: a state-dict or Lightning checkpoint file to stream in one unit at a time instead of
             initialising the weights.
         hooks: test hooks that slow parts of the engine down (``EngineHooks``); None in normal use.
+        progress: progress of setup, checkpoints, export and long steps: a ``Progress`` (add listeners
+            there), or True/False to force log lines on/off; None (and a ``Progress(log=None)``) writes
+            lines exactly when the Trainer's progress bar is enabled.
     """
 
     strategy_name = "greedysnake"
@@ -57,6 +61,7 @@ class GreedySnakeStrategy(Strategy):
         accelerator: pl.accelerators.Accelerator | None = None,
         precision_plugin: Precision | None = None,
         hooks: EngineHooks | None = None,
+        progress: Progress | bool | None = None,
     ) -> None:
         self.storage = coerce_config(StorageConfig, storage, "storage")
         self.schedule = coerce_config(ScheduleConfig, schedule, "schedule")
@@ -70,6 +75,7 @@ class GreedySnakeStrategy(Strategy):
         self.prediction: StepPrediction | None = None  # the planner's floor for this run's step
         self.engine: SnakeEngine | None = None
         self.hooks = hooks
+        self.progress = progress if isinstance(progress, Progress) else Progress(log=progress)
         self.parallel_devices: list[torch.device] | None = None  # filled by Lightning's connector
         self.global_rank, self.local_rank, self.world_size = 0, 0, 1
         super().__init__(accelerator=accelerator, precision_plugin=precision_plugin)
@@ -152,6 +158,7 @@ class GreedySnakeStrategy(Strategy):
                 raise ValueError(f"Trainer(gradient_clip_algorithm='{algorithm}') is not supported by "
                                  "strategy='greedysnake'; use 'norm' or 'value'")
             clip = (algorithm, float(trainer.gradient_clip_val))
+        self.progress.follow_progress_bar(trainer.progress_bar_callback is not None)
         self.accelerator.setup(trainer)
         self.setup_optimizers(trainer)
         if len(self.optimizers) != 1:
@@ -160,7 +167,7 @@ class GreedySnakeStrategy(Strategy):
         self.engine = SnakeEngine(module, self.optimizers[0], self.storage, self.schedule,
                                   self.precision_plugin.dtypes, self.root_device, clip=clip,
                                   pretrained=self.pretrained, scaler=self.precision_plugin.make_scaler(),
-                                  hooks=self.hooks)
+                                  hooks=self.hooks, progress=self.progress)
         if self.storage.checkpoints.ssd > 0 and self.schedule.num_micro_batches <= 2 * self.storage.checkpoint_host_ends:
             log.warning(
                 "storage.checkpoints puts %.0f%% on the SSD, but with schedule.num_micro_batches=%d and "
@@ -232,6 +239,7 @@ class GreedySnakeStrategy(Strategy):
         loss = self.engine.train_step(batch)
         if self.prediction is None:
             self.prediction = self._predict(batch)
+            self.progress.predictions["step"] = self.prediction.roofline_s  # the ETA of long steps
         self.lightning_module.log("train_loss", loss, prog_bar=True)
         return loss
 
@@ -304,7 +312,7 @@ class GreedySnakeStrategy(Strategy):
                         "with the run); to resume training exactly, checkpoint during fit (ModelCheckpoint)", filepath)
             self.checkpoint_io.save_checkpoint(checkpoint, filepath)
             return
-        snake_checkpoint.save(self.engine, checkpoint, filepath)
+        snake_checkpoint.save(self.engine, checkpoint, filepath, self.progress)
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
@@ -313,7 +321,7 @@ class GreedySnakeStrategy(Strategy):
                 f"{checkpoint_path} is not a greedysnake checkpoint directory; to start from the weights of an "
                 "ordinary state dict or .ckpt file, pass GreedySnakeStrategy(pretrained=path) instead of ckpt_path"
             )
-        checkpoint = snake_checkpoint.load(self.engine, checkpoint_path)
+        checkpoint = snake_checkpoint.load(self.engine, checkpoint_path, self.progress)
         # Lightning restores the LR schedulers, but the current lr lives in the optimizer's param_groups.
         for optimizer, saved in zip(self.optimizers, checkpoint.get("optimizer_states", [])):
             for group, saved_group in zip(optimizer.param_groups, saved.get("param_groups", [])):
