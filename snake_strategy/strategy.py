@@ -22,7 +22,6 @@ from lightning.pytorch.trainer.states import TrainerFn
 from torch import Tensor
 from typing_extensions import override
 
-from snake_strategy import checkpoint as snake_checkpoint
 from snake_strategy.config import ScheduleConfig, StorageConfig, coerce_config
 from snake_strategy.contract import check_contract
 from snake_strategy.engine import EngineHooks, SnakeEngine
@@ -312,7 +311,7 @@ class GreedySnakeStrategy(Strategy):
                         "with the run); to resume training exactly, checkpoint during fit (ModelCheckpoint)", filepath)
             self.checkpoint_io.save_checkpoint(checkpoint, filepath)
             return
-        snake_checkpoint.save(self.engine, checkpoint, filepath, self.progress)
+        _checkpoint_module().save(self.engine, checkpoint, filepath, self.progress)
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
@@ -321,7 +320,7 @@ class GreedySnakeStrategy(Strategy):
                 f"{checkpoint_path} is not a greedysnake checkpoint directory; to start from the weights of an "
                 "ordinary state dict or .ckpt file, pass GreedySnakeStrategy(pretrained=path) instead of ckpt_path"
             )
-        checkpoint = snake_checkpoint.load(self.engine, checkpoint_path, self.progress)
+        checkpoint = _checkpoint_module().load(self.engine, checkpoint_path, self.progress)
         # Lightning restores the LR schedulers, but the current lr lives in the optimizer's param_groups.
         for optimizer, saved in zip(self.optimizers, checkpoint.get("optimizer_states", [])):
             for group, saved_group in zip(optimizer.param_groups, saved.get("param_groups", [])):
@@ -396,3 +395,11 @@ def _remove_weight_guard(module: torch.nn.Module) -> None:
         handle.remove()
     if hasattr(module, _GUARD_ATTR):
         delattr(module, _GUARD_ATTR)
+
+
+def _checkpoint_module():
+    # Imported on use, not at import time: `python -m snake_strategy.checkpoint` (the consolidation CLI)
+    # would otherwise find the module already imported by the package and runpy warns about it.
+    from snake_strategy import checkpoint
+
+    return checkpoint
