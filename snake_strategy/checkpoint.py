@@ -30,7 +30,8 @@ import shutil
 import sys
 import zlib
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
@@ -215,7 +216,8 @@ def read_manifest(path: str | os.PathLike) -> dict:
     return _read_manifest(locate(path))
 
 
-def _read_manifest(root: Path) -> dict:
+def _read_manifest(root: Path, verify: Callable[[str], bool] | None = None) -> dict:
+    """The manifest, after checking the size and CRC-32 of every file (of those ``verify`` accepts)."""
     manifest_path = root / "manifest.json"
     if not manifest_path.exists():
         raise ValueError(f"{root} is not a complete greedysnake checkpoint (no manifest.json): an interrupted save "
@@ -231,7 +233,8 @@ def _read_manifest(root: Path) -> dict:
     if missing:
         raise ValueError(f"{manifest_path} is corrupt: it lacks {missing}")
     for name, info in manifest["files"].items():
-        _verify(root / name, info)
+        if verify is None or verify(name):
+            _verify(root / name, info)
     return manifest
 
 
@@ -254,6 +257,94 @@ def load(engine: SnakeEngine, path: str | os.PathLike) -> dict[str, Any]:
     engine.load_nonlayer_state(torch.load(root / "nonlayer.pt", map_location="cpu", weights_only=True))
     engine.step_count = manifest["step_count"]
     return torch.load(root / "meta.pt", map_location="cpu", weights_only=False)
+
+
+class CheckpointWeights:
+    """The master weights of a checkpoint directory, read one unit at a time: what evaluation
+    (``trainer.validate(ckpt_path=dir)``) and the HF export need. The Adam moment files are never opened
+    (nor verified); the files that are read are verified first (size and CRC-32).
+
+    Also a pretrained source for the engine's materialization (``unit_flat``, ``tensor``, ``close``):
+    parameters are matched by name, so the reader's unit layout need not be the checkpoint's.
+    """
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        self.root = locate(path)
+        self.manifest = _read_manifest(self.root, verify=lambda name: not name.endswith((".exp_avg.bin", ".exp_avg_sq.bin")))
+        self.dtype = _DTYPES[self.manifest["master_dtype"]]
+        self._where = {name: (u, shape, offset, numel) for u, unit in enumerate(self.manifest["units"])
+                       for name, shape, offset, numel in unit["slots"]}
+        # mmap: the non-layer moments in the same file are not read into memory.
+        nonlayer = torch.load(self.root / "nonlayer.pt", map_location="cpu", mmap=True, weights_only=True)
+        self._nonlayer = dict(zip(nonlayer["names"], nonlayer["master"]))
+        self._cached: tuple[int, torch.Tensor] | None = None  # the last unit read (units are read in order)
+
+    def meta(self) -> dict[str, Any]:
+        """Lightning's checkpoint dict (loops, callbacks, hparams; non-layer ``state_dict`` entries)."""
+        return torch.load(self.root / "meta.pt", map_location="cpu", weights_only=False)
+
+    def _unit(self, u: int) -> torch.Tensor:
+        if self._cached is None or self._cached[0] != u:
+            self._cached = None  # drop the previous unit before the next arrives: one unit in memory
+            self._cached = (u, _read_raw(self.root / f"units/unit{u:05d}.master.bin",
+                                         self.manifest["units"][u]["numel"], self.dtype))
+        return self._cached[1]
+
+    def tensor(self, name: str, shape: Any = None) -> torch.Tensor:
+        """Parameter ``name`` (a view into the cached unit, or a non-layer tensor)."""
+        if name in self._nonlayer:
+            value = self._nonlayer[name]
+        elif name in self._where:
+            u, saved_shape, offset, numel = self._where[name]
+            value = self._unit(u)[offset:offset + numel].view(saved_shape)
+        else:
+            raise ValueError(f"checkpoint {self.root} has no parameter '{name}' (it has e.g. "
+                             f"{sorted(self._nonlayer)[:3] + sorted(self._where)[:3]}); it was saved from another model")
+        if shape is not None and tuple(value.shape) != tuple(shape):
+            raise ValueError(f"checkpoint {self.root}: '{name}' has shape {tuple(value.shape)}, the model expects "
+                             f"{tuple(shape)}")
+        return value
+
+    def unit_flat(self, layout: Any, first_block: int, prefix: str, dtype: torch.dtype) -> torch.Tensor:
+        flat = torch.empty(layout.numel, dtype=dtype)
+        for s in layout.slots:
+            flat[s.offset:s.offset + s.numel].copy_(self.tensor(f"{prefix}.{first_block + s.block}.{s.name}",
+                                                                s.shape).reshape(-1))
+        return flat
+
+    def named_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Every parameter by name: the non-layer ones, then unit by unit (one unit in memory)."""
+        yield from self._nonlayer.items()
+        for u, unit in enumerate(self.manifest["units"]):
+            for name, _, _, _ in unit["slots"]:
+                yield name, self.tensor(name)
+
+    def close(self) -> None:
+        self._cached = None
+        self._nonlayer = {}
+
+
+def export_hf_checkpoint(path: str | os.PathLike, out_dir: str | os.PathLike, config: Any = None,
+                         dtype: torch.dtype | None = None) -> list[str]:
+    """Write a HF model directory from a checkpoint directory of an ``HFCausalLM``, streamed unit by unit.
+
+    ``config``: a HF model directory, a ``config.json`` path, a dict or a ``PretrainedConfig``; by default
+    the one the module saved in its hyper-parameters. ``dtype``: of the files (default: the master dtype).
+    """
+    from snake_strategy.hf import export_hf  # the optional [hf] extra
+
+    weights = CheckpointWeights(path)
+    try:
+        if config is None:
+            config = weights.meta().get("hyper_parameters", {}).get("config")
+            if not isinstance(config, dict) or "model_type" not in config:
+                raise ValueError(f"{weights.root} holds no HF config in its hyper-parameters (not an HFCausalLM "
+                                 "checkpoint?); pass the model's config: --config HF_DIR_OR_CONFIG_JSON")
+        elif isinstance(config, (str, os.PathLike)) and os.path.isfile(config):
+            config = json.loads(Path(config).read_text())
+        return export_hf(weights.named_tensors(), out_dir, config=config, dtype=dtype or weights.dtype)
+    finally:
+        weights.close()
 
 
 def consolidate(path: str | os.PathLike, out_path: str | os.PathLike) -> dict[str, Any]:
@@ -364,17 +455,32 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = argparse.ArgumentParser(prog="python -m snake_strategy.checkpoint",
                                      description="Consolidate a greedysnake checkpoint directory into one file "
-                                                 "that LightningModule.load_from_checkpoint reads.")
+                                                 "that LightningModule.load_from_checkpoint reads (--format ckpt), "
+                                                 "or export an HFCausalLM's weights to a HuggingFace model "
+                                                 "directory, streamed one unit at a time (--format hf).")
     parser.add_argument("checkpoint_dir")
-    parser.add_argument("output_file")
+    parser.add_argument("output", help="the file to write (ckpt) or the directory to write (hf)")
+    parser.add_argument("--format", choices=("ckpt", "hf"), default="ckpt")
+    parser.add_argument("--config", default=None,
+                        help="hf only: a HF model directory or config.json (default: the config saved with the module)")
+    parser.add_argument("--dtype", choices=("float32", "float64", "bfloat16", "float16"), default=None,
+                        help="hf only: dtype of the safetensors files (default: the checkpoint's master dtype)")
     args = parser.parse_args(argv)
+    if args.format == "ckpt" and (args.config or args.dtype):
+        parser.error("--config and --dtype apply to --format hf only")
     try:
-        checkpoint = consolidate(args.checkpoint_dir, args.output_file)
-    except (ValueError, OSError) as err:
-        # A user's mistake or a damaged checkpoint: one line that names it, as argparse does for bad usage.
+        if args.format == "hf":
+            dtype = getattr(torch, args.dtype) if args.dtype else None
+            files = export_hf_checkpoint(args.checkpoint_dir, args.output, config=args.config, dtype=dtype)
+            print(f"wrote {args.output}: config.json + {len(files)} safetensors file(s)")
+            return 0
+        checkpoint = consolidate(args.checkpoint_dir, args.output)
+    except (ValueError, OSError, ImportError) as err:
+        # A user's mistake, a damaged checkpoint or a missing [hf] extra: one line that names it, as
+        # argparse does for bad usage.
         print(f"{parser.prog}: error: {err}", file=sys.stderr)
         return 2
-    print(f"wrote {args.output_file}: {len(checkpoint['state_dict'])} tensors")
+    print(f"wrote {args.output}: {len(checkpoint['state_dict'])} tensors")
     return 0
 
 
