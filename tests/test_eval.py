@@ -91,6 +91,7 @@ class EvalTraffic(StepOutputs):
         super().__init__()
         self.moved: dict[str, dict[str, int]] = {}
         self.engines: list[type] = []
+        self.prefetched: dict[str, list[int]] = {}  # units whose weights were fetched ahead, last batch
 
     def _start(self, trainer) -> None:
         self.engines.append(type(trainer.strategy.engine))
@@ -98,6 +99,8 @@ class EvalTraffic(StepOutputs):
 
     def _end(self, trainer, stage: str) -> None:
         after = trainer.strategy.engine.counters.snapshot()
+        self.prefetched[stage] = [f.unit for f in trainer.strategy.engine.trace.last.fetches if f.prefetched]
+        self.num_units = trainer.strategy.engine.num_units
         self.moved[stage] = {"/".join(k): v - self._before.get(k, 0) for k, v in after.items()
                              if v - self._before.get(k, 0)}
 
@@ -166,6 +169,8 @@ def assert_read_only(traffic: EvalTraffic) -> None:
         assert not {k: v for k, v in moved.items() if k.endswith("/write")}, (stage, moved)
         assert moved.get("ssd/weights/read", 0) > 0, (stage, moved)
         assert set(moved) <= {"ssd/weights/read", "host/weights/read", "device/weights/read"}, (stage, moved)
+        # Unit 0 is fetched on demand, every later unit ahead of use by the prefetch thread.
+        assert traffic.prefetched[stage] == list(range(1, traffic.num_units)), (stage, traffic.prefetched)
     assert traffic.engines == [EvalEngine] * 3
 
 

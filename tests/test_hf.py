@@ -18,6 +18,7 @@ from transformers import AutoModelForCausalLM  # noqa: E402
 from transformers import GPT2Config, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config  # noqa: E402
 
 import snake_strategy  # noqa: E402
+from snake_strategy import checkpoint as snake_checkpoint  # noqa: E402
 from snake_strategy.hf import HFCausalLM, export_hf  # noqa: E402
 from snake_strategy.pretrained import PretrainedSource  # noqa: E402
 from snake_strategy.units import build_layouts  # noqa: E402
@@ -326,11 +327,17 @@ def test_checkpoint_cli_exports_hf_directory(tmp_path):
 
     hf_model("llama").save_pretrained(tmp_path / "start")
     rec = ParamRecorder(only_last=True)
+
+    class ExportInsideFit(L.Callback):
+        def on_train_end(self, trainer, pl_module):
+            assert trainer.strategy.engine is not None  # export_hf reads the units from their tiers
+            export_hf(pl_module, tmp_path / "in_run", dtype=torch.float64)
+
     strategy = snake_strategy.GreedySnakeStrategy(
         storage={"weights": "ssd", "optimizer": "ssd", "ssd_dir": str(tmp_path / "ssd")},
         schedule={"num_micro_batches": MICRO, "alpha": 0.25})
     checkpoints = L.pytorch.callbacks.ModelCheckpoint(dirpath=str(tmp_path / "ckpts"), every_n_train_steps=STEPS)
-    trainer = L.Trainer(strategy=strategy, precision="64-true", max_steps=STEPS, callbacks=[rec, checkpoints],
+    trainer = L.Trainer(strategy=strategy, precision="64-true", max_steps=STEPS, callbacks=[rec, checkpoints, ExportInsideFit()],
                         **trainer_kwargs(enable_checkpointing=True))
     trainer.fit(HFCausalLM(tmp_path / "start", learning_rate=1e-2),
                 DataLoader(Samples(batches(STEPS * MICRO, MICRO_SIZE)), batch_size=MICRO * MICRO_SIZE))
@@ -343,10 +350,11 @@ def test_checkpoint_cli_exports_hf_directory(tmp_path):
                           env=dict(os.environ, PYTHONWARNINGS="ignore"))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "config.json" in proc.stdout
-    back = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float64)
-    assert back.state_dict().keys() == engine_state.keys()
-    for name, value in engine_state.items():
-        assert torch.equal(back.state_dict()[name], value), name
+    for exported in (out, tmp_path / "in_run"):
+        back = AutoModelForCausalLM.from_pretrained(exported, dtype=torch.float64)
+        assert back.state_dict().keys() == engine_state.keys()
+        for name, value in engine_state.items():
+            assert torch.equal(back.state_dict()[name], value), (exported, name)
     assert max((engine_state[n] - hf_model("llama").state_dict()[n]).abs().max().item() for n in engine_state) > 1e-3
 
     # --config names the model explicitly (a HF directory or a config.json); --dtype sets the files' dtype.
@@ -357,3 +365,8 @@ def test_checkpoint_cli_exports_hf_directory(tmp_path):
     f32 = AutoModelForCausalLM.from_pretrained(tmp_path / "f32")
     assert f32.model.norm.weight.dtype == torch.float32
     assert torch.equal(f32.model.norm.weight, engine_state["model.norm.weight"].float())
+    assert snake_checkpoint.main([str(ckpt), str(tmp_path / "from_dir"), "--format", "hf", "--config",
+                                  str(tmp_path / "start")]) == 0
+    assert AutoModelForCausalLM.from_pretrained(tmp_path / "from_dir").config.num_hidden_layers == 3
+    with pytest.raises(SystemExit, match="2"):  # --dtype/--config belong to --format hf
+        snake_checkpoint.main([str(ckpt), str(tmp_path / "x.ckpt"), "--dtype", "float32"])
