@@ -370,3 +370,25 @@ def test_checkpoint_cli_exports_hf_directory(tmp_path):
     assert AutoModelForCausalLM.from_pretrained(tmp_path / "from_dir").config.num_hidden_layers == 3
     with pytest.raises(SystemExit, match="2"):  # --dtype/--config belong to --format hf
         snake_checkpoint.main([str(ckpt), str(tmp_path / "x.ckpt"), "--dtype", "float32"])
+
+
+class GeneratingLM(HFCausalLM):
+    def predict_step(self, batch, batch_idx):
+        return self.generate(batch["input_ids"][:, :4], max_new_tokens=3)
+
+
+def test_generate_under_greedysnake_predict(tmp_path):
+    """generate() inside predict_step: every token streams the units from the SSD, same tokens as auto."""
+    hf_model("llama").save_pretrained(tmp_path / "start")
+    loader = DataLoader(Samples(batches(2, 2)), batch_size=4)
+
+    def predict(strategy):
+        trainer = L.Trainer(strategy=strategy, precision="64-true", **trainer_kwargs())
+        return trainer.predict(GeneratingLM(tmp_path / "start"), loader)[0]
+
+    strategy = snake_strategy.GreedySnakeStrategy(storage={"weights": "ssd", "ssd_dir": str(tmp_path / "ssd")},
+                                                  schedule={"num_micro_batches": 2})
+    got = predict(strategy)
+    assert got.shape == (4, 7) and torch.equal(got, predict("auto"))
+    assert strategy.eval_traffic["ssd/weights/read"] > 0
+    assert not any(k.endswith("/write") for k in strategy.eval_traffic)
