@@ -123,10 +123,10 @@ class EvalTraffic(StepOutputs):
         self._end(trainer, "predict")
 
 
-def snake_strategy_for(tmp_path, name: str) -> snake_strategy.GreedySnakeStrategy:
+def snake_strategy_for(tmp_path, name: str, blocks_per_unit: int = 1) -> snake_strategy.GreedySnakeStrategy:
     return snake_strategy.GreedySnakeStrategy(
         storage={"weights": "ssd", "optimizer": "ssd", "ssd_dir": str(tmp_path / f"ssd_{name}")},
-        schedule={"kind": "vertical", "num_micro_batches": MICRO, "alpha": 0.25})
+        schedule={"kind": "vertical", "num_micro_batches": MICRO, "alpha": 0.25, "blocks_per_unit": blocks_per_unit})
 
 
 def evaluate(trainer: L.Trainer, module, loader, ckpt_path=None) -> dict:
@@ -221,14 +221,16 @@ def test_eval_after_fit_and_from_checkpoint_equal_auto(kind, tmp_path):
         assert torch.equal(value, trained[name]), name
 
     # From the directory checkpoint, into a fresh module: its master weights only. The moment files are
-    # removed first: evaluation never opens them.
+    # removed first: evaluation never opens them. Two blocks per unit here, one in the checkpoint: the
+    # weights are matched by name.
     (ckpt,) = ckpts.iterdir()
     for moments in ckpt.glob("units/*.exp_avg*.bin"):
         moments.unlink()
     traffic = EvalTraffic()
     fresh = model.module()
     refuse_optimizers(fresh)
-    trainer = L.Trainer(strategy=snake_strategy_for(tmp_path, "ckpt"), precision="64-true", callbacks=[traffic],
+    trainer = L.Trainer(strategy=snake_strategy_for(tmp_path, "ckpt", blocks_per_unit=2), precision="64-true",
+                        callbacks=[traffic],
                         **trainer_kwargs(limit_val_batches=None))
     from_ckpt = evaluate(trainer, fresh, model.eval_loader(), ckpt_path=str(ckpt))
     assert_read_only(traffic)
