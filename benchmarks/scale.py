@@ -25,7 +25,8 @@ RESULTS = HERE / "results"
 
 
 def run_scale(preset_name: str, steps: int, context_len: int, micro_batch_size: int, num_micro: int,
-              host_budget_bytes: int, ssd_root: str | None, lr: float, alpha: float = 0.0) -> dict:
+              host_budget_bytes: int, ssd_root: str | None, lr: float, alpha: float = 0.0,
+              slow_optimizer_ms: float = 0.0) -> dict:
     import lightning as L
     import torch
     from torch.utils.data import DataLoader, Subset
@@ -45,12 +46,19 @@ def run_scale(preset_name: str, steps: int, context_len: int, micro_batch_size: 
         ssd_dir=ssd_dir, weights={"ssd": 1.0}, optimizer={"ssd": 1.0}, gradients={"host": 1.0},
         checkpoints={"ssd": 1.0}, checkpoint_host_ends=0, host_budget_bytes=host_budget_bytes)
     schedule = snake_strategy.ScheduleConfig(kind="vertical", num_micro_batches=num_micro, alpha=alpha)
-    strategy = snake_strategy.GreedySnakeStrategy(storage=storage, schedule=schedule, hardware="probe")
+    # --slow-optimizer-ms: a delay before every optimizer chunk (the public test hook), to show that the
+    # host bound holds when the optimizer falls far behind the backward.
+    hooks = snake_strategy.EngineHooks(
+        before_optimizer_chunk=(lambda unit: time.sleep(slow_optimizer_ms / 1e3)) if slow_optimizer_ms else None)
+    strategy = snake_strategy.GreedySnakeStrategy(storage=storage, schedule=schedule, hardware="probe", hooks=hooks,
+                                                  progress=True)  # setup and long steps say where they are
     marks: dict[str, float] = {}
     steps_s: list[float] = []
     losses: list[float] = []
     traffic: list[dict] = []
     plan: dict = {}
+    backpressure_s: list[float] = []
+    train_peak: list[int] = []
 
     class Probe(L.Callback):
         def on_fit_start(self, trainer, pl_module):
@@ -67,10 +75,15 @@ def run_scale(preset_name: str, steps: int, context_len: int, micro_batch_size: 
             for k, v in stats.get("optimizer_traffic", {}).items():
                 merged[k] = merged.get(k, 0) + v
             traffic.append(merged)
+            backpressure_s.append(float(stats.get("backpressure_wait_s", 0.0)))
             if not plan:
                 plan.update(trainer.strategy.engine.host_bytes_plan(trainer.strategy.engine.checkpoint_bytes))
             print(f"step {len(steps_s)}: loss {losses[-1]:.4f}, {steps_s[-1]:.1f} s, "
                   f"peak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB", flush=True)
+
+        def on_train_end(self, trainer, pl_module):
+            trainer.strategy.engine.flush()
+            train_peak.append(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
 
     windows = ByteWindows(load_corpus("stdlib"), context_len)
     batch = micro_batch_size * num_micro
@@ -91,12 +104,15 @@ def run_scale(preset_name: str, steps: int, context_len: int, micro_batch_size: 
     return dict(
         preset=preset_name, params=params, state_bytes=params * 16, context_len=context_len,
         micro_batch_size=micro_batch_size, num_micro=num_micro, host_budget_bytes=host_budget_bytes,
-        host_plan_bytes=plan, peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        host_plan_bytes=plan, host_plan_total_bytes=sum(plan.values()),
+        peak_rss_bytes=train_peak[0] if train_peak else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        peak_rss_after_teardown_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        backpressure_wait_s=backpressure_s, slow_optimizer_ms=slow_optimizer_ms,
         s_per_step=statistics.median(steps_s[1:] or steps_s), step_s=steps_s, losses=losses,
         setup_s=marks.get("setup_done", start) - start, total_s=total_s,
         ssd_write_bytes_per_step=int(statistics.median(writes)), ssd_read_bytes_per_step=int(statistics.median(reads)),
         ssd_write_bytes_total_steps=int(sum(writes)), prediction=strategy.prediction.as_dict(),
-        hardware=strategy.hardware.__dict__,
+        hardware=strategy.hardware_profile.__dict__,
     )
 
 
@@ -153,16 +169,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ssd-root", default=None)
     p.add_argument("--deepspeed", default="", help="comma-separated presets to try with ZeRO-Infinity")
     p.add_argument("--deepspeed-timeout-s", type=int, default=1800)
+    p.add_argument("--slow-optimizer-ms", type=float, default=0.0,
+                   help="sleep this long before every optimizer chunk (shows the host bound under a slow optimizer)")
     p.add_argument("--out", default=str(RESULTS / "scale.json"))
     args = p.parse_args(argv)
     report = run_scale(args.preset, args.steps, args.context_len, args.micro_batch_size, args.num_micro,
-                       int(args.host_budget_gib * 2**30), args.ssd_root, args.lr)
+                       int(args.host_budget_gib * 2**30), args.ssd_root, args.lr,
+                       slow_optimizer_ms=args.slow_optimizer_ms)
     if args.deepspeed:
         report["zero_infinity"] = [try_deepspeed(name, args) for name in args.deepspeed.split(",")]
     RESULTS.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=1))
     _plot(report, Path(args.out).with_suffix(".png"))
-    print(json.dumps({k: report[k] for k in ("params", "peak_rss_bytes", "s_per_step", "losses",
+    print(json.dumps({k: report[k] for k in ("params", "host_budget_bytes", "host_plan_total_bytes", "peak_rss_bytes",
+                                             "s_per_step", "losses", "backpressure_wait_s",
                                              "ssd_write_bytes_per_step")}, indent=1))
     return 0
 

@@ -30,11 +30,11 @@ import shutil
 import sys
 import zlib
 from pathlib import Path
-from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
+from snake_strategy.progress import Progress, or_quiet
 from snake_strategy.storage.io_engine import pid_alive
 
 if TYPE_CHECKING:
@@ -45,7 +45,8 @@ STATES = ("master", "exp_avg", "exp_avg_sq")
 _DTYPES = {str(d): d for d in (torch.float32, torch.float64, torch.bfloat16, torch.float16)}
 
 
-def save(engine: SnakeEngine, checkpoint: dict[str, Any], path: str | os.PathLike) -> None:
+def save(engine: SnakeEngine, checkpoint: dict[str, Any], path: str | os.PathLike,
+         progress: Progress | None = None) -> None:
     final = Path(path)
     _recover(final, clean=True)
     tmp = _sibling(final, "tmp")
@@ -53,6 +54,9 @@ def save(engine: SnakeEngine, checkpoint: dict[str, Any], path: str | os.PathLik
     (tmp / "units").mkdir(parents=True)
     try:
         engine.flush()  # pending deferred updates belong to the saved state
+        unit_bytes = sum(engine.unit_numel(u) for u in range(engine.num_units)) * engine.dtypes.bytes_per("master")
+        tracker = or_quiet(progress).phase("checkpoint_save", len(STATES) * engine.num_units + 2, what="files",
+                                           total_bytes=len(STATES) * unit_bytes)
         files = {}
         units = []
         for u in range(engine.num_units):
@@ -60,17 +64,21 @@ def save(engine: SnakeEngine, checkpoint: dict[str, Any], path: str | os.PathLik
             for state in STATES:
                 name = f"units/unit{u:05d}.{state}.bin"
                 files[name] = _write_raw(tmp / name, values[state])
+                tracker.advance(1, files[name]["bytes"])
             del values  # one unit in memory at a time
             units.append({"numel": engine.unit_numel(u), "slots": [list(slot) for slot in engine.unit_slots(u)]})
         torch.save(engine.nonlayer_state(), tmp / "nonlayer.pt")
         files["nonlayer.pt"] = _describe(tmp / "nonlayer.pt")
+        tracker.advance(1, files["nonlayer.pt"]["bytes"])
         torch.save(checkpoint, tmp / "meta.pt")
         files["meta.pt"] = _describe(tmp / "meta.pt")
+        tracker.advance(1, files["meta.pt"]["bytes"])
         manifest = {"format": FORMAT, "step_count": engine.step_count, "master_dtype": str(engine.dtypes.master),
                     "blocks_per_unit": engine.schedule.blocks_per_unit, "units": units, "files": files}
         (tmp / "manifest.json").write_text(json.dumps(manifest))
         _fsync_dir(tmp)
         _replace(tmp, final)
+        tracker.finish()
     except BaseException:
         # Before the replacement ``tmp`` holds the unfinished new checkpoint, after an exchange the old one:
         # garbage either way. The checkpoint under ``final`` (or set aside, see _replace) is untouched.
@@ -211,12 +219,13 @@ def wrong_strategy_error(path: str | os.PathLike) -> ValueError:
                       "strategy='greedysnake'")
 
 
-def read_manifest(path: str | os.PathLike) -> dict:
+def read_manifest(path: str | os.PathLike, progress: Progress | None = None) -> dict:
     """The verified manifest of the checkpoint at ``path`` (every file's size and CRC-32 checked)."""
-    return _read_manifest(locate(path))
+    return _read_manifest(locate(path), progress)
 
 
-def _read_manifest(root: Path, verify: Callable[[str], bool] | None = None) -> dict:
+def _read_manifest(root: Path, progress: Progress | None = None,
+                   verify: Callable[[str], bool] | None = None) -> dict:
     """The manifest, after checking the size and CRC-32 of every file (of those ``verify`` accepts)."""
     manifest_path = root / "manifest.json"
     if not manifest_path.exists():
@@ -232,122 +241,43 @@ def _read_manifest(root: Path, verify: Callable[[str], bool] | None = None) -> d
     missing = [k for k in ("step_count", "master_dtype", "blocks_per_unit", "units", "files") if k not in manifest]
     if missing:
         raise ValueError(f"{manifest_path} is corrupt: it lacks {missing}")
-    for name, info in manifest["files"].items():
-        if verify is None or verify(name):
-            _verify(root / name, info)
+    files = {name: info for name, info in manifest["files"].items() if verify is None or verify(name)}
+    tracker = or_quiet(progress).phase("checkpoint_verify", len(files), what="files",
+                                       total_bytes=sum(info["bytes"] for info in files.values()))
+    for name, info in files.items():
+        _verify(root / name, info)
+        tracker.advance(1, info["bytes"])
+    tracker.finish()
     return manifest
 
 
-def load(engine: SnakeEngine, path: str | os.PathLike) -> dict[str, Any]:
+def load(engine: SnakeEngine, path: str | os.PathLike, progress: Progress | None = None) -> dict[str, Any]:
     """Stream a checkpoint into the engine's tiers; returns Lightning's checkpoint dict."""
     _recover(Path(path), clean=True)  # a resuming run owns the name: adopt, and drop dead runs' leftovers
     root = locate(path)
-    manifest = _read_manifest(root)
+    manifest = _read_manifest(root, progress)
     if len(manifest["units"]) != engine.num_units or manifest["blocks_per_unit"] != engine.schedule.blocks_per_unit:
         raise ValueError(f"{root} holds {len(manifest['units'])} units of {manifest['blocks_per_unit']} blocks; this "
                          f"run has {engine.num_units} of {engine.schedule.blocks_per_unit} (schedule.blocks_per_unit)")
     dtype = _DTYPES[manifest["master_dtype"]]
     engine.flush()
+    tracker = or_quiet(progress).phase("checkpoint_load", engine.num_units, total_bytes=len(STATES) * dtype.itemsize
+                                       * sum(unit["numel"] for unit in manifest["units"]))
     for u in range(engine.num_units):
         numel = engine.unit_numel(u)
         if manifest["units"][u]["numel"] != numel:
             raise ValueError(f"{root}: unit {u} has {manifest['units'][u]['numel']} parameters, the model {numel}")
         engine.load_unit_state(u, {state: _read_raw(root / f"units/unit{u:05d}.{state}.bin", numel, dtype)
                                    for state in STATES})
+        tracker.advance(1, len(STATES) * numel * dtype.itemsize)
     engine.load_nonlayer_state(torch.load(root / "nonlayer.pt", map_location="cpu", weights_only=True))
     engine.step_count = manifest["step_count"]
+    tracker.finish()
     return torch.load(root / "meta.pt", map_location="cpu", weights_only=False)
 
 
-class CheckpointWeights:
-    """The master weights of a checkpoint directory, read one unit at a time: what evaluation
-    (``trainer.validate(ckpt_path=dir)``) and the HF export need. The Adam moment files are never opened
-    (nor verified); the files that are read are verified first (size and CRC-32).
-
-    Also a pretrained source for the engine's materialization (``unit_flat``, ``tensor``, ``close``):
-    parameters are matched by name, so the reader's unit layout need not be the checkpoint's.
-    """
-
-    def __init__(self, path: str | os.PathLike) -> None:
-        self.root = locate(path)
-        self.manifest = _read_manifest(self.root, verify=lambda name: not name.endswith((".exp_avg.bin", ".exp_avg_sq.bin")))
-        self.dtype = _DTYPES[self.manifest["master_dtype"]]
-        self._where = {name: (u, shape, offset, numel) for u, unit in enumerate(self.manifest["units"])
-                       for name, shape, offset, numel in unit["slots"]}
-        # mmap: the non-layer moments in the same file are not read into memory.
-        nonlayer = torch.load(self.root / "nonlayer.pt", map_location="cpu", mmap=True, weights_only=True)
-        self._nonlayer = dict(zip(nonlayer["names"], nonlayer["master"]))
-        self._cached: tuple[int, torch.Tensor] | None = None  # the last unit read (units are read in order)
-
-    def meta(self) -> dict[str, Any]:
-        """Lightning's checkpoint dict (loops, callbacks, hparams; non-layer ``state_dict`` entries)."""
-        return torch.load(self.root / "meta.pt", map_location="cpu", weights_only=False)
-
-    def _unit(self, u: int) -> torch.Tensor:
-        if self._cached is None or self._cached[0] != u:
-            self._cached = None  # drop the previous unit before the next arrives: one unit in memory
-            self._cached = (u, _read_raw(self.root / f"units/unit{u:05d}.master.bin",
-                                         self.manifest["units"][u]["numel"], self.dtype))
-        return self._cached[1]
-
-    def tensor(self, name: str, shape: Any = None) -> torch.Tensor:
-        """Parameter ``name`` (a view into the cached unit, or a non-layer tensor)."""
-        if name in self._nonlayer:
-            value = self._nonlayer[name]
-        elif name in self._where:
-            u, saved_shape, offset, numel = self._where[name]
-            value = self._unit(u)[offset:offset + numel].view(saved_shape)
-        else:
-            raise ValueError(f"checkpoint {self.root} has no parameter '{name}' (it has e.g. "
-                             f"{sorted(self._nonlayer)[:3] + sorted(self._where)[:3]}); it was saved from another model")
-        if shape is not None and tuple(value.shape) != tuple(shape):
-            raise ValueError(f"checkpoint {self.root}: '{name}' has shape {tuple(value.shape)}, the model expects "
-                             f"{tuple(shape)}")
-        return value
-
-    def unit_flat(self, layout: Any, first_block: int, prefix: str, dtype: torch.dtype) -> torch.Tensor:
-        flat = torch.empty(layout.numel, dtype=dtype)
-        for s in layout.slots:
-            flat[s.offset:s.offset + s.numel].copy_(self.tensor(f"{prefix}.{first_block + s.block}.{s.name}",
-                                                                s.shape).reshape(-1))
-        return flat
-
-    def named_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """Every parameter by name: the non-layer ones, then unit by unit (one unit in memory)."""
-        yield from self._nonlayer.items()
-        for u, unit in enumerate(self.manifest["units"]):
-            for name, _, _, _ in unit["slots"]:
-                yield name, self.tensor(name)
-
-    def close(self) -> None:
-        self._cached = None
-        self._nonlayer = {}
-
-
-def export_hf_checkpoint(path: str | os.PathLike, out_dir: str | os.PathLike, config: Any = None,
-                         dtype: torch.dtype | None = None) -> list[str]:
-    """Write a HF model directory from a checkpoint directory of an ``HFCausalLM``, streamed unit by unit.
-
-    ``config``: a HF model directory, a ``config.json`` path, a dict or a ``PretrainedConfig``; by default
-    the one the module saved in its hyper-parameters. ``dtype``: of the files (default: the master dtype).
-    """
-    from snake_strategy.hf import export_hf  # the optional [hf] extra
-
-    weights = CheckpointWeights(path)
-    try:
-        if config is None:
-            config = weights.meta().get("hyper_parameters", {}).get("config")
-            if not isinstance(config, dict) or "model_type" not in config:
-                raise ValueError(f"{weights.root} holds no HF config in its hyper-parameters (not an HFCausalLM "
-                                 "checkpoint?); pass the model's config: --config HF_DIR_OR_CONFIG_JSON")
-        elif isinstance(config, (str, os.PathLike)) and os.path.isfile(config):
-            config = json.loads(Path(config).read_text())
-        return export_hf(weights.named_tensors(), out_dir, config=config, dtype=dtype or weights.dtype)
-    finally:
-        weights.close()
-
-
-def consolidate(path: str | os.PathLike, out_path: str | os.PathLike) -> dict[str, Any]:
+def consolidate(path: str | os.PathLike, out_path: str | os.PathLike,
+                progress: Progress | None = None) -> dict[str, Any]:
     """Write one ordinary Lightning checkpoint file with every parameter (master values).
 
     ``LightningModule.load_from_checkpoint(out_path)`` and ``torch.load(out_path)`` read it.
@@ -358,24 +288,34 @@ def consolidate(path: str | os.PathLike, out_path: str | os.PathLike) -> dict[st
         raise ValueError(f"the output {out} is a directory; name the file to write, e.g. {out / 'model.ckpt'}")
     if not out.parent.is_dir():
         raise ValueError(f"the output directory {out.parent} does not exist; create it or write elsewhere")
-    checkpoint = load_consolidated(path)
-    torch.save(checkpoint, out)
+    progress = or_quiet(progress)
+    checkpoint = load_consolidated(path, progress)
+    # One torch.save of the whole model: no progress inside it, but its size and rate when it ends.
+    tensor_bytes = sum(v.numel() * v.element_size() for v in checkpoint["state_dict"].values()
+                       if isinstance(v, torch.Tensor))
+    with progress.phase("consolidate_write", 1, what="files", total_bytes=tensor_bytes) as tracker:
+        torch.save(checkpoint, out)
+        tracker.advance(1, out.stat().st_size)
     return checkpoint
 
 
-def load_consolidated(path: str | os.PathLike) -> dict[str, Any]:
+def load_consolidated(path: str | os.PathLike, progress: Progress | None = None) -> dict[str, Any]:
     """The checkpoint at ``path`` as the dict of one ordinary Lightning checkpoint file (every parameter
     in ``state_dict``, no optimizer state), in memory: what ``consolidate`` writes, and what
     ``load_from_checkpoint`` can read from a buffer without a file on disk."""
     root = locate(path)
-    manifest = _read_manifest(root)
+    manifest = _read_manifest(root, progress)
     checkpoint = torch.load(root / "meta.pt", map_location="cpu", weights_only=False)
     dtype = _DTYPES[manifest["master_dtype"]]
     state = dict(checkpoint.get("state_dict", {}))
+    tracker = or_quiet(progress).phase("consolidate", len(manifest["units"]),
+                                       total_bytes=dtype.itemsize * sum(unit["numel"] for unit in manifest["units"]))
     for u, unit in enumerate(manifest["units"]):
         flat = _read_raw(root / f"units/unit{u:05d}.master.bin", unit["numel"], dtype)
         for name, shape, offset, numel in unit["slots"]:
             state[name] = flat[offset:offset + numel].view(shape).clone()
+        tracker.advance(1, flat.numel() * flat.element_size())
+    tracker.finish()
     checkpoint["state_dict"] = state
     checkpoint.pop("optimizer_states", None)
     return checkpoint
@@ -465,16 +405,23 @@ def main(argv: list[str] | None = None) -> int:
                         help="hf only: a HF model directory or config.json (default: the config saved with the module)")
     parser.add_argument("--dtype", choices=("float32", "float64", "bfloat16", "float16"), default=None,
                         help="hf only: dtype of the safetensors files (default: the checkpoint's master dtype)")
+    parser.add_argument("--quiet", action="store_true", help="no progress lines (on stderr)")
+    parser.add_argument("--progress-every-s", type=float, default=5.0, metavar="SECONDS",
+                        help="at most one progress line per phase every this many seconds (default 5)")
     args = parser.parse_args(argv)
     if args.format == "ckpt" and (args.config or args.dtype):
         parser.error("--config and --dtype apply to --format hf only")
     try:
+        progress = Progress(log=not args.quiet, every_s=args.progress_every_s)
         if args.format == "hf":
+            from snake_strategy.checkpoint_weights import export_hf_checkpoint
+
             dtype = getattr(torch, args.dtype) if args.dtype else None
-            files = export_hf_checkpoint(args.checkpoint_dir, args.output, config=args.config, dtype=dtype)
+            files = export_hf_checkpoint(args.checkpoint_dir, args.output, config=args.config, dtype=dtype,
+                                         progress=progress)
             print(f"wrote {args.output}: config.json + {len(files)} safetensors file(s)")
             return 0
-        checkpoint = consolidate(args.checkpoint_dir, args.output)
+        checkpoint = consolidate(args.checkpoint_dir, args.output, progress)
     except (ValueError, OSError, ImportError) as err:
         # A user's mistake, a damaged checkpoint or a missing [hf] extra: one line that names it, as
         # argparse does for bad usage.

@@ -1,11 +1,16 @@
 """``LayeredModule``: the base class of models the greedysnake strategy trains (contract in contract.py)."""
 from __future__ import annotations
 
+import io
+import os
 from typing import Any
 
 import lightning.pytorch as pl
+import torch
+from lightning.fabric.plugins import CheckpointIO
 from torch import Tensor, nn
 
+from snake_strategy import checkpoint as snake_checkpoint
 from snake_strategy.contract import check_block_output, unpack_pre_stage
 
 
@@ -38,6 +43,26 @@ class LayeredModule(pl.LightningModule):
         if callable(reset):
             reset()
 
+    @classmethod
+    def load_from_checkpoint(cls, checkpoint_path: Any, *args: Any, **kwargs: Any) -> Any:
+        """Lightning's ``load_from_checkpoint``, which also reads a greedysnake checkpoint directory
+        (consolidated in memory on the fly: the whole model is held about twice while loading)."""
+        if isinstance(checkpoint_path, (str, os.PathLike)) and snake_checkpoint.is_checkpoint_dir(checkpoint_path):
+            buffer = io.BytesIO()
+            torch.save(snake_checkpoint.load_consolidated(checkpoint_path), buffer)
+            buffer.seek(0)
+            checkpoint_path = buffer
+            kwargs.setdefault("weights_only", False)
+        return super().load_from_checkpoint(checkpoint_path, *args, **kwargs)
+
+    def setup(self, stage: str) -> None:
+        # A plain strategy cannot read a greedysnake checkpoint directory (IsADirectoryError deep inside
+        # fsspec): make its checkpoint IO say what the directory is and how to use it.
+        strategy = self._trainer.strategy if self._trainer is not None else None
+        if strategy is not None and not hasattr(strategy, "streamed_forward") and \
+                not isinstance(strategy.checkpoint_io, _SnakeDirAwareIO):
+            strategy.checkpoint_io = _SnakeDirAwareIO(strategy.checkpoint_io)
+
     def forward(self, batch: Any) -> Tensor:
         strategy = self._trainer.strategy if self._trainer is not None else None
         streamed = getattr(strategy, "streamed_forward", None)
@@ -67,3 +92,24 @@ class LayeredModule(pl.LightningModule):
 
     def predict_step(self, batch: Any, batch_idx: int) -> Tensor:
         return self(batch)
+
+
+class _SnakeDirAwareIO(CheckpointIO):
+    """Delegates to a plain strategy's checkpoint IO; refuses greedysnake directories with the fix."""
+
+    def __init__(self, inner: CheckpointIO) -> None:
+        self.inner = inner
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any = None) -> None:
+        self.inner.save_checkpoint(checkpoint, path, storage_options)
+
+    def load_checkpoint(self, path: Any, map_location: Any = None, weights_only: bool | None = None) -> dict[str, Any]:
+        if isinstance(path, (str, os.PathLike)) and snake_checkpoint.is_checkpoint_dir(path):
+            raise snake_checkpoint.wrong_strategy_error(path)
+        return self.inner.load_checkpoint(path, map_location=map_location, weights_only=weights_only)
+
+    def remove_checkpoint(self, path: Any) -> None:
+        self.inner.remove_checkpoint(path)
+
+    def teardown(self) -> None:
+        self.inner.teardown()

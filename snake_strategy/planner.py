@@ -7,7 +7,9 @@ Traffic per optimizer step (docs/design.md, "Traffic model"; P = block params, L
     optimizer      read and write master + 2 moments once per step     (3 x P x e_m each way)
     gradients      vertical: the forward part (alpha x P x e_m) written and read back once;
                    horizontal: also a partial sum written per micro-batch and read back (M-1 times)
-    checkpoints    each SSD-resident (unit, micro) input written once and read once
+    checkpoints    each SSD-resident (unit, micro) input written once, read twice (forward and
+                   recompute; the last unit's once)
+    Every SSD transfer is page-rounded per unit, as the engine's are.
 
 Roofline, per resource: the step cannot be faster than the busiest resource's total work.
 - ``compute``: block FLOPs (forward, recompute, backward = 4 x forward per unit except the last,
@@ -21,7 +23,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from snake_strategy.config import StorageConfig, TierSplit
-from snake_strategy.memory import MemoryInputs, checkpoint_tiers, host_plan
+from snake_strategy.memory import MemoryInputs, checkpoint_tiers, forward_split, host_plan
+from snake_strategy.storage.tiered import tier_bytes
 
 
 @dataclass(frozen=True)
@@ -78,29 +81,39 @@ def step_flops(shape: ModelShape) -> float:
 
 
 def predict(shape: ModelShape, hw: HardwareProfile, storage: StorageConfig, kind: str, alpha: float) -> StepPrediction:
-    """Predicted floor of one step's time for this placement and schedule."""
-    P = shape.params_per_unit * shape.num_units
+    """Predicted floor of one step's time for this placement and schedule.
+
+    The bytes are exact: the same tier boundaries and page rounding as the engine's transfers
+    (``storage.tiered.tier_bytes``), so they equal the engine's counters for a steady-state step.
+    """
+    u, L, M = shape.params_per_unit, shape.num_units, shape.num_micro
     e_w, e_m = shape.weight_bytes, shape.master_bytes
-    fetches = weight_fetches_per_step(kind, shape.num_units, shape.num_micro)
-    read = write = 0.0
-    read += fetches * shape.params_per_unit * e_w * storage.weights.ssd
     separate_master = e_w != e_m
-    master_split = storage.master if separate_master else storage.weights
-    read += P * e_m * master_split.ssd + 2 * P * e_m * storage.optimizer.ssd
-    write += P * e_m * master_split.ssd + 2 * P * e_m * storage.optimizer.ssd
-    if separate_master:
-        write += P * e_w * storage.weights.ssd  # the refreshed compute copy
-    grad_trips = alpha + (shape.num_micro - 1 if kind == "horizontal" else 0)
-    read += grad_trips * P * e_m * storage.gradients.ssd
-    write += grad_trips * P * e_m * storage.gradients.ssd
-    ckpt_ssd = checkpoint_tiers(storage, shape.num_micro).count("ssd")
-    read += ckpt_ssd * shape.num_units * shape.checkpoint_bytes
-    write += ckpt_ssd * shape.num_units * shape.checkpoint_bytes
+    fetches = weight_fetches_per_step(kind, L, M)
+    weights = tier_bytes(u, storage.weights, e_w)
+    master = tier_bytes(u, storage.master if separate_master else storage.weights, e_m)
+    moments = tier_bytes(u, storage.optimizer, e_m)
+    grad_part = tier_bytes(u, storage.gradients, e_m, 0, forward_split(u, alpha))  # parked forward part
+    grad_full = tier_bytes(u, storage.gradients, e_m)  # a horizontal partial sum
+    # The optimizer reads and writes the master and both moments once; bf16-true refreshes the compute copy.
+    optimizer_ssd = L * (master["ssd"] + 2 * moments["ssd"])
+    read = fetches * weights["ssd"] + optimizer_ssd
+    write = optimizer_ssd + (L * weights["ssd"] if separate_master else 0)
+    partials = M - 1 if kind == "horizontal" else 0
+    read += L * (grad_part["ssd"] + partials * grad_full["ssd"])
+    write += L * (grad_part["ssd"] + partials * grad_full["ssd"])
+    if L > 1:
+        # Each SSD checkpoint (a unit's input) is written once and read by the unit's forward and by its
+        # recompute; the last unit's input only once (its backward is fused with its forward).
+        ckpt_ssd = checkpoint_tiers(storage, M).count("ssd") * shape.checkpoint_bytes
+        write += L * ckpt_ssd
+        read += (2 * L - 1) * ckpt_ssd
     ssd_s = read / (hw.ssd_read_gb_per_s * 1e9) + write / (hw.ssd_write_gb_per_s * 1e9)
-    host_bytes = fetches * shape.params_per_unit * e_w * storage.weights.host + 6 * P * e_m * storage.optimizer.host
+    host_bytes = (fetches * weights["host"] + 2 * L * master["host"] + 4 * L * moments["host"]
+                  + (L * weights["host"] if separate_master else 0))
     host_copy_s = host_bytes / (hw.host_copy_gb_per_s * 1e9)
     compute_s = step_flops(shape) / hw.flops_per_s
-    optimizer_s = (P + shape.nonlayer_params) / hw.optimizer_params_per_s
+    optimizer_s = (u * L + shape.nonlayer_params) / hw.optimizer_params_per_s
     bounds = {"compute": compute_s, "ssd": ssd_s, "host_copy": host_copy_s, "optimizer": optimizer_s}
     if hw.device_is_cpu:
         bounds["cpu"] = compute_s + optimizer_s

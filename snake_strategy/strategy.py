@@ -23,6 +23,7 @@ from torch import Tensor
 from typing_extensions import override
 
 from snake_strategy import checkpoint as snake_checkpoint
+from snake_strategy.checkpoint_weights import CheckpointWeights
 from snake_strategy.config import ScheduleConfig, StorageConfig, coerce_config
 from snake_strategy.contract import check_contract
 from snake_strategy.engine import EngineHooks, SnakeEngine
@@ -30,6 +31,7 @@ from snake_strategy.engine.evaluation import EvalEngine, traffic_delta
 from snake_strategy.module import LayeredModule
 from snake_strategy.planner import HardwareProfile, StepPrediction, predict
 from snake_strategy.precision import GreedySnakePrecision
+from snake_strategy.progress import Progress
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +47,9 @@ class GreedySnakeStrategy(Strategy):
         pretrained: a state-dict or Lightning checkpoint file to stream in one unit at a time instead of
             initialising the weights.
         hooks: test hooks that slow parts of the engine down (``EngineHooks``); None in normal use.
+        progress: progress of setup, checkpoints, export and long steps: a ``Progress`` (add listeners
+            there), or True/False to force log lines on/off; None (and a ``Progress(log=None)``) writes
+            lines exactly when the Trainer's progress bar is enabled.
     """
 
     strategy_name = "greedysnake"
@@ -58,6 +63,7 @@ class GreedySnakeStrategy(Strategy):
         accelerator: pl.accelerators.Accelerator | None = None,
         precision_plugin: Precision | None = None,
         hooks: EngineHooks | None = None,
+        progress: Progress | bool | None = None,
     ) -> None:
         self.storage = coerce_config(StorageConfig, storage, "storage")
         self.schedule = coerce_config(ScheduleConfig, schedule, "schedule")
@@ -73,8 +79,9 @@ class GreedySnakeStrategy(Strategy):
         self.hooks = hooks
         self.eval_traffic: dict[str, int] = {}  # bytes moved by the last validate/test/predict loop, per tier/state/direction
         self._eval_start: dict | None = None
-        self._eval_checkpoint: snake_checkpoint.CheckpointWeights | None = None  # ckpt_path of an eval stage
+        self._eval_checkpoint: CheckpointWeights | None = None  # ckpt_path of an eval stage
         self._gave_back_weights = False  # the module holds the weights a run of this strategy gave back
+        self.progress = progress if isinstance(progress, Progress) else Progress(log=progress)
         self.parallel_devices: list[torch.device] | None = None  # filled by Lightning's connector
         self.global_rank, self.local_rank, self.world_size = 0, 0, 1
         super().__init__(accelerator=accelerator, precision_plugin=precision_plugin)
@@ -156,6 +163,7 @@ class GreedySnakeStrategy(Strategy):
                 raise ValueError(f"Trainer(gradient_clip_algorithm='{algorithm}') is not supported by "
                                  "strategy='greedysnake'; use 'norm' or 'value'")
             clip = (algorithm, float(trainer.gradient_clip_val))
+        self.progress.follow_progress_bar(trainer.progress_bar_callback is not None)
         self.accelerator.setup(trainer)
         self.setup_optimizers(trainer)
         if len(self.optimizers) != 1:
@@ -166,7 +174,7 @@ class GreedySnakeStrategy(Strategy):
         self.engine = SnakeEngine(module, self.optimizers[0], self.storage, self.schedule,
                                   self.precision_plugin.dtypes, self.root_device, clip=clip,
                                   pretrained=pretrained, scaler=self.precision_plugin.make_scaler(),
-                                  hooks=self.hooks)
+                                  hooks=self.hooks, progress=self.progress)
         if self.storage.checkpoints.ssd > 0 and self.schedule.num_micro_batches <= 2 * self.storage.checkpoint_host_ends:
             log.warning(
                 "storage.checkpoints puts %.0f%% on the SSD, but with schedule.num_micro_batches=%d and "
@@ -189,10 +197,11 @@ class GreedySnakeStrategy(Strategy):
                              "not fit storage.host_budget_bytes and were not given back to the module. Pass "
                              "ckpt_path=<a greedysnake checkpoint directory saved during fit>")
         _remove_weight_guard(module)
+        self.progress.follow_progress_bar(trainer.progress_bar_callback is not None)
         self.accelerator.setup(trainer)
         source = checkpoint if checkpoint is not None else (None if self._gave_back_weights else self.pretrained)
         self.engine = EvalEngine(module, self.storage, self.schedule, self.precision_plugin.dtypes, self.root_device,
-                                 source=source, hooks=self.hooks)
+                                 source=source, hooks=self.hooks, progress=self.progress)
         module._device = self.root_device  # as in setup(): the blocks must not move
         self.setup_precision_plugin()
 
@@ -295,6 +304,7 @@ class GreedySnakeStrategy(Strategy):
         loss = self.engine.train_step(batch)
         if self.prediction is None:
             self.prediction = self._predict(batch)
+            self.progress.predictions["step"] = self.prediction.roofline_s  # the ETA of long steps
         self.lightning_module.log("train_loss", loss, prog_bar=True)
         return loss
 
@@ -318,7 +328,7 @@ class GreedySnakeStrategy(Strategy):
                 hardware, flops_per_s=matmul_flops_per_s(shape.tokens_per_micro, in_dim, out_dim, self.root_device))
         self.hardware_profile = hardware
         self.model_shape = shape
-        prediction = predict(shape, hardware, self.storage, self.schedule.kind, self.schedule.alpha)
+        prediction = predict(shape, hardware, self.storage, self.schedule.kind, self.engine.alpha)
         log.info("planner: predicted floor %.3f s/step (%s-bound; compute %.3f s, ssd %.3f s, optimizer %.3f s)",
                  prediction.roofline_s, prediction.bound, prediction.compute_s, prediction.ssd_s, prediction.optimizer_s)
         return prediction
@@ -371,7 +381,7 @@ class GreedySnakeStrategy(Strategy):
                         "with the run); to resume training exactly, checkpoint during fit (ModelCheckpoint)", filepath)
             self.checkpoint_io.save_checkpoint(checkpoint, filepath)
             return
-        snake_checkpoint.save(self.engine, checkpoint, filepath)
+        snake_checkpoint.save(self.engine, checkpoint, filepath, self.progress)
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
@@ -383,9 +393,9 @@ class GreedySnakeStrategy(Strategy):
         if self._evaluating:
             # Evaluation restores before setup (restore_checkpoint_after_setup): the engine is then built
             # straight from the checkpoint's master weights, with no init and nothing written twice.
-            self._eval_checkpoint = snake_checkpoint.CheckpointWeights(checkpoint_path)
+            self._eval_checkpoint = CheckpointWeights(checkpoint_path)
             return self._eval_checkpoint.meta()
-        checkpoint = snake_checkpoint.load(self.engine, checkpoint_path)
+        checkpoint = snake_checkpoint.load(self.engine, checkpoint_path, self.progress)
         # Lightning restores the LR schedulers, but the current lr lives in the optimizer's param_groups.
         for optimizer, saved in zip(self.optimizers, checkpoint.get("optimizer_states", [])):
             for group, saved_group in zip(optimizer.param_groups, saved.get("param_groups", [])):

@@ -136,9 +136,11 @@ class StepReport(pl.Callback):
             "perf/io_wait_s": float(stats.get("io_wait_s", 0.0)),
             "perf/optimizer_wait_s": float(stats.get("optimizer_wait_s", 0.0)),
             "perf/optimizer_busy_s": float(stats.get("optimizer_busy_s", 0.0)),
+            # producers that waited for a free pooled buffer (memory held to the budget, at this cost)
+            "perf/backpressure_wait_s": float(stats.get("backpressure_wait_s", 0.0)),
         }
         prediction = getattr(trainer.strategy, "prediction", None)
-        hardware = getattr(trainer.strategy, "hardware", None)
+        hardware = getattr(trainer.strategy, "hardware_profile", None)
         if prediction is not None:
             self.predicted_s = prediction.roofline_s
             metrics["perf/predicted_floor_s"] = prediction.roofline_s

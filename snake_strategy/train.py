@@ -26,6 +26,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
+from snake_strategy.checkpoint import consolidate
 from snake_strategy.config import ScheduleConfig, StorageConfig
 from snake_strategy.gpt import GPTConfig
 from snake_strategy.strategy import GreedySnakeStrategy
@@ -97,16 +98,19 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         raise ValueError("configs storage/ and schedule/ must target snake_strategy.StorageConfig and "
                          f"snake_strategy.ScheduleConfig; got {type(storage).__name__}, {type(schedule).__name__}")
 
-    strategy = GreedySnakeStrategy(storage=storage, schedule=schedule)
+    strategy = GreedySnakeStrategy(storage=storage, schedule=schedule, progress=cfg.get("progress", True))
     kwargs = trainer_kwargs(cfg, out_dir)
     report_cb = StepReport(log_every_n_steps=int(kwargs.get("log_every_n_steps") or 10))
-    trainer = L.Trainer(strategy=strategy, callbacks=[report_cb], **kwargs)
+    save_cb = SaveFinal(out_dir) if cfg.get("save_final", True) else None
+    callbacks: list[L.Callback] = [report_cb] + ([save_cb] if save_cb is not None else [])
+    trainer = L.Trainer(strategy=strategy, callbacks=callbacks, **kwargs)
     trainer.fit(model, datamodule=datamodule, ckpt_path=cfg.ckpt_path)
 
     report = report_cb.summary()
     if report["val_loss"] is None and "val_loss" in trainer.callback_metrics:
         report["val_loss"] = float(trainer.callback_metrics["val_loss"])
     report["choices"] = _choices()
+    report["saved"] = save_cb.saved if save_cb is not None else {}
     report["output_dir"] = str(out_dir)
     # Any model: counted from the module (tied weights once; meta tensors have a size too).
     report["num_params"] = sum(p.numel() for p in model.parameters())
@@ -120,7 +124,30 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     if report["choices"]:
         print(" ".join(f"{k}={v}" for k, v in sorted(report["choices"].items())))
     print(report_cb.format_summary())
+    for kind, saved in report["saved"].items():
+        print(f"saved {kind}: {saved}")
     return report
+
+
+class SaveFinal(L.Callback):
+    """Saves the trained model when training ends, while the strategy still holds its state: a directory
+    checkpoint (resumable with ckpt_path=...) and, when the weights fit in host memory, a consolidated
+    file that LightningModule.load_from_checkpoint reads."""
+
+    def __init__(self, out_dir: Path) -> None:
+        self.out_dir = out_dir
+        self.saved: dict[str, str] = {}
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        final = self.out_dir / "final.ckpt"
+        trainer.save_checkpoint(final)
+        self.saved["checkpoint"] = str(final)
+        engine = trainer.strategy.engine
+        budget = trainer.strategy.storage.host_budget_bytes
+        if budget is None or engine.master_bytes() <= budget:
+            model_file = self.out_dir / "final_model.ckpt"
+            consolidate(final, model_file, trainer.strategy.progress)
+            self.saved["model"] = str(model_file)
 
 
 def _jsonable(value: Any) -> Any:

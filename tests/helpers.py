@@ -1,12 +1,41 @@
 """Shared test fixtures: a very small GPT, fixed data, and runners for the reference and greedysnake."""
 from __future__ import annotations
 
+from typing import Callable
+
 import lightning as L
 import torch
+import torch.nn.functional as F
+from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import snake_strategy
 from snake_strategy.gpt import GPTConfig, GPTModule
+
+class StackModule(snake_strategy.LayeredModule):
+    """The README's contract in its smallest form: embedding -> ``make_block(i)`` for each of ``depth``
+    blocks -> linear head, cross-entropy over (tokens, next tokens) batches, AdamW."""
+
+    def __init__(self, make_block: Callable[[int], nn.Module], width: int = 16, depth: int = 2, vocab: int = 64,
+                 lr: float = 1e-3) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, width)
+        self.blocks = nn.ModuleList(make_block(i) for i in range(depth))
+        self.head = nn.Linear(width, vocab)
+        self.lr = lr
+
+    def pre_stage(self, batch):
+        return self.embed(batch[0])
+
+    def post_stage(self, hidden):
+        return self.head(hidden)
+
+    def compute_loss(self, outputs, batch):
+        return F.cross_entropy(outputs.flatten(0, 1), batch[1].flatten())
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=self.lr)
+
 
 SMALL_GPT = GPTConfig(vocab_size=64, d_model=32, num_layers=4, num_heads=4, context_len=16, tied_head=True)
 
@@ -50,12 +79,12 @@ def trainer_kwargs(**overrides) -> dict:
 
 
 def run_reference(config: GPTConfig, steps: int, micro: int, micro_size: int, precision: str, lr: float = 1e-3,
-                  seed: int = 0, trainer_extra: dict | None = None, **module_kw) -> list[dict[str, torch.Tensor]]:
+                  seed: int = 0, trainer_extra: dict | None = None, module_cls: type = GPTModule, **module_kw) -> list[dict[str, torch.Tensor]]:
     """Plain Lightning: micro-batches from the loader, accumulate_grad_batches=micro, torch.optim.AdamW."""
     x, y = token_data(steps * micro * micro_size, config.context_len, config.vocab_size)
     loader = DataLoader(TensorDataset(x, y), batch_size=micro_size, shuffle=False)
     torch.manual_seed(seed)
-    module = GPTModule(config, learning_rate=lr, **module_kw)
+    module = module_cls(config, learning_rate=lr, **module_kw)
     rec = ParamRecorder(every_n_batches=micro)
     trainer = L.Trainer(strategy="auto", precision=precision, max_steps=steps, accumulate_grad_batches=micro,
                         callbacks=[rec], **trainer_kwargs(**(trainer_extra or {})))
@@ -66,7 +95,8 @@ def run_reference(config: GPTConfig, steps: int, micro: int, micro_size: int, pr
 def run_snake(config: GPTConfig, steps: int, micro: int, micro_size: int, precision: str, storage=None,
               schedule_kind: str = "vertical", blocks_per_unit: int = 1, lr: float = 1e-3, seed: int = 0,
               schedule_extra: dict | None = None, only_last: bool = False, validate_every_step: bool = False,
-              callbacks: list | None = None, trainer_extra: dict | None = None, module_cls=GPTModule, **module_kw) -> tuple[list[dict[str, torch.Tensor]], snake_strategy.GreedySnakeStrategy]:
+              callbacks: list | None = None, trainer_extra: dict | None = None, module_cls: type = GPTModule,
+              **module_kw) -> tuple[list[dict[str, torch.Tensor]], snake_strategy.GreedySnakeStrategy]:
     x, y = token_data(steps * micro * micro_size, config.context_len, config.vocab_size)
     loader = DataLoader(TensorDataset(x, y), batch_size=micro * micro_size, shuffle=False)
     torch.manual_seed(seed)

@@ -1,4 +1,5 @@
 """Resumable directory checkpoints of the SSD-resident state, consolidation, and corruption detection."""
+import errno
 import os
 import signal
 import subprocess
@@ -24,14 +25,14 @@ def _loader():
     return DataLoader(TensorDataset(x, y), batch_size=MICRO * MICRO_SIZE, shuffle=False)
 
 
-def _fit(max_steps, ssd_dir, ckpt_dir=None, ckpt_path=None, record=True):
+def _fit(max_steps, ssd_dir, ckpt_dir=None, ckpt_path=None, record=True, callbacks=()):
     torch.manual_seed(0)
     module = GPTModule(SMALL_GPT, learning_rate=1e-2, warmup_steps=1, max_steps=6)
     strategy = snake_strategy.GreedySnakeStrategy(
         storage={"ssd_dir": str(ssd_dir), "weights": "ssd", "optimizer": "ssd"},
         schedule={"kind": "vertical", "num_micro_batches": MICRO, "alpha": 0.25})
     rec = ParamRecorder(only_last=True)
-    callbacks = [rec]
+    callbacks = [rec] + list(callbacks)
     if ckpt_dir is not None:
         callbacks.append(L.pytorch.callbacks.ModelCheckpoint(dirpath=str(ckpt_dir), every_n_train_steps=3,
                                                              save_top_k=-1))
@@ -82,50 +83,174 @@ def test_corrupt_checkpoint_is_refused_with_the_file_named(tmp_path, damage):
         _fit(6, tmp_path / "ssd2", ckpt_path=str(ckpt))
 
 
-def test_failed_save_leaves_previous_checkpoint_intact(tmp_path, monkeypatch):
+def _tree(root):
+    """Every file under ``root`` with its bytes (a checkpoint is a few hundred kB here)."""
+    out = {}
+    for d, _, files in os.walk(root):
+        for f in files:
+            with open(os.path.join(d, f), "rb") as fh:
+                out[os.path.relpath(os.path.join(d, f), root)] = fh.read()
+    return out
+
+
+class _NoSpaceWhenPickled:
+    """A checkpoint entry whose serialisation fails as a full disk would, after the unit files of the
+    save were already written (meta.pt is written after them)."""
+
+    def __reduce__(self):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+
+class _SaveAgainAt(L.Callback):
+    """At ``step``, overwrite ``path`` with ``trainer.save_checkpoint``; ``extra`` goes into that save."""
+
+    def __init__(self, step, path, extra=None):
+        self.step, self.path, self.extra = step, str(path), extra
+        self.saving = False
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_step == self.step:
+            self.saving = True
+            trainer.save_checkpoint(self.path)
+
+    def on_save_checkpoint(self, trainer, pl_module, checkpoint):
+        if self.saving and self.extra is not None:
+            checkpoint["extra"] = self.extra
+
+
+def test_failed_save_leaves_previous_checkpoint_intact(tmp_path):
+    """A save that fails half-way while overwriting the SAME path leaves the previous checkpoint
+    byte-for-byte intact (and loadable) and nothing else in the directory."""
     _fit(3, tmp_path / "ssd", ckpt_dir=tmp_path / "ckpts")
     ckpt = tmp_path / "ckpts" / "epoch=0-step=3.ckpt"
-    before = snake_checkpoint.read_manifest(ckpt)
-
-    def no_space(*args, **kwargs):
-        raise OSError(28, "No space left on device")
-
-    monkeypatch.setattr(snake_checkpoint, "_write_raw", no_space)
+    before = _tree(ckpt)
+    assert before and snake_checkpoint.read_manifest(ckpt)["step_count"] == 3
     with pytest.raises(OSError, match="No space left"):
-        _fit(6, tmp_path / "ssd2", ckpt_dir=tmp_path / "ckpts", ckpt_path=str(ckpt))
-    assert snake_checkpoint.read_manifest(ckpt) == before  # still complete and verified
-    assert not [p for p in os.listdir(tmp_path / "ckpts") if p.startswith(".")]  # no partial leftovers
+        # A different state (step 2 of another run) saved over the step-3 checkpoint.
+        _fit(6, tmp_path / "ssd2", callbacks=[_SaveAgainAt(2, ckpt, _NoSpaceWhenPickled())])
+    assert os.listdir(tmp_path / "ckpts") == [ckpt.name]  # no partial or temporary leftovers at all
+    assert _tree(ckpt) == before
+    straight, _ = _fit(6, tmp_path / "ssd_a")
+    resumed, _ = _fit(6, tmp_path / "ssd_b", ckpt_path=str(ckpt))
+    for name in straight:
+        assert torch.equal(straight[name], resumed[name]), name
+
+
+class _PauseWhenPickled:
+    """Inside a save (the unit files already in the temporary directory, meta.pt being written): tell
+    the parent through ``marker`` and wait there to be killed."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        with open(self.marker, "w") as f:
+            f.write("meta.pt")
+        time.sleep(600)
+        raise AssertionError("not killed")
+
+
+def _pause_after_touching(path, marker):
+    """In the child: after any rmtree / rename / replace that removes or replaces ``path``, tell the
+    parent through ``marker`` and wait to be killed (the window between old and new checkpoint)."""
+    import shutil
+
+    target = os.path.abspath(path)
+
+    def wrap(module, name):
+        real = getattr(module, name)
+
+        def paused(*args, **kwargs):
+            result = real(*args, **kwargs)
+            if any(isinstance(a, (str, os.PathLike)) and os.path.abspath(a) == target for a in args[:2]):
+                with open(marker, "w") as f:
+                    f.write(f"after {name}({', '.join(map(str, args[:2]))})")
+                time.sleep(600)
+                raise AssertionError("not killed")
+            return result
+
+        setattr(module, name, paused)
+
+    wrap(shutil, "rmtree")
+    wrap(os, "rename")
+    wrap(os, "replace")
+    wrap(snake_checkpoint, "_exchange")  # the atomic swap (renameat2 RENAME_EXCHANGE) where Linux has it
+
+
+class _OverwriteAndPause(L.Callback):
+    """Step 3: save ``path``. Step 4: overwrite ``path`` and pause inside that save (``mode``)."""
+
+    def __init__(self, path, marker, mode):
+        self.path, self.marker, self.mode = str(path), marker, mode
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_step == 3:
+            trainer.save_checkpoint(self.path)
+        elif trainer.global_step == 4:
+            if self.mode == "at_replace":
+                _pause_after_touching(self.path, self.marker)
+            trainer.save_checkpoint(self.path)
+
+    def on_save_checkpoint(self, trainer, pl_module, checkpoint):
+        if trainer.global_step == 4 and self.mode == "during_write":
+            checkpoint["pause"] = _PauseWhenPickled(self.marker)
 
 
 KILL_SCRIPT = r"""
 import sys
-sys.path.insert(0, sys.argv[3])
-from tests.test_checkpoint import _fit
-_fit(60, sys.argv[1], ckpt_dir=sys.argv[2])  # checkpoints every 3 steps until it is killed
+sys.path.insert(0, sys.argv[5])
+from tests.test_checkpoint import _OverwriteAndPause, _fit
+_fit(60, sys.argv[1], callbacks=[_OverwriteAndPause(sys.argv[2], sys.argv[3], sys.argv[4])])
 """
 
 
-def test_resume_after_sigkill(tmp_path):
-    """Kill a run at a random point after its first checkpoint; a new process resumes from the
-    checkpoint (reusing the dead run's SSD directory, whose stale lock is recovered) and matches."""
-    import random
+@pytest.fixture(scope="module")
+def straight_six(tmp_path_factory):
+    return _fit(6, tmp_path_factory.mktemp("straight") / "ssd")[0]
 
+
+@pytest.mark.parametrize("mode", [
+    "during_write",
+    "at_replace",
+])
+def test_sigkill_inside_an_overwriting_save(tmp_path, straight_six, mode):
+    """A process is SIGKILLed deterministically inside a save that overwrites its previous checkpoint
+    (``during_write``: the unit files are in the temporary directory; ``at_replace``: right after the
+    old checkpoint was first removed or renamed). The path must still hold the previous, complete,
+    verified checkpoint, and a new process resumes from it (recovering the dead run's SSD lock) to
+    exactly the uninterrupted result."""
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    ckpt_dir, ssd = tmp_path / "ckpts", tmp_path / "ssd"
-    proc = subprocess.Popen([sys.executable, "-c", KILL_SCRIPT, str(ssd), str(ckpt_dir), repo], cwd=repo,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    first = ckpt_dir / "epoch=0-step=3.ckpt"
-    deadline = time.time() + 120
-    while not (first / "manifest.json").exists() and time.time() < deadline and proc.poll() is None:
-        time.sleep(0.05)
-    assert (first / "manifest.json").exists(), "the first run never wrote its checkpoint"
-    time.sleep(random.uniform(0.0, 1.0))
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-    straight, _ = _fit(6, tmp_path / "ssd_straight")
-    resumed, _ = _fit(6, ssd, ckpt_path=str(first))
-    for name in straight:
-        assert torch.equal(straight[name], resumed[name]), name
+    ckpt_dir, ssd, marker = tmp_path / "ckpts", tmp_path / "ssd", tmp_path / "paused"
+    ckpt = ckpt_dir / "last.ckpt"
+    proc = subprocess.Popen([sys.executable, "-c", KILL_SCRIPT, str(ssd), str(ckpt), str(marker), mode, repo],
+                            cwd=repo, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        deadline = time.time() + 120
+        while not marker.exists() and time.time() < deadline and proc.poll() is None:
+            time.sleep(0.02)
+        if not marker.exists():
+            proc.kill()
+            pytest.fail(f"the child never paused inside its save: {proc.communicate()[1].decode()[-3000:]}")
+        entries = sorted(os.listdir(ckpt_dir))
+        if mode == "during_write":
+            # The kill lands inside the save: its temporary directory is there, beside the old checkpoint.
+            assert len(entries) == 2 and ckpt.name in entries, entries
+    finally:
+        proc.kill()
+        proc.communicate()
+    assert proc.returncode == -signal.SIGKILL
+    manifest = snake_checkpoint.read_manifest(ckpt)  # complete and verified ...
+    if mode == "during_write":
+        assert manifest["step_count"] == 3  # ... and the previous one (the step-4 save never completed)
+    else:
+        # ... the previous one, or the new one when the kill landed right after an atomic swap
+        assert manifest["step_count"] in (3, 4), manifest["step_count"]
+    assert [e for e in os.listdir(ckpt_dir) if not e.startswith(".")] == [ckpt.name]
+    resumed, trainer = _fit(6, ssd, ckpt_path=str(ckpt))
+    assert trainer.global_step == 6
+    if manifest["step_count"] == 3:  # an epoch boundary: bitwise (mid-epoch, Lightning replays the epoch)
+        for name in straight_six:
+            assert torch.equal(straight_six[name], resumed[name]), name
 
 
 def test_enospc_during_a_step_is_clear_and_keeps_the_last_checkpoint(tmp_path, monkeypatch):

@@ -10,7 +10,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 import snake_strategy
-from snake_strategy import checkpoint as snake_checkpoint
+from snake_strategy.checkpoint_weights import CheckpointWeights
 from snake_strategy.engine.evaluation import EvalEngine
 from snake_strategy.gpt import GPTModule
 from tests.helpers import SMALL_GPT, token_data, trainer_kwargs
@@ -260,7 +260,7 @@ def test_checkpoint_weights_refuses_a_foreign_model(tmp_path):
                         **trainer_kwargs(enable_checkpointing=True))
     trainer.fit(model.module(), model.train_loader())
     (ckpt,) = ckpts.iterdir()
-    weights = snake_checkpoint.CheckpointWeights(ckpt)
+    weights = CheckpointWeights(ckpt)
     assert weights.tensor("blocks.0.qkv.weight").shape[1] == SMALL_GPT.d_model
     with pytest.raises(ValueError, match="has no parameter 'blocks.9.x'"):
         weights.tensor("blocks.9.x")

@@ -116,6 +116,13 @@ def test_run_trains_on_ssd(tmp_path):
     assert report["median_s_per_step"] > 0 and report["tokens_per_s"] > 0
     on_disk = json.loads((tmp_path / "report.json").read_text())
     assert on_disk["final_train_loss"] == pytest.approx(report["final_train_loss"])
+    # The trained model is saved by default: a resumable directory checkpoint and one consolidated file.
+    from snake_strategy.checkpoint import read_manifest
+    from snake_strategy.gpt import GPTModule
+
+    assert read_manifest(report["saved"]["checkpoint"])["step_count"] == 2
+    loaded = GPTModule.load_from_checkpoint(report["saved"]["model"], map_location="cpu")
+    assert not any(p.is_meta for p in loaded.parameters())
 
 
 def test_multirun_sweep_in_one_process(tmp_path):

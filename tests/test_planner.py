@@ -5,7 +5,9 @@ from snake_strategy.config import StorageConfig
 from snake_strategy.planner import (HardwareProfile, ModelShape, choose_alpha, plan, predict, step_flops,
                                     weight_fetches_per_step)
 
-SHAPE = ModelShape(num_units=2, params_per_unit=1000, nonlayer_params=0, head_params=0, tokens_per_micro=10,
+# 8192 parameters per unit: 32 KiB in fp32, whole pages (the engine page-rounds every SSD transfer), and
+# an alpha=0.5 forward part of exactly 4096 elements (forward parts are page-aligned).
+SHAPE = ModelShape(num_units=2, params_per_unit=8192, nonlayer_params=0, head_params=0, tokens_per_micro=10,
                    num_micro=2, checkpoint_bytes=100)
 HW = HardwareProfile(ssd_read_gb_per_s=1.0, ssd_write_gb_per_s=2.0, host_copy_gb_per_s=10.0, flops_per_s=1e9,
                      optimizer_params_per_s=1e6, device_is_cpu=True)
@@ -17,20 +19,20 @@ def test_weight_fetches():
 
 
 def test_step_flops_by_hand():
-    # forward of one unit on one micro-batch: 2 x 1000 params x 10 tokens = 20,000 FLOPs; per micro-batch the
-    # units cost 3x forward each plus one recompute for all but the last: (4 x 2 - 1) x 20,000
-    assert step_flops(SHAPE) == 2 * (7 * 20_000)
+    # forward of one unit on one micro-batch: 2 x 8192 params x 10 tokens = 163,840 FLOPs; per micro-batch
+    # the units cost 3x forward each plus one recompute for all but the last: (4 x 2 - 1) x 163,840
+    assert step_flops(SHAPE) == 2 * (7 * 163_840)
 
 
 def test_prediction_by_hand():
     storage = StorageConfig(weights="ssd", optimizer="ssd")
     p = predict(SHAPE, HW, storage, "vertical", alpha=0.0)
-    expected_read = 3 * 4000 + 2000 * 4 + 2 * 2000 * 4  # fetches + master + 2 moments (P = 2000)
-    expected_write = 2000 * 4 + 2 * 2000 * 4
+    expected_read = 3 * 32768 + 16384 * 4 + 2 * 16384 * 4  # fetches + master + 2 moments (P = 16384)
+    expected_write = 16384 * 4 + 2 * 16384 * 4
     assert (p.ssd_read_bytes, p.ssd_write_bytes) == (expected_read, expected_write)
     assert p.ssd_s == pytest.approx(expected_read / 1e9 + expected_write / 2e9)
-    assert p.compute_s == pytest.approx(280_000 / 1e9)
-    assert p.optimizer_s == pytest.approx(2000 / 1e6)
+    assert p.compute_s == pytest.approx(2 * 7 * 163_840 / 1e9)
+    assert p.optimizer_s == pytest.approx(16384 / 1e6)
     assert p.bound == "cpu" and p.roofline_s == pytest.approx(p.compute_s + p.optimizer_s)
 
 
@@ -38,9 +40,21 @@ def test_horizontal_reads_more_and_alpha_parks_gradients():
     storage = StorageConfig(weights="ssd", optimizer="ssd", gradients="ssd")
     v = predict(SHAPE, HW, storage, "vertical", alpha=0.5)
     h = predict(SHAPE, HW, storage, "horizontal", alpha=0.5)
-    assert v.ssd_read_bytes == 3 * 4000 + 3 * 8000 + 0.5 * 8000  # + half the gradient read back
+    assert v.ssd_read_bytes == 3 * 32768 + 3 * 65536 + 0.5 * 65536  # + half the gradient read back
     # horizontal: 2 x 3 - 1 = 5 fetches, and one partial gradient round trip for M=2
-    assert h.ssd_read_bytes == 5 * 4000 + 3 * 8000 + 1.5 * 8000
+    assert h.ssd_read_bytes == 5 * 32768 + 3 * 65536 + 1.5 * 65536
+
+
+def test_ssd_transfers_are_page_rounded_per_unit_and_checkpoints_read_twice():
+    storage = StorageConfig(weights="ssd", checkpoints="ssd", checkpoint_host_ends=0)
+    shape = ModelShape(num_units=3, params_per_unit=1000, nonlayer_params=0, head_params=0, tokens_per_micro=10,
+                       num_micro=2, checkpoint_bytes=100)
+    p = predict(shape, HW, storage, "vertical", alpha=0.0)
+    # 5 fetches of a 4000-byte unit, each a whole 4096-byte page; the master is the weights (fp32): one
+    # read per unit by the optimizer; 2 SSD checkpoints per unit, each read by the forward and the recompute
+    # (the last unit's once): (2 x 3 - 1) x 2 x 100 bytes.
+    assert p.ssd_read_bytes == 5 * 4096 + 3 * 4096 + 5 * 2 * 100
+    assert p.ssd_write_bytes == 3 * 4096 + 3 * 2 * 100
 
 
 def test_choose_alpha_is_the_forward_share():

@@ -31,6 +31,7 @@ from snake_strategy.engine.weights import WeightStreamer
 from snake_strategy.memory import format_plan
 from snake_strategy.precision import DtypePolicy
 from snake_strategy.pretrained import PretrainedSource
+from snake_strategy.progress import Progress, or_quiet
 from snake_strategy.schedule import FORWARD, Task
 from snake_strategy.storage import IOEngine, SsdDirectory, TieredTensor, TrafficCounters
 from snake_strategy.storage.aligned import return_large_frees_to_os, round_up
@@ -65,10 +66,12 @@ class EvalEngine:
     eval_only = True
 
     def __init__(self, module: nn.Module, storage: StorageConfig, schedule: ScheduleConfig, dtypes: DtypePolicy,
-                 device: torch.device, source: Any = None, hooks: EngineHooks | None = None) -> None:
+                 device: torch.device, source: Any = None, hooks: EngineHooks | None = None,
+                 progress: Progress | None = None) -> None:
         check_contract(module)
         self.module, self.storage, self.schedule, self.dtypes, self.device = module, storage, schedule, dtypes, device
         self.hooks = hooks or EngineHooks()
+        self.progress = or_quiet(progress)
         self.counters = TrafficCounters()
         self.trace = TaskTrace()
         self.step_count = 0
@@ -107,16 +110,20 @@ class EvalEngine:
             self.ssd.check_free_space(sum(round_up(int(n * self.storage.weights.ssd) * e_c) for n in self._unit_params),
                                       "weights")
         self.check_host_budget()
+        tracker = self.progress.phase("materialize" if source is None else "load_weights", len(layouts),
+                                      total_bytes=sum(self._unit_params) * e_c)
 
         def store_unit(layout: UnitLayout, flat: Tensor) -> EvalUnit:
             layout.buffers = [{k: v.to(self.device) for k, v in d.items()} for d in layout.buffers]
             weights = TieredTensor(f"unit{layout.index:05d}", "weights", layout.numel, self.dtypes.compute,
                                    self.storage.weights, self.device, self.counters, self.io, self.ssd)
             weights.evict(flat.to(self.dtypes.compute))
+            tracker.advance(1, layout.numel * e_c)
             return EvalUnit(layout, weights)
 
         self.units = _materialize(module, layouts, named, self.device, source, self.dtypes, self.blocks_prefix,
                                   s.blocks_per_unit, store_unit)
+        tracker.finish()
         for _, p in named:
             if p.dtype != self.dtypes.compute and p.is_floating_point():
                 # swap_tensors keeps the Parameter object that tied modules refer to.

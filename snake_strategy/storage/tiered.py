@@ -25,6 +25,33 @@ from snake_strategy.config import TierSplit
 ALIGN_ELEMS = PAGE_BYTES
 
 
+def tier_bounds(numel: int, split: TierSplit) -> tuple[int, int]:
+    """(device_end, host_end) of a tensor of ``numel`` elements split over the tiers as ``split`` says.
+
+    The SSD segment starts on a page boundary (it may take a few more elements than its share), so a
+    page-aligned working buffer's SSD part is itself page-aligned."""
+    device_end = min(numel, round(split.device * numel))
+    host_end = min(numel, device_end + round(split.host * numel))
+    if host_end < numel:
+        host_end = (host_end // ALIGN_ELEMS) * ALIGN_ELEMS
+        host_end = max(host_end, (device_end // ALIGN_ELEMS) * ALIGN_ELEMS)
+        device_end = min(device_end, host_end)
+    return device_end, host_end
+
+
+def tier_bytes(numel: int, split: TierSplit, elem_bytes: int, lo: int = 0, hi: int | None = None) -> dict[str, int]:
+    """Bytes a transfer of elements [lo, hi) moves on each tier (the SSD part page-rounded, as the engine
+    counts it): the traffic model's unit of account."""
+    hi = numel if hi is None else hi
+    device_end, host_end = tier_bounds(numel, split)
+
+    def span(a: int, b: int) -> int:
+        return max(0, min(hi, b) - max(lo, a))
+
+    return {"device": span(0, device_end) * elem_bytes, "host": span(device_end, host_end) * elem_bytes,
+            "ssd": round_up(span(host_end, numel) * elem_bytes)}
+
+
 class _Joined(Ticket):
     def __init__(self, tickets: list[Ticket], keepalive: tuple = ()) -> None:
         super().__init__([f for t in tickets for f in t._futures])
@@ -47,15 +74,7 @@ class TieredTensor:
         self.name, self.state, self.numel, self.dtype, self.device = name, state, numel, dtype, device
         self.elem_bytes = torch.empty((), dtype=dtype).element_size()
         self._counters, self._io = counters, io
-        elems_per_page = ALIGN_ELEMS
-        self.device_end = min(numel, round(split.device * numel))
-        host_end = min(numel, self.device_end + round(split.host * numel))
-        if host_end < numel:
-            # Page-align the SSD segment's start (it may take a few more elements than its share).
-            host_end = (host_end // elems_per_page) * elems_per_page
-            host_end = max(host_end, (self.device_end // elems_per_page) * elems_per_page)
-            self.device_end = min(self.device_end, host_end)
-        self.host_end = host_end
+        self.device_end, self.host_end = tier_bounds(numel, split)
         pin = device.type == "cuda"
         self._device_seg = torch.empty(self.device_end, dtype=dtype, device=device)
         self._host_seg = aligned_empty(self.host_end - self.device_end, dtype, pin_memory=pin)

@@ -1,0 +1,127 @@
+"""Model and optimizer variants the README promises, each against plain Lightning (fp64, atol 1e-10),
+and the RNG replay of dropout masks during the recompute."""
+import dataclasses
+
+import lightning as L
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import snake_strategy
+from snake_strategy.gpt import GPTModule
+from tests.helpers import SMALL_GPT, StackModule, run_reference, run_snake, token_data, trainer_kwargs
+
+STEPS, MICRO, MICRO_SIZE, LR = 3, 4, 2, 1e-2
+
+
+class AdamCoupledGPT(GPTModule):
+    """torch.optim.Adam: weight decay is added to the gradient (coupled, L2), not applied to the weights."""
+
+    def configure_optimizers(self):
+        params = [p for p in self.parameters() if p.requires_grad]
+        fused = all(p.device.type in ("cpu", "cuda") for p in params)
+        return torch.optim.Adam(
+            [{"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.5},
+             {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}],
+            lr=self.hparams.learning_rate, betas=(0.9, 0.95), fused=fused or None)
+
+
+VARIANTS = {
+    "adam_coupled_weight_decay": (SMALL_GPT, AdamCoupledGPT),
+    "untied_head": (dataclasses.replace(SMALL_GPT, tied_head=False), GPTModule),
+    "no_bias": (dataclasses.replace(SMALL_GPT, bias=False), GPTModule),
+}
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_variant_matches_plain_lightning(tmp_path, variant):
+    config, module_cls = VARIANTS[variant]
+    ref = run_reference(config, STEPS, MICRO, MICRO_SIZE, "64-true", lr=LR, module_cls=module_cls)
+    got, _ = run_snake(config, STEPS, MICRO, MICRO_SIZE, "64-true", lr=LR, module_cls=module_cls,
+                       storage={"weights": "ssd", "optimizer": "ssd", "ssd_dir": str(tmp_path)},
+                       schedule_extra={"alpha": 0.25})
+    assert len(got) == len(ref) == STEPS
+    for step, (a, b) in enumerate(zip(got, ref)):
+        assert a and a.keys() == b.keys()
+        for name in a:
+            torch.testing.assert_close(a[name], b[name], rtol=0, atol=1e-10, msg=f"step {step} {name}")
+    moved = max((got[-1][k] - got[0][k]).abs().max().item() for k in got[0])
+    assert moved > 1e-3
+    names = set(got[0])
+    if variant == "untied_head":
+        assert "lm_head.weight" in names and "wte.weight" in names
+    if variant == "no_bias":
+        assert not any(n.endswith(".bias") for n in names), sorted(names)
+
+
+# ------------------------------------------------------------------------------------------ dropout
+MASKS: list[tuple[str, bytes, bool, torch.Tensor]] = []  # (site, input key, grad enabled, keep mask)
+
+
+def _record(site: str, key: torch.Tensor, out: torch.Tensor) -> None:
+    MASKS.append((site, key.detach().double().numpy().tobytes(), torch.is_grad_enabled(), (out != 0).clone()))
+
+
+class MaskLoggingBlock(nn.Module):
+    def __init__(self, index: int, width: int, p: float) -> None:
+        super().__init__()
+        self.index = index
+        self.norm = nn.LayerNorm(width)
+        self.linear = nn.Linear(width, width)
+        self.drop = nn.Dropout(p)
+
+    def forward(self, x):
+        h = self.drop(torch.tanh(self.linear(self.norm(x))) + 1.5)  # + 1.5: no exact zeros before dropout
+        _record(f"block{self.index}", x, h)
+        return x + h
+
+
+class DropoutStack(StackModule):
+    """Dropout in the embedding stage and in every block, each call's mask recorded with its input."""
+
+    def __init__(self, vocab=64, width=32, depth=4, p=0.3):
+        super().__init__(lambda i: MaskLoggingBlock(i, width, p), width, depth, vocab)
+        self.drop = nn.Dropout(p)
+
+    def pre_stage(self, batch):
+        e = self.embed(batch[0]) + 1.5
+        h = self.drop(e)
+        _record("embed", batch[0], h)
+        return h
+
+
+@pytest.mark.parametrize("kind", ["vertical", "horizontal"])
+def test_recompute_replays_the_forward_dropout_masks(kind):
+    """Every recomputed forward (and the embedding's re-run for its backward) draws exactly the
+    dropout masks its original forward drew, micro-batch by micro-batch."""
+    depth = 4
+    x, y = token_data(2 * MICRO * MICRO_SIZE, 16, 64)
+    torch.manual_seed(0)
+    strategy = snake_strategy.GreedySnakeStrategy(schedule={"kind": kind, "num_micro_batches": MICRO})
+    trainer = L.Trainer(strategy=strategy, max_steps=2, **trainer_kwargs())
+    MASKS.clear()
+    try:
+        trainer.fit(DropoutStack(depth=depth), train_dataloaders=DataLoader(TensorDataset(x, y), batch_size=MICRO * MICRO_SIZE))
+        records = list(MASKS)
+    finally:
+        MASKS.clear()
+    calls: dict[tuple[str, bytes], list[tuple[bool, torch.Tensor]]] = {}
+    for site, key, grad, mask in records:
+        calls.setdefault((site, key), []).append((grad, mask))
+    # 2 steps x 4 micro-batches, each seen by the embedding and every block.
+    assert {site for site, _ in calls} == {"embed"} | {f"block{i}" for i in range(depth)}
+    assert len(calls) == 2 * MICRO * (depth + 1), len(calls)
+    for (site, _), seen in calls.items():
+        if site == f"block{depth - 1}":
+            # The last unit's backward is fused with its forward: one call, with grad, no recompute.
+            assert [g for g, _ in seen] == [True], site
+            continue
+        # A no-grad forward, then the recompute (or the embedding's backward re-run) with grad.
+        assert [g for g, _ in seen] == [False, True], (site, [g for g, _ in seen])
+        forward, again = seen[0][1], seen[1][1]
+        assert torch.equal(forward, again), f"{site}: the recompute drew another dropout mask"
+    masks = [seen[0][1] for seen in calls.values()]
+    dropped = torch.cat([m.flatten() for m in masks]).float().mean().item()
+    assert 0.2 < 1 - dropped < 0.4  # dropout really ran (p = 0.3) ...
+    assert len({m.numpy().tobytes() for m in masks}) == len(masks)  # ... with a fresh mask for every call

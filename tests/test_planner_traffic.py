@@ -1,0 +1,92 @@
+"""The planner's predicted bytes per optimizer step (``strategy.prediction``, from the first step's
+shapes) equal the bytes the engine really moves in a steady-state step (its counters).
+
+The prediction has the SSD bytes (``ssd_read_bytes``, ``ssd_write_bytes``) and the host-copy time,
+``host_copy_s = host bytes / host_copy_gb_per_s``, whose host bytes cover the compute weights and the
+optimizer states (master, moments); the host's gradient and checkpoint traffic is not part of it.
+A steady-state step is measured from one ``on_train_batch_start`` to the next (step 2 to step 3), so
+the deferred forward-part updates of the previous step are inside the window, as in the model.
+"""
+from collections import Counter
+
+import lightning as L
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import snake_strategy
+from snake_strategy import LayeredModule
+from snake_strategy.gpt import GPTModule
+from tests.helpers import SMALL_GPT, token_data, trainer_kwargs
+
+MICRO, STEPS, CONTEXT = 6, 4, 16  # 6 micro-batches: 2 per unit are off the turning points (SSD checkpoints)
+LAYOUTS = {
+    "host": {},
+    "ssd": {"weights": "ssd", "master": "ssd", "optimizer": "ssd"},
+    "ssd_all": {"weights": "ssd", "master": "ssd", "optimizer": "ssd", "checkpoints": "ssd"},
+}
+HOST_MODELLED = ("weights", "master", "exp_avg", "exp_avg_sq")
+
+
+class AlignedStack(LayeredModule):
+    """Units whose sizes are whole pages in fp32 and bf16 (128 x 128 weights, no bias) and whose forward
+    part at alpha 0.25 is exactly a quarter: no page rounding between the model and the engine."""
+
+    def __init__(self, width=128, depth=4, vocab=64):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, width)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(width, width, bias=False), nn.Tanh()) for _ in range(depth))
+        self.head = nn.Linear(width, vocab)
+
+    def pre_stage(self, batch):
+        return self.embed(batch[0])
+
+    def post_stage(self, hidden):
+        return self.head(hidden)
+
+    def compute_loss(self, outputs, batch):
+        return F.cross_entropy(outputs.float().flatten(0, 1), batch[1].flatten())
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+
+class _Window(L.Callback):
+    def __init__(self):
+        self.snapshots = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.snapshots.append(trainer.strategy.engine.counters.snapshot())
+
+
+def _measure(module, kind, layout, precision, ssd_dir):
+    x, y = token_data(STEPS * MICRO, CONTEXT, 64)
+    torch.manual_seed(0)
+    strategy = snake_strategy.GreedySnakeStrategy(storage=dict(LAYOUTS[layout], ssd_dir=str(ssd_dir)),
+                                                  schedule={"kind": kind, "num_micro_batches": MICRO, "alpha": 0.25})
+    window = _Window()
+    trainer = L.Trainer(strategy=strategy, precision=precision, max_steps=STEPS, callbacks=[window], **trainer_kwargs())
+    trainer.fit(module, train_dataloaders=DataLoader(TensorDataset(x, y), batch_size=MICRO))
+    assert len(window.snapshots) == STEPS
+    before, after = window.snapshots[2], window.snapshots[3]
+    delta = Counter({k: v - before.get(k, 0) for k, v in after.items() if v != before.get(k, 0)})
+    prediction, hardware = strategy.prediction, strategy.hardware_profile
+    measured = {
+        "ssd_read": sum(v for (tier, _, d), v in delta.items() if tier == "ssd" and d == "read"),
+        "ssd_write": sum(v for (tier, _, d), v in delta.items() if tier == "ssd" and d == "write"),
+        "host": sum(v for (tier, state, _), v in delta.items() if tier == "host" and state in HOST_MODELLED),
+    }
+    predicted = {
+        "ssd_read": prediction.ssd_read_bytes,
+        "ssd_write": prediction.ssd_write_bytes,
+        "host": round(prediction.host_copy_s * hardware.host_copy_gb_per_s * 1e9),
+    }
+    return predicted, measured, delta
+
+
+@pytest.mark.parametrize("kind", ["vertical", "horizontal"])
+def test_predicted_ssd_bytes_equal_measured_for_a_gpt(tmp_path, kind):
+    predicted, measured, delta = _measure(GPTModule(SMALL_GPT), kind, "ssd", "32-true", tmp_path / "ssd")
+    assert predicted == measured, (predicted, measured, sorted(delta.items()))
