@@ -10,12 +10,14 @@ nothing is written: a forward reads each unit's weights once per eval batch and 
 tier (``counters`` shows it).
 
 Where the weights come from, in order: a greedysnake checkpoint directory (``ckpt_path``: its master
-weights only, see ``checkpoint.CheckpointWeights``), a ``pretrained`` source, or the module itself (real
-weights, e.g. the trained ones a fit gave back, or a seeded init of a module built on the meta device).
+weights only, see ``checkpoint_weights.CheckpointWeights``), a ``pretrained`` source, or the module
+itself (real weights, e.g. the trained ones a fit gave back, or a seeded init of a module built on the
+meta device).
 """
 from __future__ import annotations
 
 import contextlib
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -59,11 +61,10 @@ class EvalEngine:
     """Forward-only streaming of a layered module's blocks (see the module docstring).
 
     ``source``: a ``PretrainedSource``-like object (``unit_flat``, ``tensor``, ``close``), e.g. a
-    ``checkpoint.CheckpointWeights``; or a path for ``PretrainedSource``; None uses the module's weights.
+    ``checkpoint_weights.CheckpointWeights``; or a path for ``PretrainedSource``; None uses the module's
+    weights.
     The engine closes the source once the weights are in their tiers.
     """
-
-    eval_only = True
 
     def __init__(self, module: nn.Module, storage: StorageConfig, schedule: ScheduleConfig, dtypes: DtypePolicy,
                  device: torch.device, source: Any = None, hooks: EngineHooks | None = None,
@@ -80,7 +81,7 @@ class EvalEngine:
         self.units: list[EvalUnit] = []
         self.weights: WeightStreamer | None = None
         return_large_frees_to_os()
-        if isinstance(source, str):
+        if isinstance(source, (str, os.PathLike)):
             source = PretrainedSource(source)
         try:
             if storage.weights.ssd > 0:  # only the weights are stored: the other states' shares do not matter
