@@ -30,7 +30,7 @@ import shutil
 import sys
 import zlib
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
@@ -224,7 +224,9 @@ def read_manifest(path: str | os.PathLike, progress: Progress | None = None) -> 
     return _read_manifest(locate(path), progress)
 
 
-def _read_manifest(root: Path, progress: Progress | None = None) -> dict:
+def _read_manifest(root: Path, progress: Progress | None = None,
+                   verify: Callable[[str], bool] | None = None) -> dict:
+    """The manifest, after checking the size and CRC-32 of every file (of those ``verify`` accepts)."""
     manifest_path = root / "manifest.json"
     if not manifest_path.exists():
         raise ValueError(f"{root} is not a complete greedysnake checkpoint (no manifest.json): an interrupted save "
@@ -239,9 +241,10 @@ def _read_manifest(root: Path, progress: Progress | None = None) -> dict:
     missing = [k for k in ("step_count", "master_dtype", "blocks_per_unit", "units", "files") if k not in manifest]
     if missing:
         raise ValueError(f"{manifest_path} is corrupt: it lacks {missing}")
-    tracker = or_quiet(progress).phase("checkpoint_verify", len(manifest["files"]), what="files",
-                                       total_bytes=sum(info["bytes"] for info in manifest["files"].values()))
-    for name, info in manifest["files"].items():
+    files = {name: info for name, info in manifest["files"].items() if verify is None or verify(name)}
+    tracker = or_quiet(progress).phase("checkpoint_verify", len(files), what="files",
+                                       total_bytes=sum(info["bytes"] for info in files.values()))
+    for name, info in files.items():
         _verify(root / name, info)
         tracker.advance(1, info["bytes"])
     tracker.finish()
@@ -392,21 +395,39 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = argparse.ArgumentParser(prog="python -m snake_strategy.checkpoint",
                                      description="Consolidate a greedysnake checkpoint directory into one file "
-                                                 "that LightningModule.load_from_checkpoint reads.")
+                                                 "that LightningModule.load_from_checkpoint reads (--format ckpt), "
+                                                 "or export an HFCausalLM's weights to a HuggingFace model "
+                                                 "directory, streamed one unit at a time (--format hf).")
     parser.add_argument("checkpoint_dir")
-    parser.add_argument("output_file")
+    parser.add_argument("output", help="the file to write (ckpt) or the directory to write (hf)")
+    parser.add_argument("--format", choices=("ckpt", "hf"), default="ckpt")
+    parser.add_argument("--config", default=None,
+                        help="hf only: a HF model directory or config.json (default: the config saved with the module)")
+    parser.add_argument("--dtype", choices=("float32", "float64", "bfloat16", "float16"), default=None,
+                        help="hf only: dtype of the safetensors files (default: the checkpoint's master dtype)")
     parser.add_argument("--quiet", action="store_true", help="no progress lines (on stderr)")
     parser.add_argument("--progress-every-s", type=float, default=5.0, metavar="SECONDS",
                         help="at most one progress line per phase every this many seconds (default 5)")
     args = parser.parse_args(argv)
+    if args.format == "ckpt" and (args.config or args.dtype):
+        parser.error("--config and --dtype apply to --format hf only")
     try:
         progress = Progress(log=not args.quiet, every_s=args.progress_every_s)
-        checkpoint = consolidate(args.checkpoint_dir, args.output_file, progress)
-    except (ValueError, OSError) as err:
-        # A user's mistake or a damaged checkpoint: one line that names it, as argparse does for bad usage.
+        if args.format == "hf":
+            from snake_strategy.checkpoint_weights import export_hf_checkpoint
+
+            dtype = getattr(torch, args.dtype) if args.dtype else None
+            files = export_hf_checkpoint(args.checkpoint_dir, args.output, config=args.config, dtype=dtype,
+                                         progress=progress)
+            print(f"wrote {args.output}: config.json + {len(files)} safetensors file(s)")
+            return 0
+        checkpoint = consolidate(args.checkpoint_dir, args.output, progress)
+    except (ValueError, OSError, ImportError) as err:
+        # A user's mistake, a damaged checkpoint or a missing [hf] extra: one line that names it, as
+        # argparse does for bad usage.
         print(f"{parser.prog}: error: {err}", file=sys.stderr)
         return 2
-    print(f"wrote {args.output_file}: {len(checkpoint['state_dict'])} tensors")
+    print(f"wrote {args.output}: {len(checkpoint['state_dict'])} tensors")
     return 0
 
 
