@@ -303,3 +303,24 @@ def test_adapter_saved_during_and_after_fit_loads_with_peft(tmp_path):
         for name, p in base.named_parameters():
             if "lora_" not in name:
                 assert torch.equal(params[name].detach(), p.detach()), name
+
+
+def test_bf16_true_keeps_frozen_weights_in_bf16_only(tmp_path):
+    seen = {}
+
+    class Look(L.Callback):
+        def on_train_batch_end(self, trainer, *args):
+            seen["layout"] = trainer.strategy.engine.storage_layout()
+
+    module = build("lora_gpt", torch.float32)
+    base = {n: p.detach().to(torch.bfloat16) for n, p in module.named_parameters() if not p.requires_grad}
+    got, _, _ = run_snake("lora_gpt", tmp_path / "ssd", precision="bf16-true", module=module, only_last=True,
+                          callbacks=[Look()], storage={"weights": "ssd", "master": "ssd", "optimizer": "ssd"})
+    for unit in seen["layout"]:
+        assert not unit["weights_is_master"]
+        assert unit["master_ssd"] == round_up(unit["train_end"] * 4) < unit["weights_ssd"]  # fp32: adapters only
+    for name, value in base.items():
+        assert got[-1][name].dtype == torch.bfloat16 and torch.equal(got[-1][name], value), name
+    first = build("lora_gpt", torch.float32)
+    assert any(not torch.equal(got[-1][n].float(), p.detach().float()) for n, p in first.named_parameters()
+               if p.requires_grad)

@@ -119,6 +119,7 @@ class SnakeEngine:
                                  self.gradients, self.trace, self.device, self.dtypes.autocast)
         self._tasks: dict[int, list] = {}
         self._frozen_crc: dict[str, Any] | None = None
+        self._backward_planned = False
 
     def tasks(self, num_micro: int | None = None) -> list:
         """The task list of a step with ``num_micro`` micro-batches (the configured number by default)."""
@@ -205,8 +206,9 @@ class SnakeEngine:
         Returns the mean micro-batch loss (detached). Call ``optimizer_step`` afterwards.
         """
         micro_batches, sizes = self.split(batch)
-        if not self._tasks:
+        if not self._backward_planned:
             self.runner.plan_backward(micro_batches[0])  # which units need a backward (frozen parameters)
+            self._tasks, self._backward_planned = {}, True
         if self.storage.host_budget_bytes is not None and not self.checkpoint_bytes:
             # The checkpoints' size is known only now: check the budget before any block runs.
             with torch.no_grad(), self.runner.autocast():
