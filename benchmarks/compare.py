@@ -49,7 +49,7 @@ def _loader(context_len: int, batch_size: int, num_batches: int):
     return DataLoader(Subset(windows, range(batch_size * num_batches)), batch_size=batch_size, shuffle=False)
 
 
-def run_worker(system: str, preset: dict, ssd_dir: str, alpha: float, split_backward: bool) -> dict:
+def run_worker(system: str, preset: dict, ssd_dir: str, alpha: float, batched_backward: bool) -> dict:
     import lightning as L
     import torch
 
@@ -92,7 +92,7 @@ def run_worker(system: str, preset: dict, ssd_dir: str, alpha: float, split_back
                                                gradients={"host": 1.0}, checkpoints={"host": 1.0})
         # "vertical_batched": the vertical schedule with each unit's forward and backward batched over
         # all its micro-batches (batched_forward + batched_backward): bigger matmuls, same traffic.
-        batched = system == "vertical_batched" or (split_backward and system == "vertical")
+        batched = system == "vertical_batched" or (batched_backward and system == "vertical")
         schedule = snake_strategy.ScheduleConfig(kind="horizontal" if system == "horizontal" else "vertical",
                                                  num_micro_batches=num_micro, alpha=alpha,
                                                  batched_backward=batched, batched_forward=batched)
@@ -136,8 +136,8 @@ def _spawn(system: str, preset_name: str, preset: dict, args) -> dict:
     else:
         cmd = [sys.executable, __file__, "--worker", system, "--preset", preset_name, "--json-out", out,
                "--ssd-dir", ssd_dir, "--alpha", str(args.alpha), "--num-micro", str(preset["num_micro"])]
-        if args.split_backward:
-            cmd.append("--split-backward")
+        if args.batched_backward:
+            cmd.append("--batched-backward")
     print(f"[{preset_name}] running {system} ...", flush=True)
     start = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout_s)
@@ -162,7 +162,7 @@ def compare(preset_name: str, args) -> dict:
     probe_hardware(args.ssd_root)
     results = {s: _spawn(s, preset_name, preset, args) for s in systems}
     ok = {s: r for s, r in results.items() if "s_per_step" in r}
-    report = dict(preset=preset_name, settings=preset, alpha=args.alpha, split_backward=args.split_backward,
+    report = dict(preset=preset_name, settings=preset, alpha=args.alpha, batched_backward=args.batched_backward,
                   systems=results, machine=dict(cores=os.cpu_count()))
     vertical = ok.get("vertical")
     if vertical:
@@ -241,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--preset", default="r1", choices=sorted(PRESETS))
     p.add_argument("--systems", default=",".join(SYSTEMS))
     p.add_argument("--alpha", type=float, default=0.25)
-    p.add_argument("--split-backward", action="store_true",
+    p.add_argument("--batched-backward", action="store_true",
                    help="vertical: batched unit forward and split (batched) backward over all micro-batches")
     p.add_argument("--num-micro", type=int, default=None)
     p.add_argument("--sweep", default=None, help="comma-separated micro-batch counts (horizontal vs vertical)")
@@ -255,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
         preset = dict(PRESETS[args.preset])
         if args.num_micro:
             preset["num_micro"] = args.num_micro
-        result = run_worker(args.worker, preset, args.ssd_dir, args.alpha, args.split_backward)
+        result = run_worker(args.worker, preset, args.ssd_dir, args.alpha, args.batched_backward)
         with open(args.json_out, "w") as f:
             json.dump(result, f)
         return 0

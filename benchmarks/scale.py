@@ -50,7 +50,8 @@ def run_scale(preset_name: str, steps: int, context_len: int, micro_batch_size: 
     # host bound holds when the optimizer falls far behind the backward.
     hooks = snake_strategy.EngineHooks(
         before_optimizer_chunk=(lambda unit: time.sleep(slow_optimizer_ms / 1e3)) if slow_optimizer_ms else None)
-    strategy = snake_strategy.GreedySnakeStrategy(storage=storage, schedule=schedule, hardware="probe", hooks=hooks)
+    strategy = snake_strategy.GreedySnakeStrategy(storage=storage, schedule=schedule, hardware="probe", hooks=hooks,
+                                                  progress=True)  # setup and long steps say where they are
     marks: dict[str, float] = {}
     steps_s: list[float] = []
     losses: list[float] = []

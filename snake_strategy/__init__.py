@@ -9,6 +9,7 @@ from snake_strategy.contract import check_contract
 from snake_strategy.engine import EngineHooks
 from snake_strategy.module import LayeredModule
 from snake_strategy.precision import GreedySnakePrecision
+from snake_strategy.progress import Progress, ProgressEvent
 from snake_strategy.strategy import GreedySnakeStrategy
 
 GreedySnakeStrategy.register_strategies(StrategyRegistry)
@@ -17,7 +18,7 @@ GreedySnakeStrategy.register_strategies(StrategyRegistry)
 SUPPORTS_SIDE_INPUTS = True
 
 __all__ = [
-    "EngineHooks", "GreedySnakePrecision", "GreedySnakeStrategy", "LayeredModule", "ScheduleConfig", "StorageConfig",
+    "EngineHooks", "GreedySnakePrecision", "GreedySnakeStrategy", "LayeredModule", "Progress", "ProgressEvent", "ScheduleConfig", "StorageConfig",
     "TierSplit", "check_contract",
 ]
 __version__ = "0.1.0"

@@ -36,10 +36,11 @@ import shutil
 import sys
 import zlib
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
+from snake_strategy.progress import Progress, or_quiet
 from snake_strategy.storage.io_engine import pid_alive
 
 if TYPE_CHECKING:
@@ -50,7 +51,8 @@ STATES = ("master", "exp_avg", "exp_avg_sq")
 _DTYPES = {str(d): d for d in (torch.float32, torch.float64, torch.bfloat16, torch.float16)}
 
 
-def save(engine: SnakeEngine, checkpoint: dict[str, Any], path: str | os.PathLike) -> None:
+def save(engine: SnakeEngine, checkpoint: dict[str, Any], path: str | os.PathLike,
+         progress: Progress | None = None) -> None:
     final = Path(path)
     _recover(final, clean=True)
     tmp = _sibling(final, "tmp")
@@ -59,6 +61,9 @@ def save(engine: SnakeEngine, checkpoint: dict[str, Any], path: str | os.PathLik
     try:
         engine.flush()  # pending deferred updates belong to the saved state
         frozen = engine.frozen_checksums()
+        unit_bytes = sum(engine.unit_numel(u) for u in range(engine.num_units)) * engine.dtypes.bytes_per("master")
+        tracker = or_quiet(progress).phase("checkpoint_save", len(STATES) * engine.num_units + 2, what="files",
+                                           total_bytes=len(STATES) * unit_bytes)
         files = {}
         units = []
         for u in range(engine.num_units):
@@ -66,20 +71,24 @@ def save(engine: SnakeEngine, checkpoint: dict[str, Any], path: str | os.PathLik
             for state in STATES:
                 name = f"units/unit{u:05d}.{state}.bin"
                 files[name] = _write_raw(tmp / name, values[state])
+                tracker.advance(1, files[name]["bytes"])
             del values  # one unit in memory at a time
             units.append({"numel": engine.unit_numel(u), "slots": [list(slot) for slot in engine.unit_slots(u)],
                           "frozen": {"names": [slot[0] for slot in engine.unit_slots(u, trainable=False)],
                                      "crc32": frozen["units"][u]}})
         torch.save(engine.nonlayer_state(), tmp / "nonlayer.pt")
         files["nonlayer.pt"] = _describe(tmp / "nonlayer.pt")
+        tracker.advance(1, files["nonlayer.pt"]["bytes"])
         torch.save(checkpoint, tmp / "meta.pt")
         files["meta.pt"] = _describe(tmp / "meta.pt")
+        tracker.advance(1, files["meta.pt"]["bytes"])
         manifest = {"format": FORMAT, "step_count": engine.step_count, "master_dtype": str(engine.dtypes.master),
                     "blocks_per_unit": engine.schedule.blocks_per_unit, "units": units, "files": files,
                     "frozen_nonlayer": frozen["nonlayer"]}
         (tmp / "manifest.json").write_text(json.dumps(manifest))
         _fsync_dir(tmp)
         _replace(tmp, final)
+        tracker.finish()
     except BaseException:
         # Before the replacement ``tmp`` holds the unfinished new checkpoint, after an exchange the old one:
         # garbage either way. The checkpoint under ``final`` (or set aside, see _replace) is untouched.
@@ -220,12 +229,14 @@ def wrong_strategy_error(path: str | os.PathLike) -> ValueError:
                       "strategy='greedysnake'")
 
 
-def read_manifest(path: str | os.PathLike) -> dict:
+def read_manifest(path: str | os.PathLike, progress: Progress | None = None) -> dict:
     """The verified manifest of the checkpoint at ``path`` (every file's size and CRC-32 checked)."""
-    return _read_manifest(locate(path))
+    return _read_manifest(locate(path), progress)
 
 
-def _read_manifest(root: Path) -> dict:
+def _read_manifest(root: Path, progress: Progress | None = None,
+                   verify: Callable[[str], bool] | None = None) -> dict:
+    """The manifest, after checking the size and CRC-32 of every file (of those ``verify`` accepts)."""
     manifest_path = root / "manifest.json"
     if not manifest_path.exists():
         raise ValueError(f"{root} is not a complete greedysnake checkpoint (no manifest.json): an interrupted save "
@@ -240,30 +251,39 @@ def _read_manifest(root: Path) -> dict:
     missing = [k for k in ("step_count", "master_dtype", "blocks_per_unit", "units", "files") if k not in manifest]
     if missing:
         raise ValueError(f"{manifest_path} is corrupt: it lacks {missing}")
-    for name, info in manifest["files"].items():
+    files = {name: info for name, info in manifest["files"].items() if verify is None or verify(name)}
+    tracker = or_quiet(progress).phase("checkpoint_verify", len(files), what="files",
+                                       total_bytes=sum(info["bytes"] for info in files.values()))
+    for name, info in files.items():
         _verify(root / name, info)
+        tracker.advance(1, info["bytes"])
+    tracker.finish()
     return manifest
 
 
-def load(engine: SnakeEngine, path: str | os.PathLike) -> dict[str, Any]:
+def load(engine: SnakeEngine, path: str | os.PathLike, progress: Progress | None = None) -> dict[str, Any]:
     """Stream a checkpoint into the engine's tiers; returns Lightning's checkpoint dict."""
     _recover(Path(path), clean=True)  # a resuming run owns the name: adopt, and drop dead runs' leftovers
     root = locate(path)
-    manifest = _read_manifest(root)
+    manifest = _read_manifest(root, progress)
     if len(manifest["units"]) != engine.num_units or manifest["blocks_per_unit"] != engine.schedule.blocks_per_unit:
         raise ValueError(f"{root} holds {len(manifest['units'])} units of {manifest['blocks_per_unit']} blocks; this "
                          f"run has {engine.num_units} of {engine.schedule.blocks_per_unit} (schedule.blocks_per_unit)")
     dtype = _DTYPES[manifest["master_dtype"]]
     engine.flush()
     _check_frozen(root, manifest, engine.frozen_checksums())
+    tracker = or_quiet(progress).phase("checkpoint_load", engine.num_units, total_bytes=len(STATES) * dtype.itemsize
+                                       * sum(unit["numel"] for unit in manifest["units"]))
     for u in range(engine.num_units):
         numel = engine.unit_numel(u)
         if manifest["units"][u]["numel"] != numel:
             raise ValueError(f"{root}: unit {u} has {manifest['units'][u]['numel']} parameters, the model {numel}")
         engine.load_unit_state(u, {state: _read_raw(root / f"units/unit{u:05d}.{state}.bin", numel, dtype)
                                    for state in STATES})
+        tracker.advance(1, len(STATES) * numel * dtype.itemsize)
     engine.load_nonlayer_state(torch.load(root / "nonlayer.pt", map_location="cpu", weights_only=True))
     engine.step_count = manifest["step_count"]
+    tracker.finish()
     return torch.load(root / "meta.pt", map_location="cpu", weights_only=False)
 
 
@@ -284,7 +304,8 @@ def _check_frozen(root: Path, manifest: dict, current: dict) -> None:
                          "CRC-32): resume with the same base model (the same pretrained weights, seed and init)")
 
 
-def consolidate(path: str | os.PathLike, out_path: str | os.PathLike) -> dict[str, Any]:
+def consolidate(path: str | os.PathLike, out_path: str | os.PathLike,
+                progress: Progress | None = None) -> dict[str, Any]:
     """Write one ordinary Lightning checkpoint file with every parameter (master values).
 
     ``LightningModule.load_from_checkpoint(out_path)`` and ``torch.load(out_path)`` read it.
@@ -295,24 +316,34 @@ def consolidate(path: str | os.PathLike, out_path: str | os.PathLike) -> dict[st
         raise ValueError(f"the output {out} is a directory; name the file to write, e.g. {out / 'model.ckpt'}")
     if not out.parent.is_dir():
         raise ValueError(f"the output directory {out.parent} does not exist; create it or write elsewhere")
-    checkpoint = load_consolidated(path)
-    torch.save(checkpoint, out)
+    progress = or_quiet(progress)
+    checkpoint = load_consolidated(path, progress)
+    # One torch.save of the whole model: no progress inside it, but its size and rate when it ends.
+    tensor_bytes = sum(v.numel() * v.element_size() for v in checkpoint["state_dict"].values()
+                       if isinstance(v, torch.Tensor))
+    with progress.phase("consolidate_write", 1, what="files", total_bytes=tensor_bytes) as tracker:
+        torch.save(checkpoint, out)
+        tracker.advance(1, out.stat().st_size)
     return checkpoint
 
 
-def load_consolidated(path: str | os.PathLike) -> dict[str, Any]:
+def load_consolidated(path: str | os.PathLike, progress: Progress | None = None) -> dict[str, Any]:
     """The checkpoint at ``path`` as the dict of one ordinary Lightning checkpoint file (every parameter
     in ``state_dict``, no optimizer state), in memory: what ``consolidate`` writes, and what
     ``load_from_checkpoint`` can read from a buffer without a file on disk."""
     root = locate(path)
-    manifest = _read_manifest(root)
+    manifest = _read_manifest(root, progress)
     checkpoint = torch.load(root / "meta.pt", map_location="cpu", weights_only=False)
     dtype = _DTYPES[manifest["master_dtype"]]
     state = dict(checkpoint.get("state_dict", {}))
+    tracker = or_quiet(progress).phase("consolidate", len(manifest["units"]),
+                                       total_bytes=dtype.itemsize * sum(unit["numel"] for unit in manifest["units"]))
     for u, unit in enumerate(manifest["units"]):
         flat = _read_raw(root / f"units/unit{u:05d}.master.bin", unit["numel"], dtype)
         for name, shape, offset, numel in unit["slots"]:
             state[name] = flat[offset:offset + numel].view(shape).clone()
+        tracker.advance(1, flat.numel() * flat.element_size())
+    tracker.finish()
     checkpoint["state_dict"] = state
     checkpoint.pop("optimizer_states", None)
     return checkpoint
@@ -392,17 +423,39 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = argparse.ArgumentParser(prog="python -m snake_strategy.checkpoint",
                                      description="Consolidate a greedysnake checkpoint directory into one file "
-                                                 "that LightningModule.load_from_checkpoint reads.")
+                                                 "that LightningModule.load_from_checkpoint reads (--format ckpt), "
+                                                 "or export an HFCausalLM's weights to a HuggingFace model "
+                                                 "directory, streamed one unit at a time (--format hf).")
     parser.add_argument("checkpoint_dir")
-    parser.add_argument("output_file")
+    parser.add_argument("output", help="the file to write (ckpt) or the directory to write (hf)")
+    parser.add_argument("--format", choices=("ckpt", "hf"), default="ckpt")
+    parser.add_argument("--config", default=None,
+                        help="hf only: a HF model directory or config.json (default: the config saved with the module)")
+    parser.add_argument("--dtype", choices=("float32", "float64", "bfloat16", "float16"), default=None,
+                        help="hf only: dtype of the safetensors files (default: the checkpoint's master dtype)")
+    parser.add_argument("--quiet", action="store_true", help="no progress lines (on stderr)")
+    parser.add_argument("--progress-every-s", type=float, default=5.0, metavar="SECONDS",
+                        help="at most one progress line per phase every this many seconds (default 5)")
     args = parser.parse_args(argv)
+    if args.format == "ckpt" and (args.config or args.dtype):
+        parser.error("--config and --dtype apply to --format hf only")
     try:
-        checkpoint = consolidate(args.checkpoint_dir, args.output_file)
-    except (ValueError, OSError) as err:
-        # A user's mistake or a damaged checkpoint: one line that names it, as argparse does for bad usage.
+        progress = Progress(log=not args.quiet, every_s=args.progress_every_s)
+        if args.format == "hf":
+            from snake_strategy.checkpoint_weights import export_hf_checkpoint
+
+            dtype = getattr(torch, args.dtype) if args.dtype else None
+            files = export_hf_checkpoint(args.checkpoint_dir, args.output, config=args.config, dtype=dtype,
+                                         progress=progress)
+            print(f"wrote {args.output}: config.json + {len(files)} safetensors file(s)")
+            return 0
+        checkpoint = consolidate(args.checkpoint_dir, args.output, progress)
+    except (ValueError, OSError, ImportError) as err:
+        # A user's mistake, a damaged checkpoint or a missing [hf] extra: one line that names it, as
+        # argparse does for bad usage.
         print(f"{parser.prog}: error: {err}", file=sys.stderr)
         return 2
-    print(f"wrote {args.output_file}: {len(checkpoint['state_dict'])} tensors")
+    print(f"wrote {args.output}: {len(checkpoint['state_dict'])} tensors")
     return 0
 
 

@@ -43,6 +43,7 @@ except ImportError as err:  # the adapter is an optional extra
 
 from snake_strategy.module import LayeredModule
 from snake_strategy.pretrained import PretrainedSource
+from snake_strategy.progress import Progress, or_quiet
 from snake_strategy.safetensors_io import ShardedSafetensorsWriter
 
 IGNORE_INDEX = -100  # HF's label value for "no loss here" (padding, prompts)
@@ -370,13 +371,15 @@ def module_weights(module: HFCausalLM) -> Iterator[tuple[str, Tensor]]:
 
 def export_hf(source: HFCausalLM | Mapping[str, Tensor] | Iterable[tuple[str, Tensor]], out_dir: str | os.PathLike,
               config: PretrainedConfig | Mapping[str, Any] | str | os.PathLike | None = None, *,
-              dtype: torch.dtype = torch.float32, max_shard_bytes: int = 5 * 2**30) -> list[str]:
+              dtype: torch.dtype = torch.float32, max_shard_bytes: int = 5 * 2**30,
+              progress: Progress | None = None) -> list[str]:
     """Write ``config.json`` + (sharded) safetensors that ``AutoModelForCausalLM.from_pretrained`` loads.
 
     ``source``: an ``HFCausalLM`` (inside or after ``Trainer.fit``; under greedysnake its units are read
     one at a time), a state dict (e.g. a consolidated checkpoint's ``state_dict``) or an iterable of
     ``(name, tensor)`` pairs; the latter two need ``config``. Names are HF names; tied output weights
     (``lm_head.weight`` of GPT-2) are written once, as HF does. Returns the weight files written.
+    ``progress`` reports tensors written (phase "export"; silent by default).
     """
     if isinstance(source, HFCausalLM):
         cfg = source.hf_config if config is None else resolve_config(config)[0]
@@ -395,14 +398,18 @@ def export_hf(source: HFCausalLM | Mapping[str, Tensor] | Iterable[tuple[str, Te
     aliases = set(planner.state_dict()) - set(params)  # tied duplicates such as lm_head.weight
     plan = [(name, dtype if p.is_floating_point() else p.dtype, p.shape) for name, p in params.items()]
     writer = ShardedSafetensorsWriter(out_dir, plan, max_shard_bytes)
+    file_bytes = {name: shape.numel() * dt.itemsize for name, dt, shape in plan}
+    tracker = or_quiet(progress).phase("export", len(plan), what="tensors", total_bytes=sum(file_bytes.values()))
     try:
         for name, tensor in weights:
             if name not in aliases:
                 writer.write(name, tensor)
+                tracker.advance(1, file_bytes.get(name, 0))
     except BaseException:
         writer.abort()
         raise
     files = writer.close()
+    tracker.finish()
     saved = copy.deepcopy(planner.hf_config)
     saved.dtype = dtype  # the files' dtype, so from_pretrained(dtype="auto") agrees with them
     saved.save_pretrained(out_dir)

@@ -10,7 +10,6 @@ import torch
 from lightning.fabric.plugins import CheckpointIO
 from torch import Tensor, nn
 
-from snake_strategy import checkpoint as snake_checkpoint
 from snake_strategy.contract import check_block_output, unpack_pre_stage
 
 
@@ -47,9 +46,9 @@ class LayeredModule(pl.LightningModule):
     def load_from_checkpoint(cls, checkpoint_path: Any, *args: Any, **kwargs: Any) -> Any:
         """Lightning's ``load_from_checkpoint``, which also reads a greedysnake checkpoint directory
         (consolidated in memory on the fly: the whole model is held about twice while loading)."""
-        if isinstance(checkpoint_path, (str, os.PathLike)) and snake_checkpoint.is_checkpoint_dir(checkpoint_path):
+        if isinstance(checkpoint_path, (str, os.PathLike)) and _checkpoint_module().is_checkpoint_dir(checkpoint_path):
             buffer = io.BytesIO()
-            torch.save(snake_checkpoint.load_consolidated(checkpoint_path), buffer)
+            torch.save(_checkpoint_module().load_consolidated(checkpoint_path), buffer)
             buffer.seek(0)
             checkpoint_path = buffer
             kwargs.setdefault("weights_only", False)
@@ -104,8 +103,8 @@ class _SnakeDirAwareIO(CheckpointIO):
         self.inner.save_checkpoint(checkpoint, path, storage_options)
 
     def load_checkpoint(self, path: Any, map_location: Any = None, weights_only: bool | None = None) -> dict[str, Any]:
-        if isinstance(path, (str, os.PathLike)) and snake_checkpoint.is_checkpoint_dir(path):
-            raise snake_checkpoint.wrong_strategy_error(path)
+        if isinstance(path, (str, os.PathLike)) and _checkpoint_module().is_checkpoint_dir(path):
+            raise _checkpoint_module().wrong_strategy_error(path)
         return self.inner.load_checkpoint(path, map_location=map_location, weights_only=weights_only)
 
     def remove_checkpoint(self, path: Any) -> None:
@@ -113,3 +112,11 @@ class _SnakeDirAwareIO(CheckpointIO):
 
     def teardown(self) -> None:
         self.inner.teardown()
+
+
+def _checkpoint_module():
+    # Imported on use, not at import time: `python -m snake_strategy.checkpoint` (the consolidation CLI)
+    # would otherwise find the module already imported by the package and runpy warns about it.
+    from snake_strategy import checkpoint
+
+    return checkpoint

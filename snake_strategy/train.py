@@ -98,7 +98,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         raise ValueError("configs storage/ and schedule/ must target snake_strategy.StorageConfig and "
                          f"snake_strategy.ScheduleConfig; got {type(storage).__name__}, {type(schedule).__name__}")
 
-    strategy = GreedySnakeStrategy(storage=storage, schedule=schedule)
+    strategy = GreedySnakeStrategy(storage=storage, schedule=schedule, progress=cfg.get("progress", True))
     kwargs = trainer_kwargs(cfg, out_dir)
     report_cb = StepReport(log_every_n_steps=int(kwargs.get("log_every_n_steps") or 10))
     save_cb = SaveFinal(out_dir) if cfg.get("save_final", True) else None
@@ -112,7 +112,8 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     report["choices"] = _choices()
     report["saved"] = save_cb.saved if save_cb is not None else {}
     report["output_dir"] = str(out_dir)
-    report["num_params"] = model.config.num_params()
+    # Any model: counted from the module (tied weights once; meta tensors have a size too).
+    report["num_params"] = sum(p.numel() for p in model.parameters())
     report["storage"] = {k: v for k, v in OmegaConf.to_container(cfg.storage, resolve=True).items() if k != "_target_"}
     report["schedule"] = {k: v for k, v in OmegaConf.to_container(cfg.schedule, resolve=True).items()
                           if k != "_target_"}
@@ -145,7 +146,7 @@ class SaveFinal(L.Callback):
         budget = trainer.strategy.storage.host_budget_bytes
         if budget is None or engine.master_bytes() <= budget:
             model_file = self.out_dir / "final_model.ckpt"
-            consolidate(final, model_file)
+            consolidate(final, model_file, trainer.strategy.progress)
             self.saved["model"] = str(model_file)
 
 

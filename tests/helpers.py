@@ -1,12 +1,41 @@
 """Shared test fixtures: a very small GPT, fixed data, and runners for the reference and greedysnake."""
 from __future__ import annotations
 
+from typing import Callable
+
 import lightning as L
 import torch
+import torch.nn.functional as F
+from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import snake_strategy
 from snake_strategy.gpt import GPTConfig, GPTModule
+
+class StackModule(snake_strategy.LayeredModule):
+    """The README's contract in its smallest form: embedding -> ``make_block(i)`` for each of ``depth``
+    blocks -> linear head, cross-entropy over (tokens, next tokens) batches, AdamW."""
+
+    def __init__(self, make_block: Callable[[int], nn.Module], width: int = 16, depth: int = 2, vocab: int = 64,
+                 lr: float = 1e-3) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, width)
+        self.blocks = nn.ModuleList(make_block(i) for i in range(depth))
+        self.head = nn.Linear(width, vocab)
+        self.lr = lr
+
+    def pre_stage(self, batch):
+        return self.embed(batch[0])
+
+    def post_stage(self, hidden):
+        return self.head(hidden)
+
+    def compute_loss(self, outputs, batch):
+        return F.cross_entropy(outputs.flatten(0, 1), batch[1].flatten())
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=self.lr)
+
 
 SMALL_GPT = GPTConfig(vocab_size=64, d_model=32, num_layers=4, num_heads=4, context_len=16, tied_head=True)
 

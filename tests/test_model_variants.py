@@ -5,14 +5,12 @@ import dataclasses
 import lightning as L
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import snake_strategy
-from snake_strategy import LayeredModule
 from snake_strategy.gpt import GPTModule
-from tests.helpers import SMALL_GPT, run_reference, run_snake, token_data, trainer_kwargs
+from tests.helpers import SMALL_GPT, StackModule, run_reference, run_snake, token_data, trainer_kwargs
 
 STEPS, MICRO, MICRO_SIZE, LR = 3, 4, 2, 1e-2
 
@@ -79,30 +77,18 @@ class MaskLoggingBlock(nn.Module):
         return x + h
 
 
-class DropoutStack(LayeredModule):
+class DropoutStack(StackModule):
     """Dropout in the embedding stage and in every block, each call's mask recorded with its input."""
 
     def __init__(self, vocab=64, width=32, depth=4, p=0.3):
-        super().__init__()
-        self.embed = nn.Embedding(vocab, width)
+        super().__init__(lambda i: MaskLoggingBlock(i, width, p), width, depth, vocab)
         self.drop = nn.Dropout(p)
-        self.blocks = nn.ModuleList(MaskLoggingBlock(i, width, p) for i in range(depth))
-        self.head = nn.Linear(width, vocab)
 
     def pre_stage(self, batch):
         e = self.embed(batch[0]) + 1.5
         h = self.drop(e)
         _record("embed", batch[0], h)
         return h
-
-    def post_stage(self, hidden):
-        return self.head(hidden)
-
-    def compute_loss(self, outputs, batch):
-        return F.cross_entropy(outputs.flatten(0, 1), batch[1].flatten())
-
-    def configure_optimizers(self):
-        return torch.optim.AdamW(self.parameters(), lr=1e-3)
 
 
 @pytest.mark.parametrize("kind", ["vertical", "horizontal"])

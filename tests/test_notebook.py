@@ -1,4 +1,4 @@
-"""The quickstart notebook runs top to bottom in a kernel of this interpreter and moves bytes through the SSD."""
+"""The notebooks run top to bottom in a kernel of this interpreter and move bytes through the SSD."""
 from __future__ import annotations
 
 import ast
@@ -11,7 +11,8 @@ import pytest
 from jupyter_client.kernelspec import KernelSpecManager, NoSuchKernel
 from nbclient import NotebookClient
 
-NOTEBOOK = Path(__file__).resolve().parents[1] / "notebooks" / "01_quickstart.ipynb"
+NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
+NOTEBOOK = NOTEBOOKS / "01_quickstart.ipynb"
 # Names jupyter_client replaces with the running interpreter when it launches a kernel.
 PORTABLE_PYTHONS = {"python", f"python{sys.version_info[0]}", f"python{sys.version_info[0]}.{sys.version_info[1]}"}
 
@@ -51,5 +52,27 @@ def test_quickstart_notebook_runs(tmp_path, monkeypatch):
     assert per_tier["ssd"] > 0, per_tier
 
     # The figure (loss curve + traffic bars) was drawn by the kernel's inline backend.
+    assert any(out.output_type == "display_data" and "image/png" in out.get("data", {})
+               for cell in nb.cells for out in cell.get("outputs", []))
+
+
+def test_finetune_hf_notebook_runs(tmp_path, monkeypatch):
+    """02: save_pretrained -> fine-tune from the directory with SSD weights -> validate -> export ->
+    from_pretrained -> generate -> plot."""
+    pytest.importorskip("transformers")
+    monkeypatch.setenv("PYTHONWARNINGS", "ignore")
+    nb = nbformat.read(NOTEBOOKS / "02_finetune_hf.ipynb", as_version=4)
+    client = NotebookClient(nb, timeout=300, kernel_name=kernel_for_this_python(tmp_path, monkeypatch),
+                            resources={"metadata": {"path": str(tmp_path)}})
+    client.execute()
+    errors = [out for cell in nb.cells if cell.cell_type == "code" for out in cell.get("outputs", [])
+              if out.output_type == "error"]
+    assert not errors, errors
+    summary_cell = next(cell for cell in nb.cells if "summary" in cell.metadata.get("tags", []))
+    result = next(out for out in summary_cell.outputs if out.output_type == "execute_result")
+    summary = ast.literal_eval(result.data["text/plain"])
+    assert summary["reloaded_equal"] and summary["generate_equal"], summary
+    assert summary["eval_ssd_read"] > 0 and summary["eval_written"] == 0, summary
+    assert summary["final_train_loss"] < 5.5, summary  # from ln(256) = 5.55 at the random init
     assert any(out.output_type == "display_data" and "image/png" in out.get("data", {})
                for cell in nb.cells for out in cell.get("outputs", []))

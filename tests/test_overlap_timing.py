@@ -7,11 +7,10 @@ import time
 
 import lightning as L
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from snake_strategy import EngineHooks, GreedySnakeStrategy, LayeredModule
-from tests.helpers import token_data, trainer_kwargs
+from snake_strategy import EngineHooks, GreedySnakeStrategy
+from tests.helpers import StackModule, token_data, trainer_kwargs
 
 COMPUTE_S = 0.04  # per block call
 SSD_DELAY_S = 0.002  # per 4 MiB I/O chunk (a unit here is one chunk)
@@ -27,24 +26,8 @@ class SleepyBlock(nn.Module):
         return x + torch.tanh(self.lin(x))
 
 
-class SleepyStack(LayeredModule):
-    def __init__(self, width=64, depth=6):
-        super().__init__()
-        self.embed = nn.Embedding(32, width)
-        self.blocks = nn.ModuleList(SleepyBlock(width) for _ in range(depth))
-        self.head = nn.Linear(width, 32)
-
-    def pre_stage(self, batch):
-        return self.embed(batch[0])
-
-    def post_stage(self, hidden):
-        return self.head(hidden)
-
-    def compute_loss(self, outputs, batch):
-        return F.cross_entropy(outputs.flatten(0, 1), batch[1].flatten())
-
-    def configure_optimizers(self):
-        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+def SleepyStack(width=64, depth=6) -> StackModule:
+    return StackModule(lambda i: SleepyBlock(width), width, depth, vocab=32)
 
 
 class Fetches(L.Callback):

@@ -13,10 +13,10 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 import snake_strategy
-from snake_strategy import EngineHooks, GreedySnakeStrategy, LayeredModule
+from snake_strategy import EngineHooks, GreedySnakeStrategy
 from snake_strategy.gpt import GPTModule
 from snake_strategy.precision import GreedySnakePrecision
-from tests.helpers import SMALL_GPT, max_abs_diff, token_data, trainer_kwargs
+from tests.helpers import SMALL_GPT, StackModule, max_abs_diff, token_data, trainer_kwargs
 
 
 def _loader(num_samples: int, batch_size: int, seed: int = 1234) -> DataLoader:
@@ -176,24 +176,8 @@ class DropoutBlock(nn.Module):
         return hidden + out
 
 
-class DropoutStack(LayeredModule):
-    def __init__(self, log: MaskLog, width: int = 16, depth: int = 3) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(64, width)
-        self.blocks = nn.ModuleList(DropoutBlock(width, log, i) for i in range(depth))
-        self.head = nn.Linear(width, 64)
-
-    def pre_stage(self, batch):
-        return self.embed(batch[0])
-
-    def post_stage(self, hidden):
-        return self.head(hidden)
-
-    def compute_loss(self, outputs, batch):
-        return F.cross_entropy(outputs.flatten(0, 1), batch[1].flatten())
-
-    def configure_optimizers(self):
-        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+def DropoutStack(log: MaskLog, width: int = 16, depth: int = 3) -> StackModule:
+    return StackModule(lambda i: DropoutBlock(width, log, i), width, depth)
 
 
 @pytest.mark.parametrize("kind,batched", [("vertical", False), ("horizontal", False), ("vertical", True)])
@@ -212,27 +196,12 @@ def test_recompute_replays_the_forward_dropout_masks(kind, batched):
 
 
 # ---------------------------------------------------------------------------------------- items 8-9 and contract crashes
-class TinyStack(LayeredModule):
+class TinyStack(StackModule):
     """The README's model; ``block`` builds one block, so tests can swap in a misbehaving one."""
 
     def __init__(self, block=None, width: int = 16, depth: int = 2) -> None:
-        super().__init__()
         make = block or (lambda: nn.Sequential(nn.LayerNorm(width), nn.Linear(width, width), nn.GELU()))
-        self.embed = nn.Embedding(64, width)
-        self.blocks = nn.ModuleList(make() for _ in range(depth))
-        self.head = nn.Linear(width, 64)
-
-    def pre_stage(self, batch):
-        return self.embed(batch[0])
-
-    def post_stage(self, hidden):
-        return self.head(hidden)
-
-    def compute_loss(self, outputs, batch):
-        return F.cross_entropy(outputs.flatten(0, 1), batch[1].flatten())
-
-    def configure_optimizers(self):
-        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+        super().__init__(lambda i: make(), width, depth)
 
 
 def _fit_tiny(module, batch_size=4, loader=None, precision="32-true", **trainer):

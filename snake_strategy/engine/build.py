@@ -17,6 +17,7 @@ from snake_strategy.engine.state import NonLayerState, UnitStore
 from snake_strategy.memory import forward_split
 from snake_strategy.precision import DtypePolicy
 from snake_strategy.pretrained import PretrainedSource
+from snake_strategy.progress import Progress, or_quiet
 from snake_strategy.storage import IOEngine, SsdDirectory, TieredTensor, TrafficCounters
 from snake_strategy.units import UnitLayout, materialize_unit_blocks
 
@@ -56,8 +57,9 @@ def check_trainable(module: nn.Module, optimizer: torch.optim.Optimizer) -> dict
 def build_model(module: nn.Module, optimizer: torch.optim.Optimizer, layouts: list[UnitLayout], storage: StorageConfig,
                 blocks_per_unit: int, alpha: float, dtypes: DtypePolicy, device: torch.device,
                 counters: TrafficCounters, io: IOEngine | None, ssd: SsdDirectory | None,
-                pretrained: str | None) -> BuiltModel:
-    """Materialize ``layouts`` (from ``units.build_layouts`` over ``check_trainable``'s groups)."""
+                pretrained: str | None, progress: Progress | None = None) -> BuiltModel:
+    """Materialize ``layouts`` (from ``units.build_layouts`` over ``check_trainable``'s groups), reporting
+    units done to ``progress`` (phase "materialize", or "load_pretrained" when streaming weights in)."""
     group_of = {id(p): g for g, group in enumerate(optimizer.param_groups) for p in group["params"]}
     blocks_prefix = next(name for name, mod in module.named_modules() if mod is module.blocks)
     block_ids = {id(p) for p in module.blocks.parameters()}
@@ -84,15 +86,26 @@ def build_model(module: nn.Module, optimizer: torch.optim.Optimizer, layouts: li
         exp_avg_sq = tiered(name, "exp_avg_sq", t, dtypes.master)
         exp_avg_sq.evict(zeros)
         grads = tiered(name, "gradients", t, dtypes.master)
+        tracker.advance(1, n * dtypes.bytes_per("compute") + t * state_bytes_per_elem)
         return UnitStore(layout, weights, master, exp_avg, exp_avg_sq, grads, forward_split(t, alpha))
 
+    # Bytes put into the tiers per element: the compute weights for every element; the master copy when
+    # separate and two Adam moments for the trainable ones only.
+    state_bytes_per_elem = 2 * dtypes.bytes_per("master")
+    if dtypes.compute != dtypes.master:
+        state_bytes_per_elem += dtypes.bytes_per("master")
+    progress = or_quiet(progress)
     source = PretrainedSource(pretrained) if pretrained else None
+    tracker = progress.phase("load_pretrained" if source else "materialize", len(layouts),
+                             total_bytes=sum(layout.numel * dtypes.bytes_per("compute")
+                                             + layout.train_end * state_bytes_per_elem for layout in layouts))
     try:
         units = _materialize(module, layouts, named, device, source, dtypes, blocks_prefix, blocks_per_unit,
                              store_unit)
     finally:
         if source is not None:
             source.close()
+    tracker.finish()
     trained = [(n, p) for n, p in named if p.requires_grad]
     nonlayer = NonLayerState([n for n, _ in trained], [p for _, p in trained], [group_of[id(p)] for _, p in trained],
                              dtypes, frozen=[(n, p) for n, p in named if not p.requires_grad])

@@ -10,7 +10,6 @@ runner -> gradients -> overlap -> tiers.
 """
 from __future__ import annotations
 
-import math
 import time
 import zlib
 from dataclasses import dataclass
@@ -32,6 +31,7 @@ from snake_strategy.memory import MemoryInputs, format_plan, host_plan, pool_siz
 from snake_strategy.optim import check_optimizer, snapshot_hyper_params
 from snake_strategy.planner import ModelShape
 from snake_strategy.precision import DtypePolicy, LossScaler
+from snake_strategy.progress import Progress, or_quiet
 from snake_strategy.schedule import FORWARD, Task, build_tasks
 from snake_strategy.storage import IOEngine, SsdDirectory, TrafficCounters
 from snake_strategy.storage.aligned import return_large_frees_to_os
@@ -53,7 +53,8 @@ class SnakeEngine:
     def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer, storage: StorageConfig,
                  schedule: ScheduleConfig, dtypes: DtypePolicy, device: torch.device,
                  clip: tuple[str, float] | None = None, pretrained: str | None = None,
-                 scaler: LossScaler | None = None, hooks: EngineHooks | None = None) -> None:
+                 scaler: LossScaler | None = None, hooks: EngineHooks | None = None,
+                 progress: Progress | None = None) -> None:
         if clip is not None and clip[0] not in ("norm", "value"):
             raise ValueError(f"gradient_clip_algorithm='{clip[0]}' is not supported; use 'norm' or 'value'")
         check_contract(module)
@@ -62,6 +63,7 @@ class SnakeEngine:
         self.dtypes, self.device, self.clip = dtypes, device, clip
         self.scaler = scaler if scaler is not None else LossScaler(dtypes.loss_scaling)
         self.hooks = hooks or EngineHooks()
+        self.progress = or_quiet(progress)  # setup, long steps and export report here
         # Norm clipping and loss scaling defer each unit's whole update to the next forward.
         self.alpha = 1.0 if defers_whole_units(clip, self.scaler.enabled) else schedule.alpha
         self.counters = TrafficCounters()
@@ -101,7 +103,7 @@ class SnakeEngine:
                                       "weights, master weights, optimizer moments and gradients")
         self.check_host_budget()
         built = build_model(self.module, self.optimizer, layouts, self.storage, s.blocks_per_unit, self.alpha, self.dtypes,
-                            self.device, self.counters, self.io, self.ssd, pretrained)
+                            self.device, self.counters, self.io, self.ssd, pretrained, self.progress)
         self.blocks_prefix, self.units, self.nonlayer = built.blocks_prefix, built.units, built.nonlayer
         pools = pool_sizes(self.memory_inputs())
         self.overlap = OptimizerOverlap(self.units, self.dtypes.compute, self.dtypes.master, self.device,
@@ -229,8 +231,10 @@ class SnakeEngine:
         # Every micro-batch's loss is divided by the configured count, a short batch's too (as Lightning's
         # accumulation does in an epoch's last, partial window).
         state = StepState(micro_batches, sizes, self.scaler.scale / num_micro)
+        tasks = self.tasks(len(micro_batches))
+        watch = self.progress.step(self.step_count + 1, len(tasks))  # None unless someone listens
         try:
-            self.runner.run(self.tasks(len(micro_batches)), state)
+            self.runner.run(tasks, state, watch)
             self.gradients.flush()
         except BaseException:
             self.gradients.abandon()
@@ -239,6 +243,8 @@ class SnakeEngine:
             self.overlap.end_forward_parts()
             self.weights.drain()
             self.activations.clear()
+        if watch is not None:
+            watch.finish()
         self.checkpoint_bytes = self.checkpoint_bytes or state.checkpoint_bytes
         # The optimizer phase is measured from here: the worker keeps moving bytes while Lightning runs
         # its hooks, and those bytes belong to this step too.
@@ -402,14 +408,17 @@ class SnakeEngine:
         for pool in (self.grad_pool, self.weights.pool):
             if pool is not None:
                 pool.clear()
+        tracker = self.progress.phase("export", len(self.units), total_bytes=self.master_bytes())
         for u, unit in enumerate(self.units):
             values = self.unit_weights(u)
             for name, s in unit.named_slots(self.blocks_prefix):
                 p = unit.layout.blocks[s.block].get_parameter(s.name)
                 torch.utils.swap_tensors(p, nn.Parameter(values[name], p.requires_grad))
+            tracker.advance(1, sum(v.numel() * v.element_size() for v in values.values()))
         for p, master in zip(self.nonlayer.params, self.nonlayer.master):
             if p is not master:
                 torch.utils.swap_tensors(p, nn.Parameter(master.detach().clone(), p.requires_grad))
+        tracker.finish()
 
     # ------------------------------------------------------------------ teardown
     def ssd_files(self) -> list[str]:

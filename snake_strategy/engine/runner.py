@@ -25,6 +25,7 @@ from snake_strategy.engine.gradients import GradientPath
 from snake_strategy.engine.state import NonLayerState, UnitStore
 from snake_strategy.engine.trace import TaskTrace
 from snake_strategy.engine.weights import WeightStreamer
+from snake_strategy.progress import StepProgress
 from snake_strategy.schedule import BACKWARD, Task
 
 
@@ -72,8 +73,10 @@ class StepRunner:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=self._autocast_dtype)
 
-    def run(self, tasks: list[Task], state: StepState) -> None:
+    def run(self, tasks: list[Task], state: StepState, watch: StepProgress | None = None) -> None:
         for index, task in enumerate(tasks):
+            if watch is not None:
+                watch.task(index, task)  # a clock read; a line only once the step has run long
             self.weights.prefetch_after(tasks, index)
             if index + 1 < len(tasks):
                 following = tasks[index + 1]
