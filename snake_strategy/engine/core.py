@@ -408,13 +408,15 @@ class SnakeEngine:
         for pool in (self.grad_pool, self.weights.pool):
             if pool is not None:
                 pool.clear()
-        tracker = self.progress.phase("export", len(self.units), total_bytes=self.master_bytes())
+        e_c, e_m = self.dtypes.bytes_per("compute"), self.dtypes.bytes_per("master")
+        unit_bytes = [u.train_end * e_m + (u.layout.numel - u.train_end) * e_c for u in self.units]
+        tracker = self.progress.phase("export", len(self.units), total_bytes=sum(unit_bytes))
         for u, unit in enumerate(self.units):
-            values = self.unit_weights(u)
+            values = self.unit_weights(u)  # trainable ones from the master copy, frozen ones as stored
             for name, s in unit.named_slots(self.blocks_prefix):
                 p = unit.layout.blocks[s.block].get_parameter(s.name)
                 torch.utils.swap_tensors(p, nn.Parameter(values[name], p.requires_grad))
-            tracker.advance(1, sum(v.numel() * v.element_size() for v in values.values()))
+            tracker.advance(1, unit_bytes[u])
         for p, master in zip(self.nonlayer.params, self.nonlayer.master):
             if p is not master:
                 torch.utils.swap_tensors(p, nn.Parameter(master.detach().clone(), p.requires_grad))
