@@ -8,6 +8,12 @@ Layout of ``<name>.ckpt/`` (a directory):
     units/unitNNNNN.{master,exp_avg,exp_avg_sq}.bin   raw little-endian tensors, one unit per file
     manifest.json    written last: format, step, layouts (names, shapes, offsets), sizes and CRC-32s
 
+Frozen parameters (``requires_grad=False``: a fine-tuning run's base weights) are not copied: the unit
+files hold the trainable part only, and the manifest records each unit's frozen parameter names and
+the CRC-32 of their stored bytes (``frozen``), and those of the frozen non-layer parameters
+(``frozen_nonlayer``). Loading refuses a model whose base weights differ from the ones the checkpoint
+was trained on; consolidation writes the trained parameters only.
+
 Saving streams one unit at a time from its tiers (never the whole model in memory) into a temporary
 sibling ``.<name>.tmp-<pid>`` that replaces ``<name>`` only when complete, so a failure (ENOSPC, EIO, a
 kill) leaves the previous checkpoint intact. The replacement keeps a complete checkpoint under the name
@@ -54,6 +60,7 @@ def save(engine: SnakeEngine, checkpoint: dict[str, Any], path: str | os.PathLik
     (tmp / "units").mkdir(parents=True)
     try:
         engine.flush()  # pending deferred updates belong to the saved state
+        frozen = engine.frozen_checksums()
         unit_bytes = sum(engine.unit_numel(u) for u in range(engine.num_units)) * engine.dtypes.bytes_per("master")
         tracker = or_quiet(progress).phase("checkpoint_save", len(STATES) * engine.num_units + 2, what="files",
                                            total_bytes=len(STATES) * unit_bytes)
@@ -66,7 +73,9 @@ def save(engine: SnakeEngine, checkpoint: dict[str, Any], path: str | os.PathLik
                 files[name] = _write_raw(tmp / name, values[state])
                 tracker.advance(1, files[name]["bytes"])
             del values  # one unit in memory at a time
-            units.append({"numel": engine.unit_numel(u), "slots": [list(slot) for slot in engine.unit_slots(u)]})
+            units.append({"numel": engine.unit_numel(u), "slots": [list(slot) for slot in engine.unit_slots(u)],
+                          "frozen": {"names": [slot[0] for slot in engine.unit_slots(u, trainable=False)],
+                                     "crc32": frozen["units"][u]}})
         torch.save(engine.nonlayer_state(), tmp / "nonlayer.pt")
         files["nonlayer.pt"] = _describe(tmp / "nonlayer.pt")
         tracker.advance(1, files["nonlayer.pt"]["bytes"])
@@ -74,7 +83,8 @@ def save(engine: SnakeEngine, checkpoint: dict[str, Any], path: str | os.PathLik
         files["meta.pt"] = _describe(tmp / "meta.pt")
         tracker.advance(1, files["meta.pt"]["bytes"])
         manifest = {"format": FORMAT, "step_count": engine.step_count, "master_dtype": str(engine.dtypes.master),
-                    "blocks_per_unit": engine.schedule.blocks_per_unit, "units": units, "files": files}
+                    "blocks_per_unit": engine.schedule.blocks_per_unit, "units": units, "files": files,
+                    "frozen_nonlayer": frozen["nonlayer"]}
         (tmp / "manifest.json").write_text(json.dumps(manifest))
         _fsync_dir(tmp)
         _replace(tmp, final)
@@ -261,6 +271,7 @@ def load(engine: SnakeEngine, path: str | os.PathLike, progress: Progress | None
                          f"run has {engine.num_units} of {engine.schedule.blocks_per_unit} (schedule.blocks_per_unit)")
     dtype = _DTYPES[manifest["master_dtype"]]
     engine.flush()
+    _check_frozen(root, manifest, engine.frozen_checksums())
     tracker = or_quiet(progress).phase("checkpoint_load", engine.num_units, total_bytes=len(STATES) * dtype.itemsize
                                        * sum(unit["numel"] for unit in manifest["units"]))
     for u in range(engine.num_units):
@@ -274,6 +285,23 @@ def load(engine: SnakeEngine, path: str | os.PathLike, progress: Progress | None
     engine.step_count = manifest["step_count"]
     tracker.finish()
     return torch.load(root / "meta.pt", map_location="cpu", weights_only=False)
+
+
+def _check_frozen(root: Path, manifest: dict, current: dict) -> None:
+    """Refuse to resume a fine-tuning checkpoint on top of other base weights than it was trained on."""
+    saved_nonlayer = manifest.get("frozen_nonlayer", {})
+    if set(saved_nonlayer) != set(current["nonlayer"]):
+        raise ValueError(f"{root} was saved with frozen non-layer parameters {sorted(saved_nonlayer)}, this model "
+                         f"freezes {sorted(current['nonlayer'])}; freeze the same parameters to resume it")
+    changed = [name for name, crc in saved_nonlayer.items() if current["nonlayer"][name] != crc]
+    for u, unit in enumerate(manifest["units"]):
+        saved = unit.get("frozen", {"names": [], "crc32": zlib.crc32(b"")})
+        if saved["crc32"] != current["units"][u]:
+            changed += saved["names"] or [f"unit {u}"]
+    if changed:
+        raise ValueError(f"{root} does not hold the frozen (base) weights, and those of this model differ from the "
+                         f"ones it was trained on ({changed[:3]}{' ...' if len(changed) > 3 else ''} have another "
+                         "CRC-32): resume with the same base model (the same pretrained weights, seed and init)")
 
 
 def consolidate(path: str | os.PathLike, out_path: str | os.PathLike,

@@ -358,7 +358,10 @@ class GreedySnakeStrategy(Strategy):
             return self.lightning_module.state_dict()
         self.engine.flush()
         block_keys = {f"{self.engine.blocks_prefix}.{k}" for k in self.lightning_module.blocks.state_dict()}
-        return {k: v for k, v in self.lightning_module.state_dict().items() if k not in block_keys}
+        # Frozen parameters are the base model's: checkpoints record their checksums, not a copy.
+        frozen = {k for k, v in self.lightning_module.state_dict(keep_vars=True).items()
+                  if isinstance(v, torch.nn.Parameter) and not v.requires_grad}
+        return {k: v for k, v in self.lightning_module.state_dict().items() if k not in block_keys | frozen}
 
     @override
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
