@@ -29,6 +29,7 @@ from snake_strategy.module import LayeredModule
 from snake_strategy.planner import HardwareProfile, StepPrediction, predict
 from snake_strategy.precision import GreedySnakePrecision
 from snake_strategy.progress import Progress
+from snake_strategy.timeline import check_trace_path, write_trace
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +48,8 @@ class GreedySnakeStrategy(Strategy):
         progress: progress of setup, checkpoints, export and long steps: a ``Progress`` (add listeners
             there), or True/False to force log lines on/off; None (and a ``Progress(log=None)``) writes
             lines exactly when the Trainer's progress bar is enabled.
+        trace_path: write the run's timeline (the last ``engine.trace.keep`` steps) to this file at teardown, as
+            a Chrome/Perfetto trace (``snake_strategy.timeline``); None records no timeline.
     """
 
     strategy_name = "greedysnake"
@@ -61,6 +64,7 @@ class GreedySnakeStrategy(Strategy):
         precision_plugin: Precision | None = None,
         hooks: EngineHooks | None = None,
         progress: Progress | bool | None = None,
+        trace_path: str | os.PathLike | None = None,
     ) -> None:
         self.storage = coerce_config(StorageConfig, storage, "storage")
         self.schedule = coerce_config(ScheduleConfig, schedule, "schedule")
@@ -75,6 +79,7 @@ class GreedySnakeStrategy(Strategy):
         self.engine: SnakeEngine | None = None
         self.hooks = hooks
         self.progress = progress if isinstance(progress, Progress) else Progress(log=progress)
+        self.trace_path = None if trace_path is None else check_trace_path(trace_path)  # refused now, not at the end
         self.parallel_devices: list[torch.device] | None = None  # filled by Lightning's connector
         self.global_rank, self.local_rank, self.world_size = 0, 0, 1
         super().__init__(accelerator=accelerator, precision_plugin=precision_plugin)
@@ -167,6 +172,7 @@ class GreedySnakeStrategy(Strategy):
                                   self.precision_plugin.dtypes, self.root_device, clip=clip,
                                   pretrained=self.pretrained, scaler=self.precision_plugin.make_scaler(),
                                   hooks=self.hooks, progress=self.progress)
+        self.engine.trace.enabled = self.trace_path is not None
         if self.storage.checkpoints.ssd > 0 and self.schedule.num_micro_batches <= 2 * self.storage.checkpoint_host_ends:
             log.warning(
                 "storage.checkpoints puts %.0f%% on the SSD, but with schedule.num_micro_batches=%d and "
@@ -207,6 +213,7 @@ class GreedySnakeStrategy(Strategy):
     def teardown(self) -> None:
         engine, self.engine = self.engine, None
         if engine is not None:
+            self._write_trace(engine)
             try:
                 engine.flush()
                 self._give_back_weights(engine)
@@ -216,6 +223,16 @@ class GreedySnakeStrategy(Strategy):
         if self.accelerator is not None:
             self.accelerator.teardown()
         self.checkpoint_io.teardown()
+
+    def _write_trace(self, engine: SnakeEngine) -> None:
+        """The timeline file, also after a failed step (that timeline is the one worth seeing)."""
+        if self.trace_path is None:
+            return
+        try:
+            log.info("timeline written to %s (open it in https://ui.perfetto.dev)",
+                     write_trace(self.trace_path, engine.trace))
+        except OSError as err:  # losing the timeline must not lose the trained weights: teardown goes on
+            log.error("could not write the timeline to trace_path=%s: %s", self.trace_path, err)
 
     def _give_back_weights(self, engine: SnakeEngine) -> None:
         """After training the module holds the trained weights when they fit the host budget; otherwise
