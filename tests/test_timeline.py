@@ -158,3 +158,20 @@ def test_a_trace_path_that_cannot_be_a_file_is_refused_at_once(tmp_path):
     blocker.write_text("")
     with pytest.raises(ValueError, match="trace_path=.*cannot be written"):
         check_trace_path(blocker / "run.json")
+
+
+def test_the_hydra_flag_writes_the_trace_into_the_output_directory(tmp_path):
+    from hydra import compose, initialize_config_dir
+
+    from snake_strategy.train import CONFIG_DIR, run
+
+    overrides = ["trace_path=timeline.json", "trainer.max_steps=2", "save_final=false", "run_validation=false",
+                 "data.max_bytes=200000", "data.context_len=16", "data.micro_batch_size=1", "storage=ssd",
+                 f"storage.ssd_dir={tmp_path / 'ssd'}", f"hydra.run.dir={tmp_path}"]
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+        cfg = compose("train", overrides=overrides, return_hydra_config=True)
+    report = run(cfg)
+    assert report["trace"] == str(tmp_path / "timeline.json")
+    by_lane = lanes(read_trace(tmp_path / "timeline.json"))
+    assert [e["name"] for e in by_lane["steps"]] == ["step 1", "step 2"]
+    assert sum(e["cat"] == "task" for e in by_lane["compute"]) > 0
