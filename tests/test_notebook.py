@@ -1,4 +1,5 @@
-"""The quickstart notebook runs top to bottom in a kernel of this interpreter and moves bytes through the SSD."""
+"""The notebooks run top to bottom in a kernel of this interpreter: the quickstart moves bytes through the SSD,
+the planning notebook sizes a model and plots a measured timeline."""
 from __future__ import annotations
 
 import ast
@@ -32,20 +33,37 @@ def kernel_for_this_python(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> s
     return "snake-test"
 
 
-def test_quickstart_notebook_runs(tmp_path, monkeypatch):
+def execute(path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """The notebook at ``path``, run top to bottom in a kernel of this interpreter; no cell may fail."""
     monkeypatch.setenv("PYTHONWARNINGS", "ignore")
-    nb = nbformat.read(NOTEBOOK, as_version=4)
+    nb = nbformat.read(path, as_version=4)
     client = NotebookClient(nb, timeout=300, kernel_name=kernel_for_this_python(tmp_path, monkeypatch),
                             resources={"metadata": {"path": str(tmp_path)}})
     client.execute()
-
     errors = [out for cell in nb.cells if cell.cell_type == "code" for out in cell.get("outputs", [])
               if out.output_type == "error"]
     assert not errors, errors
+    return nb
 
-    summary_cell = next(cell for cell in nb.cells if "summary" in cell.metadata.get("tags", []))
-    printed = "".join(out.get("text", "") for out in summary_cell.outputs if out.output_type == "stream")
-    assert "final train loss" in printed and "ssd/weights" in printed
+
+def tagged(nb, tag: str):
+    return next(cell for cell in nb.cells if tag in cell.metadata.get("tags", []))
+
+
+def printed(cell) -> str:
+    return "".join(out.get("text", "") for out in cell.outputs if out.output_type == "stream")
+
+
+def has_figure(cell) -> bool:
+    return any(out.output_type == "display_data" and "image/png" in out.get("data", {}) for out in cell.outputs)
+
+
+def test_quickstart_notebook_runs(tmp_path, monkeypatch):
+    nb = execute(NOTEBOOK, tmp_path, monkeypatch)
+
+    summary_cell = tagged(nb, "summary")
+    text = printed(summary_cell)
+    assert "final train loss" in text and "ssd/weights" in text
     result = next(out for out in summary_cell.outputs if out.output_type == "execute_result")
     per_tier = ast.literal_eval(result.data["text/plain"])
     assert per_tier["ssd"] > 0, per_tier
@@ -53,3 +71,17 @@ def test_quickstart_notebook_runs(tmp_path, monkeypatch):
     # The figure (loss curve + traffic bars) was drawn by the kernel's inline backend.
     assert any(out.output_type == "display_data" and "image/png" in out.get("data", {})
                for cell in nb.cells for out in cell.get("outputs", []))
+
+
+def test_plan_and_timeline_notebook_runs(tmp_path, monkeypatch):
+    nb = execute(NOTEBOOK.with_name("03_plan_and_timeline.ipynb"), tmp_path, monkeypatch)
+    # The sizing: the smallest budget is refused with the planner's reason, the larger ones get a placement.
+    sizing = printed(tagged(nb, "plan"))
+    assert "does not fit" in sizing and "cannot hold the working set" in sizing and "fits, host" in sizing
+    predictions = tagged(nb, "predict")
+    assert "vertical" in printed(predictions) and "horizontal" in printed(predictions) and has_figure(predictions)
+    assert has_figure(tagged(nb, "timeline"))
+    # The measured step, from the trace file: every resource had work in it.
+    result = next(out for out in tagged(nb, "breakdown").outputs if out.output_type == "execute_result")
+    busy = ast.literal_eval(result.data["text/plain"])
+    assert busy["step"] > 0 and busy["compute"] > 0 and busy["ssd"] > 0 and busy["optimizer"] > 0, busy
