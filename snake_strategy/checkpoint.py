@@ -8,6 +8,12 @@ Layout of ``<name>.ckpt/`` (a directory):
     units/unitNNNNN.{master,exp_avg,exp_avg_sq}.bin   raw little-endian tensors, one unit per file
     manifest.json    written last: format, step, layouts (names, shapes, offsets), sizes and CRC-32s
 
+Frozen parameters (``requires_grad=False``: a fine-tuning run's base weights) are not copied: the unit
+files hold the trainable part only, and the manifest records each unit's frozen parameter names and
+the CRC-32 of their stored bytes (``frozen``), and those of the frozen non-layer parameters
+(``frozen_nonlayer``). Loading refuses a model whose base weights differ from the ones the checkpoint
+was trained on; consolidation writes the trained parameters only.
+
 Saving streams one unit at a time from its tiers (never the whole model in memory) into a temporary
 sibling ``.<name>.tmp-<pid>`` that replaces ``<name>`` only when complete, so a failure (ENOSPC, EIO, a
 kill) leaves the previous checkpoint intact. The replacement keeps a complete checkpoint under the name
@@ -30,7 +36,7 @@ import shutil
 import sys
 import zlib
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
@@ -54,6 +60,7 @@ def save(engine: SnakeEngine, checkpoint: dict[str, Any], path: str | os.PathLik
     (tmp / "units").mkdir(parents=True)
     try:
         engine.flush()  # pending deferred updates belong to the saved state
+        frozen = engine.frozen_checksums()
         unit_bytes = sum(engine.unit_numel(u) for u in range(engine.num_units)) * engine.dtypes.bytes_per("master")
         tracker = or_quiet(progress).phase("checkpoint_save", len(STATES) * engine.num_units + 2, what="files",
                                            total_bytes=len(STATES) * unit_bytes)
@@ -66,7 +73,9 @@ def save(engine: SnakeEngine, checkpoint: dict[str, Any], path: str | os.PathLik
                 files[name] = _write_raw(tmp / name, values[state])
                 tracker.advance(1, files[name]["bytes"])
             del values  # one unit in memory at a time
-            units.append({"numel": engine.unit_numel(u), "slots": [list(slot) for slot in engine.unit_slots(u)]})
+            units.append({"numel": engine.unit_numel(u), "slots": [list(slot) for slot in engine.unit_slots(u)],
+                          "frozen": {"names": [slot[0] for slot in engine.unit_slots(u, trainable=False)],
+                                     "crc32": frozen["units"][u]}})
         torch.save(engine.nonlayer_state(), tmp / "nonlayer.pt")
         files["nonlayer.pt"] = _describe(tmp / "nonlayer.pt")
         tracker.advance(1, files["nonlayer.pt"]["bytes"])
@@ -74,7 +83,8 @@ def save(engine: SnakeEngine, checkpoint: dict[str, Any], path: str | os.PathLik
         files["meta.pt"] = _describe(tmp / "meta.pt")
         tracker.advance(1, files["meta.pt"]["bytes"])
         manifest = {"format": FORMAT, "step_count": engine.step_count, "master_dtype": str(engine.dtypes.master),
-                    "blocks_per_unit": engine.schedule.blocks_per_unit, "units": units, "files": files}
+                    "blocks_per_unit": engine.schedule.blocks_per_unit, "units": units, "files": files,
+                    "frozen_nonlayer": frozen["nonlayer"]}
         (tmp / "manifest.json").write_text(json.dumps(manifest))
         _fsync_dir(tmp)
         _replace(tmp, final)
@@ -224,7 +234,9 @@ def read_manifest(path: str | os.PathLike, progress: Progress | None = None) -> 
     return _read_manifest(locate(path), progress)
 
 
-def _read_manifest(root: Path, progress: Progress | None = None) -> dict:
+def _read_manifest(root: Path, progress: Progress | None = None,
+                   verify: Callable[[str], bool] | None = None) -> dict:
+    """The manifest, after checking the size and CRC-32 of every file (of those ``verify`` accepts)."""
     manifest_path = root / "manifest.json"
     if not manifest_path.exists():
         raise ValueError(f"{root} is not a complete greedysnake checkpoint (no manifest.json): an interrupted save "
@@ -239,9 +251,10 @@ def _read_manifest(root: Path, progress: Progress | None = None) -> dict:
     missing = [k for k in ("step_count", "master_dtype", "blocks_per_unit", "units", "files") if k not in manifest]
     if missing:
         raise ValueError(f"{manifest_path} is corrupt: it lacks {missing}")
-    tracker = or_quiet(progress).phase("checkpoint_verify", len(manifest["files"]), what="files",
-                                       total_bytes=sum(info["bytes"] for info in manifest["files"].values()))
-    for name, info in manifest["files"].items():
+    files = {name: info for name, info in manifest["files"].items() if verify is None or verify(name)}
+    tracker = or_quiet(progress).phase("checkpoint_verify", len(files), what="files",
+                                       total_bytes=sum(info["bytes"] for info in files.values()))
+    for name, info in files.items():
         _verify(root / name, info)
         tracker.advance(1, info["bytes"])
     tracker.finish()
@@ -258,6 +271,7 @@ def load(engine: SnakeEngine, path: str | os.PathLike, progress: Progress | None
                          f"run has {engine.num_units} of {engine.schedule.blocks_per_unit} (schedule.blocks_per_unit)")
     dtype = _DTYPES[manifest["master_dtype"]]
     engine.flush()
+    _check_frozen(root, manifest, engine.frozen_checksums())
     tracker = or_quiet(progress).phase("checkpoint_load", engine.num_units, total_bytes=len(STATES) * dtype.itemsize
                                        * sum(unit["numel"] for unit in manifest["units"]))
     for u in range(engine.num_units):
@@ -271,6 +285,23 @@ def load(engine: SnakeEngine, path: str | os.PathLike, progress: Progress | None
     engine.step_count = manifest["step_count"]
     tracker.finish()
     return torch.load(root / "meta.pt", map_location="cpu", weights_only=False)
+
+
+def _check_frozen(root: Path, manifest: dict, current: dict) -> None:
+    """Refuse to resume a fine-tuning checkpoint on top of other base weights than it was trained on."""
+    saved_nonlayer = manifest.get("frozen_nonlayer", {})
+    if set(saved_nonlayer) != set(current["nonlayer"]):
+        raise ValueError(f"{root} was saved with frozen non-layer parameters {sorted(saved_nonlayer)}, this model "
+                         f"freezes {sorted(current['nonlayer'])}; freeze the same parameters to resume it")
+    changed = [name for name, crc in saved_nonlayer.items() if current["nonlayer"][name] != crc]
+    for u, unit in enumerate(manifest["units"]):
+        saved = unit.get("frozen", {"names": [], "crc32": zlib.crc32(b"")})
+        if saved["crc32"] != current["units"][u]:
+            changed += saved["names"] or [f"unit {u}"]
+    if changed:
+        raise ValueError(f"{root} does not hold the frozen (base) weights, and those of this model differ from the "
+                         f"ones it was trained on ({changed[:3]}{' ...' if len(changed) > 3 else ''} have another "
+                         "CRC-32): resume with the same base model (the same pretrained weights, seed and init)")
 
 
 def consolidate(path: str | os.PathLike, out_path: str | os.PathLike,
@@ -392,21 +423,39 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = argparse.ArgumentParser(prog="python -m snake_strategy.checkpoint",
                                      description="Consolidate a greedysnake checkpoint directory into one file "
-                                                 "that LightningModule.load_from_checkpoint reads.")
+                                                 "that LightningModule.load_from_checkpoint reads (--format ckpt), "
+                                                 "or export an HFCausalLM's weights to a HuggingFace model "
+                                                 "directory, streamed one unit at a time (--format hf).")
     parser.add_argument("checkpoint_dir")
-    parser.add_argument("output_file")
+    parser.add_argument("output", help="the file to write (ckpt) or the directory to write (hf)")
+    parser.add_argument("--format", choices=("ckpt", "hf"), default="ckpt")
+    parser.add_argument("--config", default=None,
+                        help="hf only: a HF model directory or config.json (default: the config saved with the module)")
+    parser.add_argument("--dtype", choices=("float32", "float64", "bfloat16", "float16"), default=None,
+                        help="hf only: dtype of the safetensors files (default: the checkpoint's master dtype)")
     parser.add_argument("--quiet", action="store_true", help="no progress lines (on stderr)")
     parser.add_argument("--progress-every-s", type=float, default=5.0, metavar="SECONDS",
                         help="at most one progress line per phase every this many seconds (default 5)")
     args = parser.parse_args(argv)
+    if args.format == "ckpt" and (args.config or args.dtype):
+        parser.error("--config and --dtype apply to --format hf only")
     try:
         progress = Progress(log=not args.quiet, every_s=args.progress_every_s)
-        checkpoint = consolidate(args.checkpoint_dir, args.output_file, progress)
-    except (ValueError, OSError) as err:
-        # A user's mistake or a damaged checkpoint: one line that names it, as argparse does for bad usage.
+        if args.format == "hf":
+            from snake_strategy.checkpoint_weights import export_hf_checkpoint
+
+            dtype = getattr(torch, args.dtype) if args.dtype else None
+            files = export_hf_checkpoint(args.checkpoint_dir, args.output, config=args.config, dtype=dtype,
+                                         progress=progress)
+            print(f"wrote {args.output}: config.json + {len(files)} safetensors file(s)")
+            return 0
+        checkpoint = consolidate(args.checkpoint_dir, args.output, progress)
+    except (ValueError, OSError, ImportError) as err:
+        # A user's mistake, a damaged checkpoint or a missing [hf] extra: one line that names it, as
+        # argparse does for bad usage.
         print(f"{parser.prog}: error: {err}", file=sys.stderr)
         return 2
-    print(f"wrote {args.output_file}: {len(checkpoint['state_dict'])} tensors")
+    print(f"wrote {args.output}: {len(checkpoint['state_dict'])} tensors")
     return 0
 
 

@@ -364,10 +364,16 @@ def module_weights(module: HFCausalLM) -> Iterator[tuple[str, Tensor]]:
         return
     state = engine.nonlayer_state()  # the non-layer master weights only
     yield from zip(state["names"], state["master"])
+    if not hasattr(engine, "unit_weights"):  # the evaluation engine: every weight is in its units' copy
+        for u in range(engine.num_units):
+            flat = engine.unit_state(u)["master"]  # one unit in memory at a time
+            for name, shape, offset, numel in engine.unit_slots(u):
+                yield name, flat[offset:offset + numel].view(shape)
+        return
+    # The training engine: frozen parameters have no master copy; they come from the compute weights.
+    yield from ((name, p.detach()) for name, p in zip(engine.nonlayer.frozen_names, engine.nonlayer.frozen))
     for u in range(engine.num_units):
-        flat = engine.unit_state(u)["master"]  # one unit in memory at a time
-        for name, shape, offset, numel in engine.unit_slots(u):
-            yield name, flat[offset:offset + numel].view(shape)
+        yield from engine.unit_weights(u).items()  # one unit in memory at a time
 
 
 def export_hf(source: HFCausalLM | Mapping[str, Tensor] | Iterable[tuple[str, Tensor]], out_dir: str | os.PathLike,

@@ -44,7 +44,7 @@ class MemoryInputs:
     """What the model and the run look like, as far as memory is concerned."""
 
     unit_params: tuple[int, ...]  # parameters per unit
-    nonlayer_params: int
+    nonlayer_params: int  # trainable ones (with master, moments, gradient)
     compute_bytes: int  # per compute weight
     master_bytes: int  # per master weight / moment / gradient element
     device_is_cpu: bool
@@ -56,6 +56,22 @@ class MemoryInputs:
     blocks_per_unit: int = 1
     micro_per_backward_task: int = 1  # all of them when the backward is batched
     checkpoint_bytes: int = 0  # one unit input of one micro-batch; 0 while unknown
+    # Frozen parameters exist as compute weights only. Per unit, the elements that have a master copy,
+    # moments and gradients (the trainable part, page-padded); empty: every element is trainable.
+    unit_trainable: tuple[int, ...] = ()
+    nonlayer_frozen: int = 0  # frozen embedding/head parameters: the compute copy only
+
+    @property
+    def trainable(self) -> tuple[int, ...]:
+        return self.unit_trainable or self.unit_params
+
+    @property
+    def total_trainable(self) -> int:
+        return sum(self.trainable)
+
+    @property
+    def max_trainable(self) -> int:
+        return max(self.trainable)
 
     @property
     def total_params(self) -> int:
@@ -109,8 +125,8 @@ def stored_gradient_elems(inputs: MemoryInputs) -> int:
     """Elements the gradient store holds: horizontal parks whole partial sums; vertical only each unit's
     forward part (nothing at alpha 0)."""
     if inputs.kind == "horizontal":
-        return inputs.total_params
-    return sum(forward_split(n, inputs.alpha) for n in inputs.unit_params)
+        return inputs.total_trainable
+    return sum(forward_split(n, inputs.alpha) for n in inputs.trainable)
 
 
 def _in_memory(split: TierSplit, device_is_cpu: bool) -> float:
@@ -122,23 +138,25 @@ def host_plan(inputs: MemoryInputs) -> dict[str, int]:
     s, cpu = inputs.storage, inputs.device_is_cpu
     e_c, e_m = inputs.compute_bytes, inputs.master_bytes
     total, unit = inputs.total_params, inputs.max_unit_params
+    trained, unit_trained = inputs.total_trainable, inputs.max_trainable
     pools = pool_sizes(inputs)
-    chunk = min(unit, s.optimizer_chunk_elems)
+    chunk = min(unit_trained, s.optimizer_chunk_elems)
     weights_in_place = s.weights.device == 1.0  # fully device-resident weights are used in place
     plan = {
         "weights": int(total * e_c * _in_memory(s.weights, cpu)),
-        "optimizer_moments": int(2 * total * e_m * _in_memory(s.optimizer, cpu)),
+        "optimizer_moments": int(2 * trained * e_m * _in_memory(s.optimizer, cpu)),
         "gradients": int(stored_gradient_elems(inputs) * e_m * _in_memory(s.gradients, cpu)),
         # compute copy, master (when separate), 2 moments, gradient, one transient gradient from autograd
-        "nonlayer_params_and_state": inputs.nonlayer_params * (e_c + 4 * e_m + (e_m if inputs.separate_master else 0)),
+        "nonlayer_params_and_state": (inputs.nonlayer_params * (e_c + 4 * e_m + (e_m if inputs.separate_master else 0))
+                                      + inputs.nonlayer_frozen * e_c),
         "weight_buffers": 0 if weights_in_place else pools.weight_buffers * unit * e_c,
         # + the horizontal schedule's partial sum, read back to be added (one unit, transient)
-        "gradient_buffers": (pools.grad_buffers + (inputs.kind == "horizontal")) * unit * e_m,
+        "gradient_buffers": (pools.grad_buffers + (inputs.kind == "horizontal")) * unit_trained * e_m,
         # the worker's chunk of master + 2 moments + parked gradient (+ the refreshed compute copy)
         "optimizer_scratch": 4 * chunk * e_m + (chunk * e_c if inputs.separate_master else 0),
     }
     if inputs.separate_master:
-        plan["master"] = int(total * e_m * _in_memory(s.master, cpu))
+        plan["master"] = int(trained * e_m * _in_memory(s.master, cpu))
     if inputs.checkpoint_bytes:
         ckpt = inputs.checkpoint_bytes
         tiers = checkpoint_tiers(s, inputs.num_micro)
@@ -162,14 +180,14 @@ def ssd_plan(inputs: MemoryInputs) -> dict[str, int]:
     def per_unit(fraction: float, elem_bytes: int, numels) -> int:
         return sum(round_up(int(n * fraction) * elem_bytes) for n in numels) if fraction else 0
 
-    units = inputs.unit_params
+    units, trained = inputs.unit_params, inputs.trainable  # frozen elements: weights only
     plan = {
         "weights": per_unit(s.weights.ssd, e_c, units),
-        "optimizer_moments": 2 * per_unit(s.optimizer.ssd, e_m, units),
+        "optimizer_moments": 2 * per_unit(s.optimizer.ssd, e_m, trained),
         "gradients": int(stored_gradient_elems(inputs) * e_m * s.gradients.ssd),
     }
     if inputs.separate_master:
-        plan["master"] = per_unit(s.master.ssd, e_m, units)
+        plan["master"] = per_unit(s.master.ssd, e_m, trained)
     if inputs.checkpoint_bytes:
         num_ssd = checkpoint_tiers(s, inputs.num_micro).count("ssd")
         plan["checkpoints"] = num_ssd * len(units) * round_up(inputs.checkpoint_bytes)

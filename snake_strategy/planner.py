@@ -49,6 +49,21 @@ class ModelShape:
     attention_flops_per_token_per_unit: float = 0.0
     weight_bytes: int = 4  # e_w: bytes per compute weight
     master_bytes: int = 4  # e_m: bytes per master weight / moment / gradient element
+    # Frozen parameters: per unit, the elements with a master copy, moments and gradients (empty: all of
+    # them); the lowest unit that needs a backward (units below it only run forward); nonlayer_params
+    # counts the trainable non-layer parameters, nonlayer_frozen_params the others.
+    trainable_per_unit: tuple[int, ...] = ()
+    first_backward_unit: int = 0
+    nonlayer_frozen_params: int = 0
+
+    @property
+    def trainable(self) -> tuple[int, ...]:
+        return self.trainable_per_unit or (self.params_per_unit,) * self.num_units
+
+    @property
+    def backward_from(self) -> int:
+        """The lowest unit with a backward task (the last unit's fused task always runs)."""
+        return min(self.first_backward_unit, self.num_units - 1)
 
 
 @dataclass(frozen=True)
@@ -66,16 +81,30 @@ class StepPrediction:
         return asdict(self)
 
 
-def weight_fetches_per_step(kind: str, num_units: int, num_micro: int) -> int:
+def weight_fetches_per_step(kind: str, num_units: int, num_micro: int, backward_from: int = 0) -> int:
+    """Fetches per step; units below ``backward_from`` (frozen, feeding nothing trainable) have no backward."""
+    passes = 2 * num_units - 1 - backward_from
     if kind == "vertical":
-        return 2 * num_units - 1
-    return num_micro * (2 * num_units - 1) - (num_micro - 1)
+        return passes
+    # Horizontal: the next micro-batch's forward starts on the unit the backward ended on only when that
+    # is unit 0.
+    return num_micro * passes - (num_micro - 1 if backward_from == 0 else 0)
 
 
 def step_flops(shape: ModelShape) -> float:
-    """FLOPs of one optimizer step: 2 per parameter per token forward, 4 backward, plus recompute."""
+    """FLOPs of one optimizer step: 2 per parameter per token forward, 4 backward, plus recompute.
+
+    A unit's backward is its input gradient (one forward's worth) plus its weight gradient (one forward's
+    worth times its trainable share); units below ``backward_from`` only run forward, and the lowest
+    unit with a backward needs no input gradient when it is above unit 0."""
     fwd_unit = (2 * shape.params_per_unit + shape.attention_flops_per_token_per_unit) * shape.tokens_per_micro
-    per_micro = fwd_unit * (4 * shape.num_units - 1)  # every unit 3x fwd, all but the last recomputed once more
+    b0, last = shape.backward_from, shape.num_units - 1
+    passes = 0.0
+    for u, trained in enumerate(shape.trainable):
+        passes += 1  # forward
+        if u >= b0:
+            passes += (u < last) + (u > b0 or b0 == 0) + trained / max(1, shape.params_per_unit)
+    per_micro = fwd_unit * passes
     head = 6 * shape.head_params * shape.tokens_per_micro
     return shape.num_micro * (per_micro + head)
 
@@ -89,31 +118,38 @@ def predict(shape: ModelShape, hw: HardwareProfile, storage: StorageConfig, kind
     u, L, M = shape.params_per_unit, shape.num_units, shape.num_micro
     e_w, e_m = shape.weight_bytes, shape.master_bytes
     separate_master = e_w != e_m
-    fetches = weight_fetches_per_step(kind, L, M)
+    fetches = weight_fetches_per_step(kind, L, M, shape.backward_from)
     weights = tier_bytes(u, storage.weights, e_w)
-    master = tier_bytes(u, storage.master if separate_master else storage.weights, e_m)
-    moments = tier_bytes(u, storage.optimizer, e_m)
-    grad_part = tier_bytes(u, storage.gradients, e_m, 0, forward_split(u, alpha))  # parked forward part
-    grad_full = tier_bytes(u, storage.gradients, e_m)  # a horizontal partial sum
-    # The optimizer reads and writes the master and both moments once; bf16-true refreshes the compute copy.
-    optimizer_ssd = L * (master["ssd"] + 2 * moments["ssd"])
-    read = fetches * weights["ssd"] + optimizer_ssd
-    write = optimizer_ssd + (L * weights["ssd"] if separate_master else 0)
+    read, write = fetches * weights["ssd"], 0
+    host_bytes = fetches * weights["host"]
     partials = M - 1 if kind == "horizontal" else 0
-    read += L * (grad_part["ssd"] + partials * grad_full["ssd"])
-    write += L * (grad_part["ssd"] + partials * grad_full["ssd"])
+    # Only a unit's trainable part [0, t) has a master copy, moments and gradients; frozen weights are read
+    # by the fetches above and never written.
+    for t in shape.trainable:
+        master = tier_bytes(t, storage.master, e_m) if separate_master else tier_bytes(u, storage.weights, e_m, 0, t)
+        moments = tier_bytes(t, storage.optimizer, e_m)
+        grad_part = tier_bytes(t, storage.gradients, e_m, 0, forward_split(t, alpha))  # parked forward part
+        grad_full = tier_bytes(t, storage.gradients, e_m)  # a horizontal partial sum
+        # The optimizer reads and writes the master and both moments once; bf16-true refreshes the compute copy.
+        moved = master["ssd"] + 2 * moments["ssd"] + grad_part["ssd"] + partials * grad_full["ssd"]
+        read += moved
+        write += moved
+        host_bytes += 2 * master["host"] + 4 * moments["host"]
+        if separate_master:
+            refresh = tier_bytes(u, storage.weights, e_w, 0, t)
+            write += refresh["ssd"]
+            host_bytes += refresh["host"]
     if L > 1:
         # Each SSD checkpoint (a unit's input) is written once and read by the unit's forward and by its
-        # recompute; the last unit's input only once (its backward is fused with its forward).
+        # recompute; the last unit's input only once (its backward is fused with its forward), and units
+        # without a backward (below backward_from) are not recomputed.
         ckpt_ssd = checkpoint_tiers(storage, M).count("ssd") * shape.checkpoint_bytes
         write += L * ckpt_ssd
-        read += (2 * L - 1) * ckpt_ssd
+        read += (2 * L - 1 - shape.backward_from) * ckpt_ssd
     ssd_s = read / (hw.ssd_read_gb_per_s * 1e9) + write / (hw.ssd_write_gb_per_s * 1e9)
-    host_bytes = (fetches * weights["host"] + 2 * L * master["host"] + 4 * L * moments["host"]
-                  + (L * weights["host"] if separate_master else 0))
     host_copy_s = host_bytes / (hw.host_copy_gb_per_s * 1e9)
     compute_s = step_flops(shape) / hw.flops_per_s
-    optimizer_s = (u * L + shape.nonlayer_params) / hw.optimizer_params_per_s
+    optimizer_s = (sum(shape.trainable) + shape.nonlayer_params) / hw.optimizer_params_per_s
     bounds = {"compute": compute_s, "ssd": ssd_s, "host_copy": host_copy_s, "optimizer": optimizer_s}
     if hw.device_is_cpu:
         bounds["cpu"] = compute_s + optimizer_s
@@ -147,6 +183,7 @@ def memory_inputs(shape: ModelShape, hw: HardwareProfile, storage: StorageConfig
     return MemoryInputs(
         unit_params=(shape.params_per_unit,) * shape.num_units, nonlayer_params=shape.nonlayer_params,
         compute_bytes=shape.weight_bytes, master_bytes=shape.master_bytes, device_is_cpu=hw.device_is_cpu,
+        unit_trainable=shape.trainable_per_unit, nonlayer_frozen=shape.nonlayer_frozen_params,
         storage=storage, kind=kind, num_micro=shape.num_micro, alpha=alpha, prefetch_depth=prefetch_depth,
         checkpoint_bytes=shape.checkpoint_bytes)
 

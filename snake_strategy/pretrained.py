@@ -66,7 +66,7 @@ class PretrainedSource:
 
     def unit_flat(self, layout: UnitLayout, first_block: int, prefix: str, dtype: torch.dtype) -> Tensor:
         """The unit's flat vector, read entry by entry from the source."""
-        flat = torch.empty(layout.numel, dtype=dtype)
+        flat = torch.zeros(layout.numel, dtype=dtype)  # zeros: the page padding after the trainable part
         for s in layout.slots:
             source = self.tensor(f"{prefix}.{first_block + s.block}.{s.name}", s.shape)
             flat[s.offset:s.offset + s.numel].copy_(source.reshape(-1))

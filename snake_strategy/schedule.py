@@ -50,32 +50,38 @@ def _pass(kind: str, units: range, num_micro: int, batched: bool) -> list[Task]:
     return [Task(kind, u, (m,)) for u in units for m in _snake_order(u, num_micro)]
 
 
+def _backward_units(num_units: int, first_backward: int) -> range:
+    # Units below ``first_backward`` hold nothing trainable and feed nothing trainable: no backward. The
+    # last unit's task always runs (it is the forward of the last unit, the head and the loss).
+    return range(num_units - 1, min(first_backward, num_units - 1) - 1, -1)
+
+
 def vertical_tasks(num_units: int, num_micro: int, batched_forward: bool = False,
-                   batched_backward: bool = False) -> list[Task]:
+                   batched_backward: bool = False, first_backward: int = 0) -> list[Task]:
     """The GreedySnake order: every micro-batch of a unit before moving to the next unit."""
     _check(num_units, num_micro)
     return (_pass(FORWARD, range(num_units - 1), num_micro, batched_forward)
-            + _pass(BACKWARD, range(num_units - 1, -1, -1), num_micro, batched_backward))
+            + _pass(BACKWARD, _backward_units(num_units, first_backward), num_micro, batched_backward))
 
 
-def horizontal_tasks(num_units: int, num_micro: int) -> list[Task]:
+def horizontal_tasks(num_units: int, num_micro: int, first_backward: int = 0) -> list[Task]:
     """Gradient accumulation: each micro-batch runs through every unit, forward then backward."""
     _check(num_units, num_micro)
     tasks = []
     for m in range(num_micro):
         tasks += [Task(FORWARD, u, (m,)) for u in range(num_units - 1)]
-        tasks += [Task(BACKWARD, u, (m,)) for u in range(num_units - 1, -1, -1)]
+        tasks += [Task(BACKWARD, u, (m,)) for u in _backward_units(num_units, first_backward)]
     return tasks
 
 
 def build_tasks(kind: str, num_units: int, num_micro: int, batched_forward: bool = False,
-                batched_backward: bool = False) -> list[Task]:
+                batched_backward: bool = False, first_backward: int = 0) -> list[Task]:
     if kind == "vertical":
-        return vertical_tasks(num_units, num_micro, batched_forward, batched_backward)
+        return vertical_tasks(num_units, num_micro, batched_forward, batched_backward, first_backward)
     if kind == "horizontal":
         if batched_forward or batched_backward:
             raise ValueError("batched passes need schedule.kind='vertical'")
-        return horizontal_tasks(num_units, num_micro)
+        return horizontal_tasks(num_units, num_micro, first_backward)
     raise ValueError(f"unknown schedule kind '{kind}'")
 
 

@@ -12,7 +12,7 @@ import os
 import dataclasses
 import logging
 from collections.abc import Generator
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import lightning.pytorch as pl
 import torch
@@ -25,11 +25,15 @@ from typing_extensions import override
 from snake_strategy.config import ScheduleConfig, StorageConfig, coerce_config
 from snake_strategy.contract import check_contract
 from snake_strategy.engine import EngineHooks, SnakeEngine
+from snake_strategy.engine.evaluation import EvalEngine, traffic_delta
 from snake_strategy.module import LayeredModule
 from snake_strategy.planner import HardwareProfile, StepPrediction, predict
 from snake_strategy.precision import GreedySnakePrecision
 from snake_strategy.progress import Progress
-from snake_strategy.timeline import check_trace_path, write_trace
+from snake_strategy.timeline import check_trace_path, export_trace
+
+if TYPE_CHECKING:
+    from snake_strategy.checkpoint_weights import CheckpointWeights
 
 log = logging.getLogger(__name__)
 
@@ -76,8 +80,12 @@ class GreedySnakeStrategy(Strategy):
         self.hardware_at_model_shape = hardware == "probe"
         self.pretrained = pretrained  # a state dict / .ckpt file streamed in unit by unit at setup
         self.prediction: StepPrediction | None = None  # the planner's floor for this run's step
-        self.engine: SnakeEngine | None = None
+        self.engine: SnakeEngine | EvalEngine | None = None
         self.hooks = hooks
+        self.eval_traffic: dict[str, int] = {}  # bytes moved by the last validate/test/predict loop, per tier/state/direction
+        self._eval_start: dict | None = None
+        self._eval_checkpoint: CheckpointWeights | None = None  # ckpt_path of an eval stage
+        self._gave_back_weights = False  # the module holds the weights a run of this strategy gave back
         self.progress = progress if isinstance(progress, Progress) else Progress(log=progress)
         self.trace_path = None if trace_path is None else check_trace_path(trace_path)  # refused now, not at the end
         self.parallel_devices: list[torch.device] | None = None  # filled by Lightning's connector
@@ -137,9 +145,8 @@ class GreedySnakeStrategy(Strategy):
         module = self.lightning_module
         check_contract(module)
         if trainer.state.fn != TrainerFn.FITTING:
-            raise ValueError("strategy='greedysnake' currently supports Trainer.fit (with validation) only; after fit "
-                             "the module holds the trained weights, so trainer.validate/test/predict run with a "
-                             "plain Trainer(strategy='auto') on the same module")
+            self._setup_eval(trainer)
+            return
         _remove_weight_guard(module)
         if type(module).training_step is not LayeredModule.training_step and isinstance(module, LayeredModule):
             log.warning("%s overrides training_step, which strategy='greedysnake' does not call: it runs its own "
@@ -168,9 +175,11 @@ class GreedySnakeStrategy(Strategy):
         if len(self.optimizers) != 1:
             raise ValueError(f"strategy='greedysnake' needs exactly one optimizer; configure_optimizers "
                              f"returned {len(self.optimizers)}")
+        # Once a run gave its weights back, they are the module's weights: pretrained= was the starting point.
+        pretrained = None if self._gave_back_weights else self.pretrained
         self.engine = SnakeEngine(module, self.optimizers[0], self.storage, self.schedule,
                                   self.precision_plugin.dtypes, self.root_device, clip=clip,
-                                  pretrained=self.pretrained, scaler=self.precision_plugin.make_scaler(),
+                                  pretrained=pretrained, scaler=self.precision_plugin.make_scaler(),
                                   hooks=self.hooks, progress=self.progress)
         self.engine.trace.enabled = self.trace_path is not None
         if self.storage.checkpoints.ssd > 0 and self.schedule.num_micro_batches <= 2 * self.storage.checkpoint_host_ends:
@@ -184,11 +193,65 @@ class GreedySnakeStrategy(Strategy):
         module._device = self.root_device
         self.setup_precision_plugin()
 
+    def _setup_eval(self, trainer: pl.Trainer) -> None:
+        """validate/test/predict: a forward-only engine with the compute weights only (no optimizer, no
+        moments, no gradients), from ``ckpt_path``, ``pretrained`` or the module's own weights."""
+        module = self.lightning_module
+        checkpoint, self._eval_checkpoint = self._eval_checkpoint, None
+        if hasattr(module, _GUARD_ATTR) and checkpoint is None:
+            # Its blocks are on the meta device: evaluating them would evaluate a fresh random init.
+            raise ValueError(f"trainer.{trainer.state.fn.value} has no weights to evaluate: the trained weights did "
+                             "not fit storage.host_budget_bytes and were not given back to the module. Pass "
+                             "ckpt_path=<a greedysnake checkpoint directory saved during fit>")
+        _remove_weight_guard(module)
+        self.progress.follow_progress_bar(trainer.progress_bar_callback is not None)
+        self.accelerator.setup(trainer)
+        source = checkpoint if checkpoint is not None else (None if self._gave_back_weights else self.pretrained)
+        self.engine = EvalEngine(module, self.storage, self.schedule, self.precision_plugin.dtypes, self.root_device,
+                                 source=source, hooks=self.hooks, progress=self.progress)
+        module._device = self.root_device  # as in setup(): the blocks must not move
+        self.setup_precision_plugin()
+
+    @property
+    def _evaluating(self) -> bool:
+        module = self.lightning_module
+        trainer = module._trainer if module is not None else None
+        return trainer is not None and trainer.state.fn not in (None, TrainerFn.FITTING)
+
+    def _begin_eval_traffic(self) -> None:
+        # Measured around the eval loop: what a forward pass moves, materialization excluded.
+        self._eval_start = self.engine.counters.snapshot() if self.engine is not None else None
+
+    def _end_eval_traffic(self) -> None:
+        if self.engine is not None and self._eval_start is not None:
+            self.eval_traffic = traffic_delta(self._eval_start, self.engine.counters.snapshot())
+
     @override
     def on_validation_start(self) -> None:
         # Deferred forward-part updates must land before anything reads the weights.
         if self.engine is not None:
             self.engine.flush()
+        self._begin_eval_traffic()
+
+    @override
+    def on_validation_end(self) -> None:
+        self._end_eval_traffic()
+
+    @override
+    def on_test_start(self) -> None:
+        self._begin_eval_traffic()
+
+    @override
+    def on_test_end(self) -> None:
+        self._end_eval_traffic()
+
+    @override
+    def on_predict_start(self) -> None:
+        self._begin_eval_traffic()
+
+    @override
+    def on_predict_end(self) -> None:
+        self._end_eval_traffic()
 
     @override
     def on_train_start(self) -> None:
@@ -212,8 +275,11 @@ class GreedySnakeStrategy(Strategy):
     @override
     def teardown(self) -> None:
         engine, self.engine = self.engine, None
+        if self._eval_checkpoint is not None:  # a stage that failed between loading and setup
+            self._eval_checkpoint.close()
+            self._eval_checkpoint = None
         if engine is not None:
-            self._write_trace(engine)
+            export_trace(self.trace_path, engine.trace)  # first: also after a failed step
             try:
                 engine.flush()
                 self._give_back_weights(engine)
@@ -224,16 +290,6 @@ class GreedySnakeStrategy(Strategy):
             self.accelerator.teardown()
         self.checkpoint_io.teardown()
 
-    def _write_trace(self, engine: SnakeEngine) -> None:
-        """The timeline file, also after a failed step (that timeline is the one worth seeing)."""
-        if self.trace_path is None:
-            return
-        try:
-            log.info("timeline written to %s (open it in https://ui.perfetto.dev)",
-                     write_trace(self.trace_path, engine.trace))
-        except OSError as err:  # losing the timeline must not lose the trained weights: teardown goes on
-            log.error("could not write the timeline to trace_path=%s: %s", self.trace_path, err)
-
     def _give_back_weights(self, engine: SnakeEngine) -> None:
         """After training the module holds the trained weights when they fit the host budget; otherwise
         reading them raises an error that says how to get them (never meta tensors without a word)."""
@@ -241,6 +297,7 @@ class GreedySnakeStrategy(Strategy):
         budget = self.storage.host_budget_bytes
         if budget is None or engine.master_bytes() <= budget:
             engine.export_to_module()
+            self._gave_back_weights = True
             return
         message = (f"the trained weights ({engine.master_bytes() / 2**30:.2f} GiB) did not fit "
                    f"storage.host_budget_bytes ({budget / 2**30:.2f} GiB), so they were not copied back into the "
@@ -308,7 +365,10 @@ class GreedySnakeStrategy(Strategy):
             return self.lightning_module.state_dict()
         self.engine.flush()
         block_keys = {f"{self.engine.blocks_prefix}.{k}" for k in self.lightning_module.blocks.state_dict()}
-        return {k: v for k, v in self.lightning_module.state_dict().items() if k not in block_keys}
+        # Frozen parameters are the base model's: checkpoints record their checksums, not a copy.
+        frozen = {k for k, v in self.lightning_module.state_dict(keep_vars=True).items()
+                  if isinstance(v, torch.nn.Parameter) and not v.requires_grad}
+        return {k: v for k, v in self.lightning_module.state_dict().items() if k not in block_keys | frozen}
 
     @override
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
@@ -321,6 +381,10 @@ class GreedySnakeStrategy(Strategy):
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
         if storage_options is not None:
             raise ValueError("strategy='greedysnake' writes checkpoint directories itself; storage_options is not supported")
+        if isinstance(self.engine, EvalEngine):
+            raise ValueError(f"cannot save {filepath} during trainer.validate/test/predict with strategy='greedysnake': "
+                             "the evaluation engine holds the weights only (no optimizer state). Save during fit "
+                             "(ModelCheckpoint), or after it")
         if self.engine is None:
             # After fit: the module holds the trained weights (teardown gave them back), the optimizer
             # state is gone with the run. An ordinary Lightning file, loadable by load_from_checkpoint.
@@ -337,6 +401,13 @@ class GreedySnakeStrategy(Strategy):
                 f"{checkpoint_path} is not a greedysnake checkpoint directory; to start from the weights of an "
                 "ordinary state dict or .ckpt file, pass GreedySnakeStrategy(pretrained=path) instead of ckpt_path"
             )
+        if self._evaluating:
+            # Evaluation restores before setup (restore_checkpoint_after_setup): the engine is then built
+            # straight from the checkpoint's master weights, with no init and nothing written twice.
+            from snake_strategy.checkpoint_weights import CheckpointWeights  # on use: see _checkpoint_module
+
+            self._eval_checkpoint = CheckpointWeights(checkpoint_path)
+            return self._eval_checkpoint.meta()
         checkpoint = _checkpoint_module().load(self.engine, checkpoint_path, self.progress)
         # Lightning restores the LR schedulers, but the current lr lives in the optimizer's param_groups.
         for optimizer, saved in zip(self.optimizers, checkpoint.get("optimizer_states", [])):
@@ -378,7 +449,8 @@ class GreedySnakeStrategy(Strategy):
     @property
     @override
     def restore_checkpoint_after_setup(self) -> bool:
-        return True
+        # Training loads into the tiers built by setup(); evaluation builds its tiers from the checkpoint.
+        return not self._evaluating
 
     @property
     @override

@@ -22,6 +22,7 @@ microseconds from the first exported step's start. Reading back: ``read_trace``,
 from __future__ import annotations
 
 import json
+import logging
 import os
 from pathlib import Path
 from typing import Any, Iterable
@@ -31,6 +32,7 @@ from snake_strategy.engine.trace import IO, OPTIMIZER, TASK, WAIT, StepTrace, Ta
 STEPS, COMPUTE, PREFETCH, OPTIMIZER_LANE, SSD_IO = "steps", "compute", "prefetch", "optimizer", "ssd io"
 FETCH = "fetch"  # the category of weight-fetch slices (from FetchRecords)
 PID = 1
+log = logging.getLogger(__name__)
 # Thread-name prefixes of the engine's worker threads (their ThreadPoolExecutor prefixes) -> lane.
 _WORKER_LANES = (("snake-prefetch", PREFETCH), ("snake-optim", OPTIMIZER_LANE), ("snake-io", SSD_IO))
 
@@ -115,6 +117,20 @@ def write_trace(path: str | os.PathLike, trace: TaskTrace | Iterable[StepTrace])
     partial.write_text(json.dumps(document))
     os.replace(partial, target)  # a reader never sees half a file
     return target
+
+
+def export_trace(path: str | os.PathLike | None, trace: TaskTrace) -> Path | None:
+    """``write_trace`` at the end of a run (nothing when ``path`` is None). A write error is logged, not
+    raised: losing the timeline must not stop the teardown that gives the trained weights back."""
+    if path is None:
+        return None
+    try:
+        written = write_trace(path, trace)
+    except OSError as err:
+        log.error("could not write the timeline to trace_path=%s: %s", path, err)
+        return None
+    log.info("timeline written to %s (open it in https://ui.perfetto.dev or chrome://tracing)", written)
+    return written
 
 
 def read_trace(path: str | os.PathLike) -> list[dict[str, Any]]:

@@ -116,7 +116,8 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     report["saved"] = save_cb.saved if save_cb is not None else {}
     report["output_dir"] = str(out_dir)
     report["trace"] = str(trace_path) if trace_path is not None else None
-    report["num_params"] = model.config.num_params()
+    # Any model: counted from the module (tied weights once; meta tensors have a size too).
+    report["num_params"] = sum(p.numel() for p in model.parameters())
     report["storage"] = {k: v for k, v in OmegaConf.to_container(cfg.storage, resolve=True).items() if k != "_target_"}
     report["schedule"] = {k: v for k, v in OmegaConf.to_container(cfg.schedule, resolve=True).items()
                           if k != "_target_"}

@@ -1,8 +1,11 @@
 """Units: groups of consecutive blocks whose parameters travel as one flat, contiguous vector.
 
-A ``UnitLayout`` records where every block parameter sits inside its unit's flat vector. Parameters
-are ordered by optimizer parameter group first (so each group is one contiguous range the fused Adam
-kernel steps in one call), then by registration order. The blocks themselves stay on the meta device
+A ``UnitLayout`` records where every block parameter sits inside its unit's flat vector. Trainable
+parameters come first, ordered by optimizer parameter group (so each group is one contiguous range the
+fused Adam kernel steps in one call), then by registration order; frozen parameters
+(``requires_grad=False``) follow, from ``train_end`` on. Only ``[0, train_end)`` has a master copy,
+moments and gradients; ``train_end`` is rounded up to a page (``ALIGN_ELEMS``) when frozen parameters
+follow, so every optimizer transfer stays page-aligned (the padding is zeros and is never stepped). The blocks themselves stay on the meta device
 for the whole run: the engine calls them through ``torch.func.functional_call`` with views into the
 flat vector that currently holds the unit's weights, so no module state is ever swapped in or out.
 """
@@ -16,6 +19,8 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call
 
+from snake_strategy.storage.tiered import ALIGN_ELEMS
+
 
 @dataclass(frozen=True)
 class ParamSlot:
@@ -24,6 +29,7 @@ class ParamSlot:
     shape: torch.Size
     offset: int
     numel: int
+    trainable: bool = True
 
 
 @dataclass
@@ -35,14 +41,28 @@ class UnitLayout:
     numel: int
     first_block: int  # index of the unit's first block in the model's ``blocks``
     buffers: list[dict[str, Tensor]] = field(default_factory=list)  # per block, on the device
+    train_end: int = -1  # [0, train_end): the optimizer's elements (trainable slots + page padding)
+    num_trainable: int = -1  # the first ``num_trainable`` slots are trainable
+
+    def __post_init__(self) -> None:
+        if self.num_trainable < 0:
+            self.num_trainable = sum(s.trainable for s in self.slots)
+        if self.train_end < 0:
+            self.train_end = self.numel if self.num_trainable == len(self.slots) else 0
+
+    @property
+    def trainable_slots(self) -> list[ParamSlot]:
+        return self.slots[:self.num_trainable]
 
     def leaves(self, flat: Tensor) -> list[Tensor]:
-        """One grad-requiring leaf per parameter, each a view into ``flat`` (no copies), in slot order.
+        """One leaf per parameter, each a view into ``flat`` (no copies), in slot order; the trainable
+        ones (the first ``num_trainable``) require grad, so autograd skips the frozen ones' weight gradients.
 
         Separate leaves rather than views of one flat leaf: autograd would turn every view's gradient
         into a zero-filled flat-sized tensor and sum them (measured: 2x slower steps on r1).
         """
-        return [flat[s.offset:s.offset + s.numel].view(s.shape).detach().requires_grad_(True) for s in self.slots]
+        return [flat[s.offset:s.offset + s.numel].view(s.shape).detach().requires_grad_(s.trainable)
+                for s in self.slots]
 
     def forward(self, params: Tensor | list[Tensor], hidden: Tensor, side: dict | None = None,
                 check: Callable[[object, int], Tensor] | None = None) -> Tensor:
@@ -62,7 +82,7 @@ class UnitLayout:
 
     def flatten(self, blocks: list[nn.Module], dtype: torch.dtype) -> Tensor:
         """Copy the parameters of real (materialized) ``blocks`` into one new flat vector."""
-        flat = torch.empty(self.numel, dtype=dtype)
+        flat = torch.zeros(self.numel, dtype=dtype)  # zeros: the page padding after the trainable part
         named = [dict(b.named_parameters()) for b in blocks]
         for s in self.slots:
             flat[s.offset:s.offset + s.numel].copy_(named[s.block][s.name].detach().reshape(-1))
@@ -75,12 +95,14 @@ def build_layouts(
     """Partition ``blocks`` into units and lay out each unit's flat vector.
 
     ``param_group_of`` maps ``id(parameter)`` to its optimizer param-group index. Raises ValueError for
-    block parameters that the optimizer does not train or that are shared outside their unit.
+    trainable block parameters that the optimizer does not hold and for parameters shared outside their
+    unit. Frozen parameters (``requires_grad=False``) need no group: they go after the trainable part.
     """
     layouts, seen = [], {}
     for u, start in enumerate(range(0, len(blocks), blocks_per_unit)):
         unit_blocks = list(blocks[start:start + blocks_per_unit])
         entries = []  # (group, order, block, name, param)
+        frozen = []  # (block, name, param), in registration order
         for j, block in enumerate(unit_blocks):
             for name, p in block.named_parameters():
                 if id(p) in seen and seen[id(p)] != u:
@@ -93,8 +115,8 @@ def build_layouts(
                     continue
                 seen[id(p)] = u
                 if not p.requires_grad:
-                    raise ValueError(f"block parameter '{name}' has requires_grad=False; frozen block "
-                                     "parameters are not supported yet")
+                    frozen.append((j, name, p))
+                    continue
                 if id(p) not in param_group_of:
                     raise ValueError(f"block parameter '{name}' of block {start + j} is not in the optimizer; "
                                      "configure_optimizers must cover every block parameter")
@@ -107,13 +129,21 @@ def build_layouts(
             slots.append(ParamSlot(j, name, p.shape, offset, p.numel()))
             offset += p.numel()
             ranges[-1][2] = offset
+        num_trainable = len(slots)
+        train_end = offset
+        if frozen:
+            # The frozen part starts on a page: optimizer transfers of [0, train_end) stay page-aligned.
+            train_end = offset = -(-offset // ALIGN_ELEMS) * ALIGN_ELEMS
+        for j, name, p in frozen:
+            slots.append(ParamSlot(j, name, p.shape, offset, p.numel(), trainable=False))
+            offset += p.numel()
         for j, block in enumerate(unit_blocks):
             for name, buf in block.named_buffers():
                 if buf.is_meta:
                     raise ValueError(f"block {start + j} has buffer '{name}' on the meta device; blocks must "
                                      "compute from parameters and input only (e.g. use is_causal=True, not a mask buffer)")
         layouts.append(UnitLayout(u, unit_blocks, slots, [tuple(r) for r in ranges], offset, start,
-                                  [dict(b.named_buffers()) for b in unit_blocks]))
+                                  [dict(b.named_buffers()) for b in unit_blocks], train_end, num_trainable))
     return layouts
 
 

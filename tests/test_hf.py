@@ -18,6 +18,7 @@ from transformers import AutoModelForCausalLM  # noqa: E402
 from transformers import GPT2Config, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config  # noqa: E402
 
 import snake_strategy  # noqa: E402
+from snake_strategy import checkpoint as snake_checkpoint  # noqa: E402
 from snake_strategy.hf import HFCausalLM, export_hf  # noqa: E402
 from snake_strategy.pretrained import PretrainedSource  # noqa: E402
 from snake_strategy.units import build_layouts  # noqa: E402
@@ -294,3 +295,100 @@ def test_hydra_model_configs_instantiate(tmp_path):
         assert module({"input_ids": torch.zeros(1, 4, dtype=torch.long)}).shape[-1] == module.hf_config.vocab_size
     with pytest.raises(ValueError, match="exactly one of"):
         HFCausalLM()
+
+
+def test_hydra_app_trains_hf_tiny_llama(tmp_path):
+    """`python -m snake_strategy.train model=hf_tiny_llama`, end to end (the model sets data.context_len)."""
+    import math
+    import subprocess
+    import sys
+
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "snake_strategy.train", "model=hf_tiny_llama", "trainer.max_steps=2",
+           "data.max_bytes=200000", "data.micro_batch_size=1", "trainer.limit_val_batches=1",
+           "trainer.log_every_n_steps=1", f"hydra.run.dir={out}"]
+    env = dict(os.environ, PYTHONWARNINGS="ignore")
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads((out / "report.json").read_text())
+    assert report["choices"]["model"] == "hf_tiny_llama" and report["steps"] == 2
+    assert math.isfinite(report["final_train_loss"]) and math.isfinite(report["val_loss"])
+    assert report["bytes_per_tier"]["ssd"] > 0
+    module = built({"model_type": "llama", "vocab_size": 256, "hidden_size": 64, "intermediate_size": 176,
+                    "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2})
+    assert report["num_params"] == sum(p.numel() for p in module.parameters())
+
+
+def test_checkpoint_cli_exports_hf_directory(tmp_path):
+    """Fit with greedysnake + ModelCheckpoint, `python -m snake_strategy.checkpoint DIR OUT --format hf`:
+    from_pretrained holds exactly the engine's weights at that step (master values, float64 here)."""
+    import subprocess
+    import sys
+
+    hf_model("llama").save_pretrained(tmp_path / "start")
+    rec = ParamRecorder(only_last=True)
+
+    class ExportInsideFit(L.Callback):
+        def on_train_end(self, trainer, pl_module):
+            assert trainer.strategy.engine is not None  # export_hf reads the units from their tiers
+            export_hf(pl_module, tmp_path / "in_run", dtype=torch.float64)
+
+    strategy = snake_strategy.GreedySnakeStrategy(
+        storage={"weights": "ssd", "optimizer": "ssd", "ssd_dir": str(tmp_path / "ssd")},
+        schedule={"num_micro_batches": MICRO, "alpha": 0.25})
+    checkpoints = L.pytorch.callbacks.ModelCheckpoint(dirpath=str(tmp_path / "ckpts"), every_n_train_steps=STEPS)
+    trainer = L.Trainer(strategy=strategy, precision="64-true", max_steps=STEPS, callbacks=[rec, checkpoints, ExportInsideFit()],
+                        **trainer_kwargs(enable_checkpointing=True))
+    trainer.fit(HFCausalLM(tmp_path / "start", learning_rate=1e-2),
+                DataLoader(Samples(batches(STEPS * MICRO, MICRO_SIZE)), batch_size=MICRO * MICRO_SIZE))
+    (ckpt,) = (tmp_path / "ckpts").iterdir()
+    engine_state = rec.states[-1]
+
+    out = tmp_path / "hf_out"
+    cmd = [sys.executable, "-m", "snake_strategy.checkpoint", str(ckpt), str(out), "--format", "hf"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, PYTHONWARNINGS="ignore"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "config.json" in proc.stdout
+    for exported in (out, tmp_path / "in_run"):
+        back = AutoModelForCausalLM.from_pretrained(exported, dtype=torch.float64)
+        assert back.state_dict().keys() == engine_state.keys()
+        for name, value in engine_state.items():
+            assert torch.equal(back.state_dict()[name], value), (exported, name)
+    assert max((engine_state[n] - hf_model("llama").state_dict()[n]).abs().max().item() for n in engine_state) > 1e-3
+
+    # --config names the model explicitly (a HF directory or a config.json); --dtype sets the files' dtype.
+    proc = subprocess.run(cmd[:3] + [str(ckpt), str(tmp_path / "f32"), "--format", "hf", "--config",
+                                     str(tmp_path / "start" / "config.json"), "--dtype", "float32"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    f32 = AutoModelForCausalLM.from_pretrained(tmp_path / "f32")
+    assert f32.model.norm.weight.dtype == torch.float32
+    assert torch.equal(f32.model.norm.weight, engine_state["model.norm.weight"].float())
+    assert snake_checkpoint.main([str(ckpt), str(tmp_path / "from_dir"), "--format", "hf", "--config",
+                                  str(tmp_path / "start")]) == 0
+    assert AutoModelForCausalLM.from_pretrained(tmp_path / "from_dir").config.num_hidden_layers == 3
+    with pytest.raises(SystemExit, match="2"):  # --dtype/--config belong to --format hf
+        snake_checkpoint.main([str(ckpt), str(tmp_path / "x.ckpt"), "--dtype", "float32"])
+
+
+class GeneratingLM(HFCausalLM):
+    def predict_step(self, batch, batch_idx):
+        return self.generate(batch["input_ids"][:, :4], max_new_tokens=3)
+
+
+def test_generate_under_greedysnake_predict(tmp_path):
+    """generate() inside predict_step: every token streams the units from the SSD, same tokens as auto."""
+    hf_model("llama").save_pretrained(tmp_path / "start")
+    loader = DataLoader(Samples(batches(2, 2)), batch_size=4)
+
+    def predict(strategy):
+        trainer = L.Trainer(strategy=strategy, precision="64-true", **trainer_kwargs())
+        return trainer.predict(GeneratingLM(tmp_path / "start"), loader)[0]
+
+    strategy = snake_strategy.GreedySnakeStrategy(storage={"weights": "ssd", "ssd_dir": str(tmp_path / "ssd")},
+                                                  schedule={"num_micro_batches": 2})
+    got = predict(strategy)
+    assert got.shape == (4, 7) and torch.equal(got, predict("auto"))
+    assert strategy.eval_traffic["ssd/weights/read"] > 0
+    assert not any(k.endswith("/write") for k in strategy.eval_traffic)

@@ -1,5 +1,4 @@
-"""The notebooks run top to bottom in a kernel of this interpreter: the quickstart moves bytes through the SSD,
-the planning notebook sizes a model and plots a measured timeline."""
+"""The notebooks run top to bottom in a kernel of this interpreter and move bytes through the SSD."""
 from __future__ import annotations
 
 import ast
@@ -12,7 +11,8 @@ import pytest
 from jupyter_client.kernelspec import KernelSpecManager, NoSuchKernel
 from nbclient import NotebookClient
 
-NOTEBOOK = Path(__file__).resolve().parents[1] / "notebooks" / "01_quickstart.ipynb"
+NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
+NOTEBOOK = NOTEBOOKS / "01_quickstart.ipynb"
 # Names jupyter_client replaces with the running interpreter when it launches a kernel.
 PORTABLE_PYTHONS = {"python", f"python{sys.version_info[0]}", f"python{sys.version_info[0]}.{sys.version_info[1]}"}
 
@@ -33,7 +33,52 @@ def kernel_for_this_python(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> s
     return "snake-test"
 
 
-def execute(path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+def test_quickstart_notebook_runs(tmp_path, monkeypatch):
+    monkeypatch.setenv("PYTHONWARNINGS", "ignore")
+    nb = nbformat.read(NOTEBOOK, as_version=4)
+    client = NotebookClient(nb, timeout=300, kernel_name=kernel_for_this_python(tmp_path, monkeypatch),
+                            resources={"metadata": {"path": str(tmp_path)}})
+    client.execute()
+
+    errors = [out for cell in nb.cells if cell.cell_type == "code" for out in cell.get("outputs", [])
+              if out.output_type == "error"]
+    assert not errors, errors
+
+    summary_cell = next(cell for cell in nb.cells if "summary" in cell.metadata.get("tags", []))
+    printed = "".join(out.get("text", "") for out in summary_cell.outputs if out.output_type == "stream")
+    assert "final train loss" in printed and "ssd/weights" in printed
+    result = next(out for out in summary_cell.outputs if out.output_type == "execute_result")
+    per_tier = ast.literal_eval(result.data["text/plain"])
+    assert per_tier["ssd"] > 0, per_tier
+
+    # The figure (loss curve + traffic bars) was drawn by the kernel's inline backend.
+    assert any(out.output_type == "display_data" and "image/png" in out.get("data", {})
+               for cell in nb.cells for out in cell.get("outputs", []))
+
+
+def test_finetune_hf_notebook_runs(tmp_path, monkeypatch):
+    """02: save_pretrained -> fine-tune from the directory with SSD weights -> validate -> export ->
+    from_pretrained -> generate -> plot."""
+    pytest.importorskip("transformers")
+    monkeypatch.setenv("PYTHONWARNINGS", "ignore")
+    nb = nbformat.read(NOTEBOOKS / "02_finetune_hf.ipynb", as_version=4)
+    client = NotebookClient(nb, timeout=300, kernel_name=kernel_for_this_python(tmp_path, monkeypatch),
+                            resources={"metadata": {"path": str(tmp_path)}})
+    client.execute()
+    errors = [out for cell in nb.cells if cell.cell_type == "code" for out in cell.get("outputs", [])
+              if out.output_type == "error"]
+    assert not errors, errors
+    summary_cell = next(cell for cell in nb.cells if "summary" in cell.metadata.get("tags", []))
+    result = next(out for out in summary_cell.outputs if out.output_type == "execute_result")
+    summary = ast.literal_eval(result.data["text/plain"])
+    assert summary["reloaded_equal"] and summary["generate_equal"], summary
+    assert summary["eval_ssd_read"] > 0 and summary["eval_written"] == 0, summary
+    assert summary["final_train_loss"] < 5.5, summary  # from ln(256) = 5.55 at the random init
+    assert any(out.output_type == "display_data" and "image/png" in out.get("data", {})
+               for cell in nb.cells for out in cell.get("outputs", []))
+
+
+def _execute(path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     """The notebook at ``path``, run top to bottom in a kernel of this interpreter; no cell may fail."""
     monkeypatch.setenv("PYTHONWARNINGS", "ignore")
     nb = nbformat.read(path, as_version=4)
@@ -46,42 +91,29 @@ def execute(path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     return nb
 
 
-def tagged(nb, tag: str):
+def _tagged(nb, tag: str):
     return next(cell for cell in nb.cells if tag in cell.metadata.get("tags", []))
 
 
-def printed(cell) -> str:
+def _printed(cell) -> str:
     return "".join(out.get("text", "") for out in cell.outputs if out.output_type == "stream")
 
 
-def has_figure(cell) -> bool:
+def _has_figure(cell) -> bool:
     return any(out.output_type == "display_data" and "image/png" in out.get("data", {}) for out in cell.outputs)
 
 
-def test_quickstart_notebook_runs(tmp_path, monkeypatch):
-    nb = execute(NOTEBOOK, tmp_path, monkeypatch)
-
-    summary_cell = tagged(nb, "summary")
-    text = printed(summary_cell)
-    assert "final train loss" in text and "ssd/weights" in text
-    result = next(out for out in summary_cell.outputs if out.output_type == "execute_result")
-    per_tier = ast.literal_eval(result.data["text/plain"])
-    assert per_tier["ssd"] > 0, per_tier
-
-    # The figure (loss curve + traffic bars) was drawn by the kernel's inline backend.
-    assert any(out.output_type == "display_data" and "image/png" in out.get("data", {})
-               for cell in nb.cells for out in cell.get("outputs", []))
-
-
 def test_plan_and_timeline_notebook_runs(tmp_path, monkeypatch):
-    nb = execute(NOTEBOOK.with_name("03_plan_and_timeline.ipynb"), tmp_path, monkeypatch)
+    """03: size a model for a machine with the planner, then a tiny run's measured timeline (its trace file)
+    next to the prediction."""
+    nb = _execute(NOTEBOOKS / "03_plan_and_timeline.ipynb", tmp_path, monkeypatch)
     # The sizing: the smallest budget is refused with the planner's reason, the larger ones get a placement.
-    sizing = printed(tagged(nb, "plan"))
+    sizing = _printed(_tagged(nb, "plan"))
     assert "does not fit" in sizing and "cannot hold the working set" in sizing and "fits, host" in sizing
-    predictions = tagged(nb, "predict")
-    assert "vertical" in printed(predictions) and "horizontal" in printed(predictions) and has_figure(predictions)
-    assert has_figure(tagged(nb, "timeline"))
+    predictions = _tagged(nb, "predict")
+    assert "vertical" in _printed(predictions) and "horizontal" in _printed(predictions)
+    assert _has_figure(predictions) and _has_figure(_tagged(nb, "timeline"))
     # The measured step, from the trace file: every resource had work in it.
-    result = next(out for out in tagged(nb, "breakdown").outputs if out.output_type == "execute_result")
+    result = next(out for out in _tagged(nb, "breakdown").outputs if out.output_type == "execute_result")
     busy = ast.literal_eval(result.data["text/plain"])
     assert busy["step"] > 0 and busy["compute"] > 0 and busy["ssd"] > 0 and busy["optimizer"] > 0, busy

@@ -33,14 +33,15 @@ class BuiltModel:
 def check_trainable(module: nn.Module, optimizer: torch.optim.Optimizer) -> dict[int, int]:
     """Refuse what the engine cannot train exactly; return id(parameter) -> optimizer param-group index."""
     group_of = {id(p): g for g, group in enumerate(optimizer.param_groups) for p in group["params"]}
-    frozen = [n for n, p in module.named_parameters() if not p.requires_grad]
-    if frozen:
-        raise ValueError(f"parameters {frozen[:5]}{' ...' if len(frozen) > 5 else ''} have requires_grad=False; "
-                         "frozen parameters are not supported yet by strategy='greedysnake' (train them, or use "
-                         "strategy='auto' for this model)")
-    missing = [n for n, p in module.named_parameters() if id(p) not in group_of]
+    # Frozen parameters (requires_grad=False) are only ever read: they need no optimizer group.
+    trainable = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+    if not trainable:
+        raise ValueError("every parameter has requires_grad=False: there is nothing to train. Unfreeze some "
+                         "parameters (or add adapters, e.g. peft.get_peft_model) before Trainer.fit")
+    missing = [n for n, p in trainable if id(p) not in group_of]
     if missing:
-        raise ValueError(f"parameters {missing} are not in the optimizer; configure_optimizers must cover them")
+        raise ValueError(f"parameters {missing} are not in the optimizer; configure_optimizers must cover every "
+                         "parameter with requires_grad=True (or freeze them with requires_grad_(False))")
     for i, block in enumerate(module.blocks):
         for mod_name, mod in block.named_modules():
             persistent = [b for b in mod._buffers if b not in mod._non_persistent_buffers_set and mod._buffers[b] is not None]
@@ -70,31 +71,34 @@ def build_model(module: nn.Module, optimizer: torch.optim.Optimizer, layouts: li
 
     def store_unit(layout: UnitLayout, flat: torch.Tensor) -> UnitStore:
         layout.buffers = [{k: v.to(device) for k, v in d.items()} for d in layout.buffers]
-        name, n = f"unit{layout.index:05d}", layout.numel
+        # Frozen elements [t, n) exist only as compute weights: no master, moments or gradient store.
+        name, n, t = f"unit{layout.index:05d}", layout.numel, layout.train_end
         weights = tiered(name, "weights", n, dtypes.compute)
         weights.evict(flat.to(dtypes.compute))
         if dtypes.compute == dtypes.master:
             master = weights  # fp32/fp64 training: the compute copy is the master copy, stored once
         else:
-            master = tiered(name, "master", n, dtypes.master)
-            master.evict(flat)
-        zeros = torch.zeros(n, dtype=dtypes.master)
-        exp_avg = tiered(name, "exp_avg", n, dtypes.master)
+            master = tiered(name, "master", t, dtypes.master)
+            master.evict(flat[:t])
+        zeros = torch.zeros(t, dtype=dtypes.master)
+        exp_avg = tiered(name, "exp_avg", t, dtypes.master)
         exp_avg.evict(zeros)
-        exp_avg_sq = tiered(name, "exp_avg_sq", n, dtypes.master)
+        exp_avg_sq = tiered(name, "exp_avg_sq", t, dtypes.master)
         exp_avg_sq.evict(zeros)
-        grads = tiered(name, "gradients", n, dtypes.master)
-        tracker.advance(1, n * bytes_per_elem)
-        return UnitStore(layout, weights, master, exp_avg, exp_avg_sq, grads, forward_split(n, alpha))
+        grads = tiered(name, "gradients", t, dtypes.master)
+        tracker.advance(1, n * dtypes.bytes_per("compute") + t * state_bytes_per_elem)
+        return UnitStore(layout, weights, master, exp_avg, exp_avg_sq, grads, forward_split(t, alpha))
 
-    # Bytes put into the tiers per element: weights, the master copy when separate, two Adam moments.
-    bytes_per_elem = dtypes.bytes_per("compute") + 2 * dtypes.bytes_per("master")
+    # Bytes put into the tiers per element: the compute weights for every element; the master copy when
+    # separate and two Adam moments for the trainable ones only.
+    state_bytes_per_elem = 2 * dtypes.bytes_per("master")
     if dtypes.compute != dtypes.master:
-        bytes_per_elem += dtypes.bytes_per("master")
+        state_bytes_per_elem += dtypes.bytes_per("master")
     progress = or_quiet(progress)
     source = PretrainedSource(pretrained) if pretrained else None
     tracker = progress.phase("load_pretrained" if source else "materialize", len(layouts),
-                             total_bytes=sum(layout.numel for layout in layouts) * bytes_per_elem)
+                             total_bytes=sum(layout.numel * dtypes.bytes_per("compute")
+                                             + layout.train_end * state_bytes_per_elem for layout in layouts))
     try:
         units = _materialize(module, layouts, named, device, source, dtypes, blocks_prefix, blocks_per_unit,
                              store_unit)
@@ -102,8 +106,9 @@ def build_model(module: nn.Module, optimizer: torch.optim.Optimizer, layouts: li
         if source is not None:
             source.close()
     tracker.finish()
-    groups = [group_of[id(p)] for _, p in named]
-    nonlayer = NonLayerState([n for n, _ in named], [p for _, p in named], groups, dtypes)
+    trained = [(n, p) for n, p in named if p.requires_grad]
+    nonlayer = NonLayerState([n for n, _ in trained], [p for _, p in trained], [group_of[id(p)] for _, p in trained],
+                             dtypes, frozen=[(n, p) for n, p in named if not p.requires_grad])
     return BuiltModel(blocks_prefix, layouts, units, nonlayer)
 
 

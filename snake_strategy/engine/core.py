@@ -11,6 +11,7 @@ runner -> gradients -> overlap -> tiers.
 from __future__ import annotations
 
 import time
+import zlib
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -93,8 +94,11 @@ class SnakeEngine:
         # check, then materialize.
         layouts = build_layouts(self.module.blocks, s.blocks_per_unit, check_trainable(self.module, self.optimizer))
         self._unit_params = tuple(layout.numel for layout in layouts)
+        self._unit_trainable = tuple(layout.train_end for layout in layouts)  # the rest is frozen
         block_ids = {id(p) for p in self.module.blocks.parameters()}
-        self._nonlayer_numel = sum(p.numel() for p in self.module.parameters() if id(p) not in block_ids)
+        nonlayer = [p for p in self.module.parameters() if id(p) not in block_ids]
+        self._nonlayer_numel = sum(p.numel() for p in nonlayer if p.requires_grad)
+        self._nonlayer_frozen = sum(p.numel() for p in nonlayer if not p.requires_grad)
         if self.ssd is not None:
             self.ssd.check_free_space(sum(ssd_plan(self.memory_inputs()).values()),
                                       "weights, master weights, optimizer moments and gradients")
@@ -113,12 +117,14 @@ class SnakeEngine:
         self.activations = ActivationStore(self.storage, s.num_micro_batches, len(self.units),
                                            pools.checkpoint_staging, self.device, self.counters, self.io, self.ssd,
                                            trace=self.trace)
-        self.grad_pool = BufferPool("gradients", pools.grad_buffers, max(self._unit_params), self.dtypes.master,
-                                    self.device, trace=self.trace)
+        self.grad_pool = BufferPool("gradients", pools.grad_buffers, max(self._unit_trainable + (1,)),
+                                    self.dtypes.master, self.device, trace=self.trace)
         self.gradients = GradientPath(self.units, self.overlap, self.grad_pool, self.clip, self.scaler)
         self.runner = StepRunner(self.module, self.units, self.nonlayer, self.weights, self.activations,
                                  self.gradients, self.trace, self.device, self.dtypes.autocast)
         self._tasks: dict[int, list] = {}
+        self._frozen_crc: dict[str, Any] | None = None
+        self._backward_planned = False
 
     def tasks(self, num_micro: int | None = None) -> list:
         """The task list of a step with ``num_micro`` micro-batches (the configured number by default)."""
@@ -126,7 +132,7 @@ class SnakeEngine:
         if num_micro not in self._tasks:
             s = self.schedule
             self._tasks[num_micro] = build_tasks(s.kind, len(self.units), num_micro, s.batched_forward,
-                                                 s.batched_backward)
+                                                 s.batched_backward, self.runner.first_backward)
         return self._tasks[num_micro]
 
     # ------------------------------------------------------------------ memory plan
@@ -134,6 +140,7 @@ class SnakeEngine:
         s = self.schedule
         return MemoryInputs(
             unit_params=self._unit_params, nonlayer_params=self._nonlayer_numel,
+            unit_trainable=self._unit_trainable, nonlayer_frozen=self._nonlayer_frozen,
             compute_bytes=self.dtypes.bytes_per("compute"), master_bytes=self.dtypes.bytes_per("master"),
             device_is_cpu=self.device.type == "cpu", storage=self.storage, kind=s.kind,
             num_micro=s.num_micro_batches, alpha=self.alpha, prefetch_depth=s.prefetch_depth,
@@ -170,7 +177,8 @@ class SnakeEngine:
             num_units=len(self.units), params_per_unit=max(self._unit_params), nonlayer_params=self._nonlayer_numel,
             head_params=sum(head.values()), tokens_per_micro=tokens, num_micro=self.schedule.num_micro_batches,
             checkpoint_bytes=self.checkpoint_bytes, weight_bytes=self.dtypes.bytes_per("compute"),
-            master_bytes=self.dtypes.bytes_per("master"))
+            master_bytes=self.dtypes.bytes_per("master"), trainable_per_unit=self._unit_trainable,
+            first_backward_unit=self.runner.first_backward, nonlayer_frozen_params=self._nonlayer_frozen)
 
     def largest_block_matrix(self) -> tuple[int, int]:
         """(out, in) of the largest 2-D block parameter: the matmul shape the compute roof is probed at."""
@@ -203,6 +211,9 @@ class SnakeEngine:
         Returns the mean micro-batch loss (detached). Call ``optimizer_step`` afterwards.
         """
         micro_batches, sizes = self.split(batch)
+        if not self._backward_planned:
+            self.runner.plan_backward(micro_batches[0])  # which units need a backward (frozen parameters)
+            self._tasks, self._backward_planned = {}, True
         if self.storage.host_budget_bytes is not None and not self.checkpoint_bytes:
             # The checkpoints' size is known only now: check the budget before any block runs.
             with torch.no_grad(), self.runner.autocast():
@@ -297,12 +308,15 @@ class SnakeEngine:
             self.weights.drain()
 
     # ------------------------------------------------------------------ state API (checkpoints, export)
-    def unit_slots(self, u: int) -> list[tuple[str, list[int], int, int]]:
-        """(module name, shape, offset, numel) of every parameter of unit ``u``, in flat-vector order."""
-        return [(name, list(s.shape), s.offset, s.numel) for name, s in self.units[u].named_slots(self.blocks_prefix)]
+    def unit_slots(self, u: int, trainable: bool = True) -> list[tuple[str, list[int], int, int]]:
+        """(module name, shape, offset, numel) of every trainable (or frozen) parameter of unit ``u``, in
+        flat-vector order."""
+        return [(name, list(s.shape), s.offset, s.numel)
+                for name, s in self.units[u].named_slots(self.blocks_prefix, trainable)]
 
     def unit_numel(self, u: int) -> int:
-        return self.units[u].layout.numel
+        """Elements of unit ``u``'s master vector and moments (its trainable part, page-padded)."""
+        return self.units[u].train_end
 
     @property
     def num_units(self) -> int:
@@ -312,17 +326,18 @@ class SnakeEngine:
         """Unit ``u``'s master weights and Adam moments, fresh CPU copies (one unit at a time)."""
         self.flush()
         unit = self.units[u]
-        return {"master": unit.master.read_full(), "exp_avg": unit.exp_avg.read_full(),
+        return {"master": _read(unit.master, 0, unit.train_end), "exp_avg": unit.exp_avg.read_full(),
                 "exp_avg_sq": unit.exp_avg_sq.read_full()}
 
     @torch.no_grad()
     def load_unit_state(self, u: int, state: dict[str, Tensor]) -> None:
         self.flush()
         unit = self.units[u]
+        t = unit.train_end  # the frozen part [t, n) is never loaded: it is the base model's
         for name in ("master", "exp_avg", "exp_avg_sq"):
-            getattr(unit, name).evict(state[name].to(self.dtypes.master))
+            getattr(unit, name).evict(state[name].to(self.dtypes.master), 0, t)
         if unit.weights is not unit.master:
-            unit.weights.evict(state["master"].to(self.dtypes.compute))
+            unit.weights.evict(state["master"].to(self.dtypes.compute), 0, t)
 
     def nonlayer_state(self) -> dict[str, Any]:
         """The non-layer parameters' master weights and moments, the step counter and the loss scaler."""
@@ -337,14 +352,36 @@ class SnakeEngine:
             self.step_count = int(state["step_count"])
 
     def state_dict(self) -> dict[str, Tensor]:
-        """Every trainable parameter's master value by its module name (CPU copies, one unit at a time)."""
+        """Every parameter by its module name: trainable ones' master values, frozen ones' stored values
+        (CPU copies, one unit at a time)."""
         self.flush()
         out = {name: master.detach().cpu().clone() for name, master in zip(self.nonlayer.names, self.nonlayer.master)}
+        out.update({name: p.detach().cpu().clone() for name, p in zip(self.nonlayer.frozen_names, self.nonlayer.frozen)})
         for u in range(len(self.units)):
-            flat = self.units[u].master.read_full()
-            out.update({name: flat[offset:offset + numel].view(shape).clone()
-                        for name, shape, offset, numel in self.unit_slots(u)})
+            out.update(self.unit_weights(u))
         return out
+
+    def unit_weights(self, u: int) -> dict[str, Tensor]:
+        """Unit ``u``'s parameters by module name (CPU): trainable ones from the master copy, frozen ones from
+        the compute weights (their only copy)."""
+        unit = self.units[u]
+        out = {}
+        for flat, trainable in ((_read(unit.master, 0, unit.train_end), True),
+                                (_read(unit.weights, unit.train_end, unit.layout.numel), False)):
+            base = 0 if trainable else unit.train_end
+            out.update({name: flat[offset - base:offset - base + numel].view(shape).clone()
+                        for name, shape, offset, numel in self.unit_slots(u, trainable)})
+        return out
+
+    def frozen_checksums(self) -> dict[str, Any]:
+        """CRC-32 of every frozen parameter's stored bytes, per unit and for the non-layer ones: what a
+        checkpoint records instead of a copy of the base weights. Computed once (they never change)."""
+        if self._frozen_crc is None:
+            units = [_crc(_read(unit.weights, unit.train_end, unit.layout.numel)) for unit in self.units]
+            nonlayer = {name: _crc(p.detach().cpu().reshape(-1)) for name, p in
+                        zip(self.nonlayer.frozen_names, self.nonlayer.frozen)}
+            self._frozen_crc = {"units": units, "nonlayer": nonlayer}
+        return self._frozen_crc
 
     def storage_layout(self) -> list[dict[str, int]]:
         """Per unit: elements, the forward-part split, and the bytes each state keeps on the SSD (and the
@@ -352,7 +389,8 @@ class SnakeEngine:
         out = []
         for unit in self.units:
             w = unit.weights
-            out.append({"numel": unit.layout.numel, "split": unit.split, "weights_ssd": w.ssd_bytes,
+            out.append({"numel": unit.layout.numel, "train_end": unit.train_end, "split": unit.split,
+                        "weights_ssd": w.ssd_bytes,
                         "weights_host": (w.host_end - w.device_end) * w.elem_bytes,
                         "weights_is_master": unit.weights is unit.master, "master_ssd": unit.master.ssd_bytes,
                         "grads_ssd": unit.grads.ssd_bytes, "exp_avg_ssd": unit.exp_avg.ssd_bytes,
@@ -360,7 +398,10 @@ class SnakeEngine:
         return out
 
     def master_bytes(self) -> int:
-        return (sum(self._unit_params) + self._nonlayer_numel) * self.dtypes.bytes_per("master")
+        """Bytes of the weights given back to the module after fit (frozen ones in the compute dtype)."""
+        frozen = sum(self._unit_params) - sum(self._unit_trainable) + self._nonlayer_frozen
+        return ((sum(self._unit_trainable) + self._nonlayer_numel) * self.dtypes.bytes_per("master")
+                + frozen * self.dtypes.bytes_per("compute"))
 
     @torch.no_grad()
     def export_to_module(self) -> None:
@@ -371,17 +412,15 @@ class SnakeEngine:
         for pool in (self.grad_pool, self.weights.pool):
             if pool is not None:
                 pool.clear()
-        tracker = self.progress.phase("export", len(self.units),
-                                      total_bytes=sum(self._unit_params) * self.dtypes.bytes_per("master"))
-        for u in range(len(self.units)):
-            flat = self.units[u].master.read_full()
-            for j, block in enumerate(self.units[u].layout.blocks):
-                params = dict(block.named_parameters())
-                for s in self.units[u].layout.slots:
-                    if s.block == j:
-                        value = flat[s.offset:s.offset + s.numel].view(s.shape).clone()
-                        torch.utils.swap_tensors(params[s.name], nn.Parameter(value, params[s.name].requires_grad))
-            tracker.advance(1, flat.numel() * flat.element_size())
+        e_c, e_m = self.dtypes.bytes_per("compute"), self.dtypes.bytes_per("master")
+        unit_bytes = [u.train_end * e_m + (u.layout.numel - u.train_end) * e_c for u in self.units]
+        tracker = self.progress.phase("export", len(self.units), total_bytes=sum(unit_bytes))
+        for u, unit in enumerate(self.units):
+            values = self.unit_weights(u)  # trainable ones from the master copy, frozen ones as stored
+            for name, s in unit.named_slots(self.blocks_prefix):
+                p = unit.layout.blocks[s.block].get_parameter(s.name)
+                torch.utils.swap_tensors(p, nn.Parameter(values[name], p.requires_grad))
+            tracker.advance(1, unit_bytes[u])
         for p, master in zip(self.nonlayer.params, self.nonlayer.master):
             if p is not master:
                 torch.utils.swap_tensors(p, nn.Parameter(master.detach().clone(), p.requires_grad))
@@ -417,6 +456,17 @@ class SnakeEngine:
         finally:
             if ssd is not None:
                 ssd.close()
+
+
+def _read(t, lo: int, hi: int) -> Tensor:
+    """Elements [lo, hi) of a tiered tensor, as a fresh CPU copy."""
+    if hi == lo:
+        return torch.empty(0, dtype=t.dtype)
+    return t.fetch(t.new_buffer(hi - lo), lo, hi).cpu()
+
+
+def _crc(value: Tensor) -> int:
+    return zlib.crc32(memoryview(value.contiguous().view(torch.uint8).numpy()))
 
 
 def _delta(before: dict, after: dict) -> dict[str, int]:

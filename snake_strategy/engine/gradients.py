@@ -50,14 +50,16 @@ class GradientPath:
         """Add one task's per-parameter gradients (covering ``num_micro`` micro-batches) into unit ``u``."""
         if self._acc is not None and self._acc[0] != u:
             self.flush()
-        slots = self._units[u].layout.slots
-        n = self._units[u].layout.numel
+        layout = self._units[u].layout
+        slots, n = layout.trainable_slots, layout.train_end  # only the trainable part has a gradient
         self._used[u].update(i for i, g in enumerate(grads) if g is not None)
         if self._acc is None:
             # The first task's gradients are copied in (no zero-fill, no extra pass). Blocks while both
             # buffers are out (one with the worker): backpressure when the optimizer falls behind.
             buffer = self._pool.acquire()
             acc = buffer[:n]
+            if slots:
+                acc[slots[-1].offset + slots[-1].numel:].zero_()  # the page padding before the frozen part
             for s, g in zip(slots, grads):
                 if g is None:
                     acc[s.offset:s.offset + s.numel].zero_()  # an unused parameter: zero gradient
@@ -80,7 +82,7 @@ class GradientPath:
         u, buffer = self._acc
         self._acc = None
         unit = self._units[u]
-        acc = buffer[:unit.layout.numel]
+        acc = buffer[:unit.train_end]
         if self._partial[u]:
             # Horizontal schedule: an earlier micro-batch left a partial gradient; read, add.
             acc.add_(unit.grads.acquire())
@@ -99,7 +101,8 @@ class GradientPath:
             acc.clamp_(-self._clip[1], self._clip[1])
         elif self._clip is not None:
             self._grad_sq += torch.linalg.vector_norm(acc, dtype=torch.float64).square().cpu()
-        unused = [(s.offset, s.offset + s.numel) for i, s in enumerate(unit.layout.slots) if i not in self._used[u]]
+        unused = [(s.offset, s.offset + s.numel) for i, s in enumerate(unit.layout.trainable_slots)
+                  if i not in self._used[u]]
         if unused:
             self._overlap.unused[u] = unused
         self._overlap.submit_backward_part(u, acc, lambda: self._pool.release(buffer), self._hps, self._step_before)

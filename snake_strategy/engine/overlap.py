@@ -1,8 +1,9 @@
 """The optimizer-step overlap: AdamW runs on a worker thread while the main thread computes.
 
-Each unit's flat vector is cut at ``split`` (about ``alpha`` of its elements, page-aligned):
+Each unit's trainable elements [0, train_end) are cut at ``split`` (about ``alpha`` of them, page-aligned);
+frozen elements [train_end, n) are never stepped nor written:
 
-- backward part [split, n): stepped in the same iteration, on the worker, as soon as the unit's
+- backward part [split, train_end): stepped in the same iteration, on the worker, as soon as the unit's
   gradient is complete (the unit is not read again in this iteration);
 - forward part [0, split): its gradient waits in the gradient store; it is stepped during the next
   iteration's forward, before the unit's weights are fetched (``wait_forward_part``), with the
@@ -59,7 +60,7 @@ class OptimizerOverlap:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="snake-optim",
                                         initializer=torch.set_num_threads, initargs=(1,))
         self._chunk_elems = chunk_elems
-        chunk = min(chunk_elems, max((u.layout.numel for u in units), default=1))
+        chunk = min(chunk_elems, max([u.train_end for u in units] + [1]))  # frozen elements are never stepped
         # The worker's scratch: master, two moments and a parked gradient chunk (+ the compute copy).
         self._scratch = {name: BufferPool(f"optimizer-{name}", 1, chunk, master_dtype, device, trace=self._trace)
                          for name in ("master", "exp_avg", "exp_avg_sq", "grad")}
@@ -89,7 +90,7 @@ class OptimizerOverlap:
         try:
             if unit.split:
                 unit.grads.evict(grad[:unit.split], 0, unit.split)
-            self._step_range(unit, unit.split, unit.layout.numel, lambda lo, hi: grad[lo:hi], hps, step_before, None,
+            self._step_range(unit, unit.split, unit.train_end, lambda lo, hi: grad[lo:hi], hps, step_before, None,
                              self.unused.get(u, []))
         finally:
             release()

@@ -50,6 +50,24 @@ class StepRunner:
         self.module, self.units, self.nonlayer = module, units, nonlayer
         self.weights, self.activations, self.gradients, self.trace = weights, activations, gradients, trace
         self.device, self._autocast_dtype = device, autocast
+        # Frozen parameters (docs/design.md, "Frozen parameters"): units below ``first_backward`` get no
+        # backward at all; ``pre_trains`` says whether pre_stage's output depends on a trainable parameter.
+        self.first_backward, self.pre_trains = 0, True
+
+    def plan_backward(self, micro_batch: Any) -> None:
+        """Find the lowest unit whose backward is needed: 0 when pre_stage trains (its gradient flows down
+        through every unit), else the first unit with a trainable parameter (all blocks when none has one)."""
+        self.pre_trains = False
+        if self.nonlayer.params:
+            # One pre_stage under grad tells whether a trainable parameter reaches its output (a tied
+            # embedding, say); the RNG stream is restored so the step's dropout masks are unchanged.
+            devices = [self.device] if self.device.type == "cuda" else []
+            with torch.random.fork_rng(devices=devices, device_type=self.device.type if devices else "cuda"), \
+                    torch.enable_grad(), self.autocast():
+                hidden, _ = unpack_pre_stage(self.module.pre_stage(micro_batch))
+            self.pre_trains = hidden.requires_grad
+        first = next((u for u, unit in enumerate(self.units) if unit.train_end), len(self.units))
+        self.first_backward = 0 if self.pre_trains else first
 
     def autocast(self):
         if self._autocast_dtype is None:
@@ -108,11 +126,14 @@ class StepRunner:
         for m, y_m in zip(order, y.split([state.sizes[m] for m in order])):
             self.activations.put(u + 1, m, y_m)
             state.checkpoint_bytes = max(state.checkpoint_bytes, y_m.numel() * y_m.element_size())
+            if u < self.first_backward:
+                self.activations.drop(u, m)  # no backward below the first trainable unit: no recompute
 
     def _backward(self, task: Task, state: StepState) -> None:
         u, order = task.unit, task.micro_batches
         last = u == len(self.units) - 1
         w = self.weights.leaves(u)
+        wt = w[:self.units[u].layout.num_trainable]  # frozen leaves need no weight gradient
         batches = [state.micro_batches[m] for m in order]
         sizes = [state.sizes[m] for m in order]
         with torch.enable_grad():
@@ -121,32 +142,36 @@ class StepRunner:
                 with self.autocast():
                     x = torch.cat([self.pre_stage(state, m) for m in order])
                     losses = self._post_losses(self.unit_forward(u, w, x, self._side(state, order)), batches, sizes)
-                grads = torch.autograd.grad(sum(losses) * state.loss_factor, w + self.nonlayer.params,
-                                            allow_unused=True)
-                self.nonlayer.accumulate(grads[len(w):])
-                self.gradients.accumulate(u, grads[:len(w)], len(order))
+                grads = _grad(sum(losses) * state.loss_factor, wt + self.nonlayer.params)
+                self.nonlayer.accumulate(grads[len(wt):])
+                if wt:
+                    self.gradients.accumulate(u, grads[:len(wt)], len(order))
                 state.losses += [loss.detach() for loss in losses]
                 return
             x = torch.cat([self.activations.get(u, m) for m in order]) if len(order) > 1 else self.activations.get(u, order[0])
-            x = x.detach().requires_grad_(True)
+            # The input gradient is needed by the unit below (or the embedding); not by the lowest unit
+            # that needs a backward at all when nothing under it trains.
+            needs_dx = self.pre_trains or u > self.first_backward
+            x = x.detach().requires_grad_(needs_dx)
+            xs = [x] if needs_dx else []
             if last:
                 with self.autocast():
                     losses = self._post_losses(self.unit_forward(u, w, x, self._side(state, order)), batches, sizes)
-                grads = torch.autograd.grad(sum(losses) * state.loss_factor, [x] + w + self.nonlayer.params,
-                                            allow_unused=True)
-                self.nonlayer.accumulate(grads[1 + len(w):])
+                grads = _grad(sum(losses) * state.loss_factor, xs + wt + self.nonlayer.params)
+                self.nonlayer.accumulate(grads[len(xs) + len(wt):])
                 state.losses += [loss.detach() for loss in losses]
             else:
                 with self._replay(state, u, order), self.autocast():
                     y = self.unit_forward(u, w, x, self._side(state, order))
                 g = torch.cat([state.act_grads.pop(m) for m in order]) if len(order) > 1 else state.act_grads.pop(order[0])
-                grads = torch.autograd.grad(y, [x] + w, g, allow_unused=True)
-            self.gradients.accumulate(u, grads[1:1 + len(w)], len(order))
-            for m, dx in zip(order, grads[0].split(sizes)):
+                grads = _grad(y, xs + wt, g)
+            if wt:
+                self.gradients.accumulate(u, grads[len(xs):len(xs) + len(wt)], len(order))
+            for m, dx in zip(order, grads[0].split(sizes) if needs_dx else [None] * len(order)):
                 self.activations.drop(u, m)
-                if u > 0:
+                if u > 0 and dx is not None:
                     state.act_grads[m] = dx
-            if u == 0:
+            if u == 0 and self.pre_trains:
                 # The embedding's backward, once for all micro-batches of the task (one dense embedding
                 # gradient instead of one per micro-batch), each replaying its RNG stream.
                 hidden = []
@@ -174,6 +199,13 @@ class StepRunner:
     def _post_losses(self, hidden: Tensor, batches: list[Any], sizes: list[int]) -> list[Tensor]:
         outputs = self.module.post_stage(hidden)
         return [self.module.compute_loss(out, b) for out, b in zip(outputs.split(sizes), batches)]
+
+
+def _grad(output: Tensor, inputs: list[Tensor], seed: Tensor | None = None) -> tuple[Tensor | None, ...]:
+    """autograd.grad that tolerates nothing to differentiate (every parameter the task sees is frozen)."""
+    if not inputs or not output.requires_grad:
+        return (None,) * len(inputs)
+    return torch.autograd.grad(output, inputs, seed, allow_unused=True)
 
 
 def _rng_state(device: torch.device) -> tuple[Tensor, Tensor | None]:

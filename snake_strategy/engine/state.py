@@ -27,12 +27,19 @@ class UnitStore:
     exp_avg: TieredTensor
     exp_avg_sq: TieredTensor
     grads: TieredTensor
-    split: int  # forward part = [0, split), backward part = [split, numel)
+    split: int  # forward part = [0, split), backward part = [split, train_end)
 
-    def named_slots(self, blocks_prefix: str):
-        """(module name, slot) of each parameter of the unit, in flat-vector order."""
+    @property
+    def train_end(self) -> int:
+        """[0, train_end): the elements with a master copy, moments and gradients; the rest is frozen."""
+        return self.layout.train_end
+
+    def named_slots(self, blocks_prefix: str, trainable: bool | None = None):
+        """(module name, slot) of each parameter of the unit (only the trainable or only the frozen ones
+        when ``trainable`` says so), in flat-vector order."""
         for s in self.layout.slots:
-            yield f"{blocks_prefix}.{self.layout.first_block + s.block}.{s.name}", s
+            if trainable is None or s.trainable == trainable:
+                yield f"{blocks_prefix}.{self.layout.first_block + s.block}.{s.name}", s
 
     def tensors(self) -> tuple[TieredTensor, ...]:
         seen, out = set(), []
@@ -46,14 +53,20 @@ class UnitStore:
 class NonLayerState:
     """The embedding/head parameters (``pre_stage``/``post_stage``): on the device, stepped in place.
 
-    ``params`` are the module's own Parameter objects (in the compute dtype); ``master`` is a separate
-    fp32 copy only when the compute dtype differs (bf16-true); moments and gradients are in the master
-    dtype. ``used`` marks the parameters that received a gradient this step (an unused one is not
+    ``params`` are the module's own trainable Parameter objects (in the compute dtype); ``master`` is a
+    separate fp32 copy only when the compute dtype differs (bf16-true); moments and gradients are in the
+    master dtype. ``frozen`` ones (requires_grad=False) are only converted to the compute dtype: no
+    master copy, no moments, no gradient. ``used`` marks the parameters that received a gradient this step (an unused one is not
     stepped, as torch's AdamW skips parameters whose ``grad`` is None).
     """
 
-    def __init__(self, names: list[str], params: list[nn.Parameter], groups: list[int], dtypes: DtypePolicy) -> None:
+    def __init__(self, names: list[str], params: list[nn.Parameter], groups: list[int], dtypes: DtypePolicy,
+                 frozen: list[tuple[str, nn.Parameter]] = ()) -> None:
         self.names, self.params, self.groups = names, params, groups
+        self.frozen_names, self.frozen = [n for n, _ in frozen], [p for _, p in frozen]
+        for p in self.frozen:
+            if p.dtype != dtypes.compute:
+                torch.utils.swap_tensors(p, nn.Parameter(p.detach().to(dtypes.compute), requires_grad=False))
         self.master = [p if p.dtype == dtypes.master and dtypes.compute == dtypes.master
                        else p.detach().to(dtypes.master, copy=True) for p in params]
         for p in params:
@@ -68,6 +81,10 @@ class NonLayerState:
     @property
     def numel(self) -> int:
         return sum(p.numel() for p in self.params)
+
+    @property
+    def frozen_numel(self) -> int:
+        return sum(p.numel() for p in self.frozen)
 
     def zero_grads(self) -> None:
         for g in self.grads:
