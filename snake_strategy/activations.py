@@ -25,8 +25,12 @@ class ActivationStore:
     STATE = "checkpoints"
 
     def __init__(self, storage: StorageConfig, num_micro: int, num_units: int, staging_buffers: int,
-                 device: torch.device, counters: TrafficCounters, io: IOEngine | None, ssd: SsdDirectory | None) -> None:
+                 device: torch.device, counters: TrafficCounters, io: IOEngine | None, ssd: SsdDirectory | None,
+                 trace=None) -> None:
         self._device, self._counters, self._io, self._ssd = device, counters, io, ssd
+        # The engine's TaskTrace (duck-typed: importing the engine package from here would be circular);
+        # while it is enabled, the waits below are recorded as timeline spans.
+        self._trace = trace
         self._num_units, self._staging_limit = num_units, max(1, staging_buffers)
         self.set_num_micro(storage, num_micro)
         self._in_memory: dict[tuple[int, int], Tensor] = {}
@@ -42,6 +46,9 @@ class ActivationStore:
     def set_num_micro(self, storage: StorageConfig, num_micro: int) -> None:
         """The tier of every micro-batch for steps of ``num_micro`` micro-batches (a short last batch has fewer)."""
         self._tiers = checkpoint_tiers(storage, num_micro)
+
+    def _tracing(self) -> bool:
+        return self._trace is not None and self._trace.enabled
 
     def tier_of(self, micro: int) -> str:
         return self._tiers[micro]
@@ -62,7 +69,7 @@ class ActivationStore:
             fd, slot_bytes = self._file(unit, num_bytes)
             staging = self._staging(hidden.numel(), hidden.dtype)
             staging.copy_(hidden.reshape(-1))  # a copy into a page-aligned buffer (O_DIRECT needs it)
-            ticket = self._io.submit_write(fd, micro * slot_bytes, padded_bytes(staging))
+            ticket = self._io.submit_write(fd, micro * slot_bytes, padded_bytes(staging), self.STATE)
             self._writes[key] = (ticket, staging)
             self._on_ssd[key] = (hidden.shape, hidden.dtype)
 
@@ -76,7 +83,7 @@ class ActivationStore:
         fd, slot_bytes = self._files[unit]
         buffer = aligned_empty(shape.numel(), dtype)
         self._counters.add("ssd", self.STATE, "read", shape.numel() * buffer.element_size())
-        self._reads[key] = (self._io.submit_read(fd, micro * slot_bytes, padded_bytes(buffer)), buffer)
+        self._reads[key] = (self._io.submit_read(fd, micro * slot_bytes, padded_bytes(buffer), self.STATE), buffer)
 
     def get(self, unit: int, micro: int) -> Tensor:
         key = (unit, micro)
@@ -89,6 +96,8 @@ class ActivationStore:
         start_s = time.perf_counter()
         ticket.wait()  # sync point: exposed I/O when the prefetch was too late (or never issued)
         self.wait_s += time.perf_counter() - start_s
+        if self._tracing():
+            self._trace.span("wait", "wait checkpoint read", start_s, unit=unit, micro=micro)
         shape, _ = self._on_ssd[key]
         return buffer.view(shape).to(self._device)
 
@@ -126,6 +135,8 @@ class ActivationStore:
             start_s = time.perf_counter()
             self._finish_write(next(iter(self._writes)))  # backpressure: the oldest write must land first
             self.backpressure_s += time.perf_counter() - start_s
+            if self._tracing():
+                self._trace.span("wait", "wait checkpoint staging", start_s, backpressure=True)
         while self._spare:
             buffer = self._spare.pop()
             if buffer.dtype == dtype and buffer.numel() >= numel:
@@ -136,10 +147,13 @@ class ActivationStore:
         if key in self._writes:
             ticket, staging = self._writes.pop(key)
             start_s = time.perf_counter()
+            blocks = self._tracing() and not ticket.done()  # timed only when tracing and not yet landed
             try:
                 ticket.wait()  # the staging buffer may be reused only once the write is done
             finally:
                 self.wait_s += time.perf_counter() - start_s
+            if blocks:
+                self._trace.span("wait", "wait checkpoint write", start_s, unit=key[0], micro=key[1])
             self._spare.append(staging)
 
     def _file(self, unit: int, num_bytes: int) -> tuple[int, int]:

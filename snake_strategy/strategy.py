@@ -30,6 +30,7 @@ from snake_strategy.module import LayeredModule
 from snake_strategy.planner import HardwareProfile, StepPrediction, predict
 from snake_strategy.precision import GreedySnakePrecision
 from snake_strategy.progress import Progress
+from snake_strategy.timeline import check_trace_path, export_trace
 
 if TYPE_CHECKING:
     from snake_strategy.checkpoint_weights import CheckpointWeights
@@ -51,6 +52,8 @@ class GreedySnakeStrategy(Strategy):
         progress: progress of setup, checkpoints, export and long steps: a ``Progress`` (add listeners
             there), or True/False to force log lines on/off; None (and a ``Progress(log=None)``) writes
             lines exactly when the Trainer's progress bar is enabled.
+        trace_path: write the run's timeline (the last ``engine.trace.keep`` steps) to this file at teardown, as
+            a Chrome/Perfetto trace (``snake_strategy.timeline``); None records no timeline.
     """
 
     strategy_name = "greedysnake"
@@ -65,6 +68,7 @@ class GreedySnakeStrategy(Strategy):
         precision_plugin: Precision | None = None,
         hooks: EngineHooks | None = None,
         progress: Progress | bool | None = None,
+        trace_path: str | os.PathLike | None = None,
     ) -> None:
         self.storage = coerce_config(StorageConfig, storage, "storage")
         self.schedule = coerce_config(ScheduleConfig, schedule, "schedule")
@@ -83,6 +87,7 @@ class GreedySnakeStrategy(Strategy):
         self._eval_checkpoint: CheckpointWeights | None = None  # ckpt_path of an eval stage
         self._gave_back_weights = False  # the module holds the weights a run of this strategy gave back
         self.progress = progress if isinstance(progress, Progress) else Progress(log=progress)
+        self.trace_path = None if trace_path is None else check_trace_path(trace_path)  # refused now, not at the end
         self.parallel_devices: list[torch.device] | None = None  # filled by Lightning's connector
         self.global_rank, self.local_rank, self.world_size = 0, 0, 1
         super().__init__(accelerator=accelerator, precision_plugin=precision_plugin)
@@ -176,6 +181,7 @@ class GreedySnakeStrategy(Strategy):
                                   self.precision_plugin.dtypes, self.root_device, clip=clip,
                                   pretrained=pretrained, scaler=self.precision_plugin.make_scaler(),
                                   hooks=self.hooks, progress=self.progress)
+        self.engine.trace.enabled = self.trace_path is not None
         if self.storage.checkpoints.ssd > 0 and self.schedule.num_micro_batches <= 2 * self.storage.checkpoint_host_ends:
             log.warning(
                 "storage.checkpoints puts %.0f%% on the SSD, but with schedule.num_micro_batches=%d and "
@@ -273,6 +279,7 @@ class GreedySnakeStrategy(Strategy):
             self._eval_checkpoint.close()
             self._eval_checkpoint = None
         if engine is not None:
+            export_trace(self.trace_path, engine.trace)  # first: also after a failed step
             try:
                 engine.flush()
                 self._give_back_weights(engine)

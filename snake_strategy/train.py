@@ -98,7 +98,10 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         raise ValueError("configs storage/ and schedule/ must target snake_strategy.StorageConfig and "
                          f"snake_strategy.ScheduleConfig; got {type(storage).__name__}, {type(schedule).__name__}")
 
-    strategy = GreedySnakeStrategy(storage=storage, schedule=schedule, progress=cfg.get("progress", True))
+    # A relative trace_path lands in the run's output directory, next to report.json.
+    trace_path = out_dir / Path(str(cfg.trace_path)).expanduser() if cfg.get("trace_path") else None
+    strategy = GreedySnakeStrategy(storage=storage, schedule=schedule, progress=cfg.get("progress", True),
+                                   trace_path=trace_path)
     kwargs = trainer_kwargs(cfg, out_dir)
     report_cb = StepReport(log_every_n_steps=int(kwargs.get("log_every_n_steps") or 10))
     save_cb = SaveFinal(out_dir) if cfg.get("save_final", True) else None
@@ -112,6 +115,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     report["choices"] = _choices()
     report["saved"] = save_cb.saved if save_cb is not None else {}
     report["output_dir"] = str(out_dir)
+    report["trace"] = str(trace_path) if trace_path is not None else None
     # Any model: counted from the module (tied weights once; meta tensors have a size too).
     report["num_params"] = sum(p.numel() for p in model.parameters())
     report["storage"] = {k: v for k, v in OmegaConf.to_container(cfg.storage, resolve=True).items() if k != "_target_"}
@@ -126,6 +130,8 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     print(report_cb.format_summary())
     for kind, saved in report["saved"].items():
         print(f"saved {kind}: {saved}")
+    if trace_path is not None:
+        print(f"timeline: {trace_path} (open in https://ui.perfetto.dev or chrome://tracing)")
     return report
 
 

@@ -76,3 +76,44 @@ def test_finetune_hf_notebook_runs(tmp_path, monkeypatch):
     assert summary["final_train_loss"] < 5.5, summary  # from ln(256) = 5.55 at the random init
     assert any(out.output_type == "display_data" and "image/png" in out.get("data", {})
                for cell in nb.cells for out in cell.get("outputs", []))
+
+
+def _execute(path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """The notebook at ``path``, run top to bottom in a kernel of this interpreter; no cell may fail."""
+    monkeypatch.setenv("PYTHONWARNINGS", "ignore")
+    nb = nbformat.read(path, as_version=4)
+    client = NotebookClient(nb, timeout=300, kernel_name=kernel_for_this_python(tmp_path, monkeypatch),
+                            resources={"metadata": {"path": str(tmp_path)}})
+    client.execute()
+    errors = [out for cell in nb.cells if cell.cell_type == "code" for out in cell.get("outputs", [])
+              if out.output_type == "error"]
+    assert not errors, errors
+    return nb
+
+
+def _tagged(nb, tag: str):
+    return next(cell for cell in nb.cells if tag in cell.metadata.get("tags", []))
+
+
+def _printed(cell) -> str:
+    return "".join(out.get("text", "") for out in cell.outputs if out.output_type == "stream")
+
+
+def _has_figure(cell) -> bool:
+    return any(out.output_type == "display_data" and "image/png" in out.get("data", {}) for out in cell.outputs)
+
+
+def test_plan_and_timeline_notebook_runs(tmp_path, monkeypatch):
+    """03: size a model for a machine with the planner, then a tiny run's measured timeline (its trace file)
+    next to the prediction."""
+    nb = _execute(NOTEBOOKS / "03_plan_and_timeline.ipynb", tmp_path, monkeypatch)
+    # The sizing: the smallest budget is refused with the planner's reason, the larger ones get a placement.
+    sizing = _printed(_tagged(nb, "plan"))
+    assert "does not fit" in sizing and "cannot hold the working set" in sizing and "fits, host" in sizing
+    predictions = _tagged(nb, "predict")
+    assert "vertical" in _printed(predictions) and "horizontal" in _printed(predictions)
+    assert _has_figure(predictions) and _has_figure(_tagged(nb, "timeline"))
+    # The measured step, from the trace file: every resource had work in it.
+    result = next(out for out in _tagged(nb, "breakdown").outputs if out.output_type == "execute_result")
+    busy = ast.literal_eval(result.data["text/plain"])
+    assert busy["step"] > 0 and busy["compute"] > 0 and busy["ssd"] > 0 and busy["optimizer"] > 0, busy

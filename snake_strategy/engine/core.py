@@ -80,7 +80,8 @@ class SnakeEngine:
         try:
             if storage.uses_ssd():
                 self.ssd = SsdDirectory(storage.ssd_dir, storage.use_o_direct, storage.keep_ssd_files)
-                self.io = IOEngine(storage.num_io_threads, before_transfer=self.hooks.before_ssd_transfer)
+                self.io = IOEngine(storage.num_io_threads, before_transfer=self.hooks.before_ssd_transfer,
+                                   trace=self.trace)
             self._build(pretrained)
         except BaseException:
             self.close()
@@ -107,15 +108,17 @@ class SnakeEngine:
         self.blocks_prefix, self.units, self.nonlayer = built.blocks_prefix, built.units, built.nonlayer
         pools = pool_sizes(self.memory_inputs())
         self.overlap = OptimizerOverlap(self.units, self.dtypes.compute, self.dtypes.master, self.device,
-                                        self.storage.optimizer_chunk_elems, self.hooks.before_optimizer_chunk)
+                                        self.storage.optimizer_chunk_elems, self.hooks.before_optimizer_chunk,
+                                        trace=self.trace)
         self._parts.append(self.overlap)
         self.weights = WeightStreamer(self.units, self.overlap, self.trace, s.prefetch_depth, self.dtypes.compute,
                                       self.device)
         self._parts.append(self.weights)
         self.activations = ActivationStore(self.storage, s.num_micro_batches, len(self.units),
-                                           pools.checkpoint_staging, self.device, self.counters, self.io, self.ssd)
+                                           pools.checkpoint_staging, self.device, self.counters, self.io, self.ssd,
+                                           trace=self.trace)
         self.grad_pool = BufferPool("gradients", pools.grad_buffers, max(self._unit_trainable + (1,)),
-                                    self.dtypes.master, self.device)
+                                    self.dtypes.master, self.device, trace=self.trace)
         self.gradients = GradientPath(self.units, self.overlap, self.grad_pool, self.clip, self.scaler)
         self.runner = StepRunner(self.module, self.units, self.nonlayer, self.weights, self.activations,
                                  self.gradients, self.trace, self.device, self.dtypes.autocast)
@@ -280,6 +283,7 @@ class SnakeEngine:
         stats["backpressure_wait_s"] = stats.get("backpressure_wait_s", 0.0) + self.grad_pool.take_wait_s()
         stats["optimizer_traffic"] = _delta(before, self.counters.snapshot())
         self._train_end_snapshot = None
+        self.trace.end_step()
 
     def flush(self) -> None:
         """Apply every pending optimizer update (call before anything reads weights outside training)."""

@@ -29,6 +29,7 @@ from typing import Callable
 import torch
 
 from snake_strategy.engine.state import UnitStore
+from snake_strategy.engine.trace import OPTIMIZER, WAIT, TaskTrace
 from snake_strategy.optim import AdamHyperParams, adam_step
 from snake_strategy.storage.pool import BufferPool
 
@@ -50,19 +51,22 @@ class OptimizerOverlap:
     """
 
     def __init__(self, units: list[UnitStore], compute_dtype: torch.dtype, master_dtype: torch.dtype,
-                 device: torch.device, chunk_elems: int, before_chunk: Callable[[int], None] | None = None) -> None:
+                 device: torch.device, chunk_elems: int, before_chunk: Callable[[int], None] | None = None,
+                 trace: TaskTrace | None = None) -> None:
         self._units, self._compute_dtype = units, compute_dtype
         self._before_chunk = before_chunk
+        self._trace = trace if trace is not None else TaskTrace()  # spans of the worker's parts and chunks
         # One intra-op thread: AdamW is memory-bound, and the compute thread's matmuls own the cores.
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="snake-optim",
                                         initializer=torch.set_num_threads, initargs=(1,))
         self._chunk_elems = chunk_elems
         chunk = min(chunk_elems, max([u.train_end for u in units] + [1]))  # frozen elements are never stepped
         # The worker's scratch: master, two moments and a parked gradient chunk (+ the compute copy).
-        self._scratch = {name: BufferPool(f"optimizer-{name}", 1, chunk, master_dtype, device)
+        self._scratch = {name: BufferPool(f"optimizer-{name}", 1, chunk, master_dtype, device, trace=self._trace)
                          for name in ("master", "exp_avg", "exp_avg_sq", "grad")}
         if compute_dtype != master_dtype:
-            self._scratch["compute"] = BufferPool("optimizer-compute", 1, chunk, compute_dtype, device)
+            self._scratch["compute"] = BufferPool("optimizer-compute", 1, chunk, compute_dtype, device,
+                                                  trace=self._trace)
         self._backward_jobs: dict[int, Future] = {}
         self._deferred: _Deferred | None = None
         # Parameters that received no gradient in this step (unused in forward): torch's AdamW skips a
@@ -91,6 +95,9 @@ class OptimizerOverlap:
         finally:
             release()
         self._add_busy(time.perf_counter() - start_s)
+        if self._trace.enabled:
+            self._trace.span(OPTIMIZER, f"backward part u{u}", start_s, unit=u, part="backward",
+                             elements=unit.layout.numel - unit.split)
 
     def wait_backward_parts(self) -> float:
         """Block until every backward part of this iteration is applied; returns the seconds waited."""
@@ -98,7 +105,10 @@ class OptimizerOverlap:
         jobs, self._backward_jobs = self._backward_jobs, {}
         for job in jobs.values():
             job.result()  # sync point: the step is not finished before these are
-        return time.perf_counter() - start_s
+        end_s = time.perf_counter()
+        if jobs and self._trace.enabled:
+            self._trace.span(WAIT, "wait optimizer", start_s, end_s, units=sorted(jobs))
+        return end_s - start_s
 
     # ------------------------------------------------------------------ forward parts
     def defer_forward_parts(self, hps: list[AdamHyperParams], step_before: int, grad_scale: float | None) -> None:
@@ -140,12 +150,18 @@ class OptimizerOverlap:
         finally:
             grad_pool.release(buffer)
         self._add_busy(time.perf_counter() - start_s)
+        if self._trace.enabled:
+            self._trace.span(OPTIMIZER, f"forward part u{u}", start_s, unit=u, part="forward", elements=unit.split)
 
     def wait_forward_part(self, u: int) -> None:
         """Block until unit ``u``'s forward part is applied (called before its weights are read)."""
         job = self._submit_forward_part(u)
         if job is not None:
+            # Timed only when it blocks: a part already applied is no wait.
+            start_s = time.perf_counter() if self._trace.enabled and not job.done() else None
             job.result()
+            if start_s is not None:
+                self._trace.span(WAIT, f"wait forward part u{u}", start_s, unit=u)
 
     def end_forward_parts(self) -> None:
         """All forward parts of the pending iteration have been waited on; forget them."""
@@ -174,6 +190,7 @@ class OptimizerOverlap:
         [a, b) of the unit, a buffer the step may scale in place)."""
         for start in range(lo, hi, self._chunk_elems):
             end = min(hi, start + self._chunk_elems)
+            chunk_s = time.perf_counter() if self._trace.enabled else 0.0
             if self._before_chunk is not None:
                 self._before_chunk(unit.layout.index)
             grad = grad_of(start, end)
@@ -181,6 +198,9 @@ class OptimizerOverlap:
                 grad.mul_(grad_scale)  # as torch.nn.utils.clip_grad_norm_ does, even when the factor is 1
             keep = [(max(a, start), min(b, end)) for a, b in unused if max(a, start) < min(b, end)]
             self._step_chunk(unit, start, end, grad, hps, step_before, keep)
+            if self._trace.enabled:
+                self._trace.span(OPTIMIZER, f"chunk u{unit.layout.index}", chunk_s, unit=unit.layout.index,
+                                 elements=end - start, offset=start)
 
     def _step_chunk(self, unit: UnitStore, lo: int, hi: int, grad: torch.Tensor,
                     hps: list[AdamHyperParams], step_before: int, keep: list[tuple[int, int]]) -> None:

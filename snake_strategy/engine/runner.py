@@ -13,6 +13,7 @@ whose blocks draw random numbers is then refused at its first step, before any u
 from __future__ import annotations
 
 import contextlib
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,7 +24,7 @@ from snake_strategy.activations import ActivationStore
 from snake_strategy.contract import check_block_output, stack_side_inputs, unpack_pre_stage
 from snake_strategy.engine.gradients import GradientPath
 from snake_strategy.engine.state import NonLayerState, UnitStore
-from snake_strategy.engine.trace import TaskTrace
+from snake_strategy.engine.trace import TASK, TaskTrace
 from snake_strategy.engine.weights import WeightStreamer
 from snake_strategy.progress import StepProgress
 from snake_strategy.schedule import BACKWARD, Task
@@ -74,7 +75,9 @@ class StepRunner:
         return torch.autocast(self.device.type, dtype=self._autocast_dtype)
 
     def run(self, tasks: list[Task], state: StepState, watch: StepProgress | None = None) -> None:
+        trace = self.trace
         for index, task in enumerate(tasks):
+            start_s = time.perf_counter() if trace.enabled else 0.0  # the task's span covers its prefetch issue
             if watch is not None:
                 watch.task(index, task)  # a clock read; a line only once the step has run long
             self.weights.prefetch_after(tasks, index)
@@ -88,6 +91,9 @@ class StepRunner:
                 self._backward(task, state)
             else:
                 self._forward(task, state)
+            if trace.enabled:
+                trace.span(TASK, repr(task), start_s, kind=task.kind, unit=task.unit,
+                           micro_batches=list(task.micro_batches), index=index)
 
     # ------------------------------------------------------------------ stages
     def pre_stage(self, state: StepState, m: int) -> Tensor:

@@ -27,7 +27,7 @@ class WeightStreamer:
         self._units, self._overlap, self._trace, self._depth = units, overlap, trace, prefetch_depth
         in_place = all(u.weights.resident for u in units)
         self.pool = None if in_place else BufferPool(
-            "weights", 1 + prefetch_depth, max(u.layout.numel for u in units), compute_dtype, device)
+            "weights", 1 + prefetch_depth, max(u.layout.numel for u in units), compute_dtype, device, trace=trace)
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="snake-prefetch",
                                           initializer=torch.set_num_threads, initargs=(1,))
         self._prefetched: dict[int, tuple[Future, float]] = {}  # unit -> (job, issue time)
@@ -35,19 +35,20 @@ class WeightStreamer:
         self.wait_s = 0.0  # main-thread time blocked on weight fetches, since the last take
 
     # ------------------------------------------------------------------ fetching
-    def _fetch(self, u: int) -> tuple[Tensor | None, Tensor, float]:
-        """(pool buffer or None, the unit's flat weights, done time). Runs on either thread."""
+    def _fetch(self, u: int) -> tuple[Tensor | None, Tensor, float, float]:
+        """(pool buffer or None, the unit's flat weights, start time, done time). Runs on either thread."""
+        started_s = time.perf_counter()
         self._overlap.wait_forward_part(u)  # the deferred update of this unit must land first
         weights = self._units[u].weights
         if self.pool is None:
-            return None, weights.device_tensor(), time.perf_counter()
+            return None, weights.device_tensor(), started_s, time.perf_counter()
         buffer = self.pool.acquire()  # backpressure: blocks while resident + prefetched fill the pool
         try:
             flat = weights.fetch(buffer[:weights.numel])
         except BaseException:
             self.pool.release(buffer)
             raise
-        return buffer, flat, time.perf_counter()
+        return buffer, flat, started_s, time.perf_counter()
 
     def prefetch_after(self, tasks: list[Task], index: int) -> None:
         """Make sure the weights of the next ``prefetch_depth`` units after task ``index`` are on their way."""
@@ -64,13 +65,14 @@ class WeightStreamer:
         needed_s = time.perf_counter()
         job = self._prefetched.pop(u, None)
         if job is not None:
-            buffer, flat, done_s = job[0].result()  # sync point when the prefetch is late
+            buffer, flat, started_s, done_s = job[0].result()  # sync point when the prefetch is late
             issued_s = job[1]
         else:
-            buffer, flat, done_s = self._fetch(u)
+            buffer, flat, started_s, done_s = self._fetch(u)
             issued_s = needed_s
         self.wait_s += time.perf_counter() - needed_s
-        self._trace.fetch(FetchRecord(u, job is not None, issued_s, done_s, needed_s))
+        # The timeline draws the wait for a late prefetch from this record (needed_s -> done_s).
+        self._trace.fetch(FetchRecord(u, job is not None, issued_s, done_s, needed_s, started_s))
         self._resident = (u, buffer, self._units[u].layout.leaves(flat))
         return self._resident[2]
 
@@ -96,7 +98,7 @@ class WeightStreamer:
         first_error = None
         for job, _ in jobs.values():
             try:
-                buffer, _, _ = job.result()
+                buffer = job.result()[0]
             except BaseException as err:
                 first_error = first_error or err
                 continue

@@ -13,6 +13,7 @@ import os
 import shutil
 import tempfile
 import threading
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
@@ -45,36 +46,47 @@ DONE = Ticket([])
 class IOEngine:
     """Submit page-aligned reads and writes; get a Ticket back. Shut down with ``close()``."""
 
-    def __init__(self, num_threads: int = 2, chunk_bytes: int = CHUNK_BYTES, before_transfer=None) -> None:
+    def __init__(self, num_threads: int = 2, chunk_bytes: int = CHUNK_BYTES, before_transfer=None,
+                 trace=None) -> None:
         """``before_transfer(direction, num_bytes)``, when given, runs on the I/O thread before each chunk:
-        a test hook that slows the SSD down deterministically (see ``engine.EngineHooks``)."""
+        a test hook that slows the SSD down deterministically (see ``engine.EngineHooks``).
+
+        ``trace``: the engine's ``TaskTrace`` (duck-typed: storage does not import the engine); while it is
+        enabled, every chunk is recorded as a span on the I/O thread that moved it."""
         if chunk_bytes % PAGE_BYTES:
             raise ValueError(f"chunk_bytes={chunk_bytes} must be a multiple of {PAGE_BYTES}")
         self._pool = ThreadPoolExecutor(max_workers=num_threads, thread_name_prefix="snake-io")
         self._chunk_bytes = chunk_bytes
         self._before_transfer = before_transfer
+        self._trace = trace
 
-    def submit_read(self, fd: int, offset: int, buffer: torch.Tensor) -> Ticket:
-        """Fill the uint8 CPU tensor ``buffer`` from ``fd`` at byte ``offset``."""
-        return self._submit(_read_exact, fd, offset, buffer, "read")
+    def submit_read(self, fd: int, offset: int, buffer: torch.Tensor, what: str = "") -> Ticket:
+        """Fill the uint8 CPU tensor ``buffer`` from ``fd`` at byte ``offset`` (``what``: the state, for
+        the timeline)."""
+        return self._submit(_read_exact, fd, offset, buffer, "read", what)
 
-    def submit_write(self, fd: int, offset: int, buffer: torch.Tensor) -> Ticket:
+    def submit_write(self, fd: int, offset: int, buffer: torch.Tensor, what: str = "") -> Ticket:
         """Write the uint8 CPU tensor ``buffer`` to ``fd`` at byte ``offset``."""
-        return self._submit(_write_exact, fd, offset, buffer, "write")
+        return self._submit(_write_exact, fd, offset, buffer, "write", what)
 
-    def _submit(self, fn, fd: int, offset: int, buffer: torch.Tensor, direction: str) -> Ticket:
+    def _submit(self, fn, fd: int, offset: int, buffer: torch.Tensor, direction: str, what: str) -> Ticket:
         if buffer.dtype != torch.uint8 or buffer.dim() != 1:
             raise AssertionError("I/O buffers are 1-D uint8 views")
         futures = []
         for start in range(0, buffer.numel(), self._chunk_bytes):
             piece = buffer[start:start + self._chunk_bytes]
-            futures.append(self._pool.submit(self._transfer, fn, direction, fd, offset + start, piece))
+            futures.append(self._pool.submit(self._transfer, fn, direction, fd, offset + start, piece, what))
         return Ticket(futures)
 
-    def _transfer(self, fn, direction: str, fd: int, offset: int, piece: torch.Tensor) -> None:
+    def _transfer(self, fn, direction: str, fd: int, offset: int, piece: torch.Tensor, what: str) -> None:
+        trace = self._trace
+        start_s = time.perf_counter() if trace is not None and trace.enabled else None
         if self._before_transfer is not None:
-            self._before_transfer(direction, piece.numel())
+            self._before_transfer(direction, piece.numel())  # a slowed-down SSD: part of the chunk's time
         fn(fd, offset, piece)
+        if start_s is not None:
+            trace.span("io", f"ssd {direction} {what}".rstrip(), start_s, direction=direction, state=what,
+                       bytes=piece.numel())
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)

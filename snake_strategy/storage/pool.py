@@ -17,10 +17,14 @@ from snake_strategy.storage.aligned import aligned_empty
 
 
 class BufferPool:
-    def __init__(self, name: str, capacity: int, numel: int, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, name: str, capacity: int, numel: int, dtype: torch.dtype, device: torch.device,
+                 trace=None) -> None:
+        """``trace``: the engine's ``TaskTrace`` (duck-typed: storage does not import the engine); while it is
+        enabled, each blocked ``acquire`` is recorded as a backpressure wait on the waiting thread."""
         if capacity < 1:
             raise AssertionError(f"pool {name} needs capacity >= 1")
         self.name, self.capacity, self.numel, self.dtype, self.device = name, capacity, numel, dtype, device
+        self._trace = trace
         self._free: list[torch.Tensor] = []
         self._allocated = 0
         self._out: set[int] = set()  # data pointers of buffers handed out (catches double releases)
@@ -53,7 +57,9 @@ class BufferPool:
                 buffer = self._new()
             self._out.add(id(buffer))
             self.peak_out = max(self.peak_out, len(self._out))
-            return buffer
+        if start_s is not None and self._trace is not None and self._trace.enabled:
+            self._trace.span("wait", f"wait {self.name} buffer", start_s, pool=self.name, backpressure=True)
+        return buffer
 
     def release(self, buffer: torch.Tensor) -> None:
         with self._cond:

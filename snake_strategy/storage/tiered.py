@@ -132,11 +132,11 @@ class TieredTensor:
         dst = out[s0 - lo:s1 - lo]
         self._counters.add("ssd", self.state, "read", round_up((s1 - s0) * es))
         if out.device.type == "cpu":
-            return self._io.submit_read(self._fd, offset, padded_bytes(dst))
+            return self._io.submit_read(self._fd, offset, padded_bytes(dst), self.state)
         # CUDA: the SSD part lands in a pinned bounce buffer, then crosses the host link; that copy
         # is issued inside wait(), after the read completes (see _StagedFetch).
         staging = aligned_empty(s1 - s0, self.dtype, pin_memory=True)
-        return _StagedFetch(self._io.submit_read(self._fd, offset, padded_bytes(staging)), staging, dst)
+        return _StagedFetch(self._io.submit_read(self._fd, offset, padded_bytes(staging), self.state), staging, dst)
 
     def start_evict(self, src: torch.Tensor, lo: int = 0, hi: int | None = None) -> Ticket:
         """Begin writing ``src`` (elements [lo, hi)) back; ``src`` must stay untouched until the ticket
@@ -157,10 +157,11 @@ class TieredTensor:
         part = src[s0 - lo:s1 - lo]
         self._counters.add("ssd", self.state, "write", round_up((s1 - s0) * es))
         if part.device.type == "cpu" and part.data_ptr() % PAGE_BYTES == 0 and _storage_reaches(part):
-            return _Joined([self._io.submit_write(self._fd, offset, padded_bytes(part))], keepalive=(src,))
+            return _Joined([self._io.submit_write(self._fd, offset, padded_bytes(part), self.state)], keepalive=(src,))
         staging = aligned_empty(s1 - s0, self.dtype, pin_memory=part.device.type == "cuda")
         staging.copy_(part)  # a sync point on CUDA: the D2H copy must finish before the write starts
-        return _Joined([self._io.submit_write(self._fd, offset, padded_bytes(staging))], keepalive=(staging,))
+        write = self._io.submit_write(self._fd, offset, padded_bytes(staging), self.state)
+        return _Joined([write], keepalive=(staging,))
 
     def _segments(self, lo: int, hi: int) -> tuple[tuple[int, int], tuple[int, int], tuple[int, int]]:
         """[lo, hi) cut at the tier boundaries: (device range, host range, ssd range) in element indices."""
