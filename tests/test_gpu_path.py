@@ -217,3 +217,37 @@ def test_weight_fetches_are_ordered_by_events(monkeypatch, tmp_path):
     # each wait comes after the copy it waits for
     position = {entry[1]: i for i, entry in enumerate(log) if entry[0] in ("copied", "record")}
     assert all(position[name] < i for i, entry in enumerate(log) if entry[0] == "wait" for name in [entry[1]])
+
+
+def test_checkpoint_store_pinned_path_bookkeeping(monkeypatch, tmp_path):
+    """The CUDA branch of the activation store (host checkpoints copied into reusable pinned buffers),
+    run on CPU with pinning faked: values, counters and buffer reuse are right."""
+    import snake_strategy.activations as activations
+    from snake_strategy.storage import IOEngine, SsdDirectory, TrafficCounters
+    from snake_strategy.storage.aligned import aligned_empty
+
+    monkeypatch.setattr(activations, "aligned_empty", lambda n, dtype, pin_memory=False: aligned_empty(n, dtype))
+    storage = StorageConfig(checkpoints={"host": 0.5, "ssd": 0.5}, checkpoint_host_ends=1)
+    io, ssd = IOEngine(2), SsdDirectory(str(tmp_path))
+    counters = TrafficCounters()
+    store = activations.ActivationStore(storage, 4, 2, 2, torch.device("cpu"), counters, io, ssd)
+    store._pin = True  # the CUDA branch
+    try:
+        seen_buffers = set()
+        for step in range(2):
+            made = {m: torch.randn(3, 8, 4) + 10 * step + m for m in range(4)}
+            for m in range(4):
+                store.put(1, m, made[m])
+            assert set(store._pinned) == {(1, 0), (1, 3)}  # the host ends; the middle went to the SSD
+            seen_buffers |= {b.data_ptr() for b, _ in store._pinned.values()}
+            for m in range(4):
+                assert torch.equal(store.get(1, m), made[m])
+                store.drop(1, m)
+            assert not store._pinned and len(store._pinned_spare) == 2
+            store.clear()
+        assert len(seen_buffers) == 2  # the second step reused the first step's pinned buffers
+        snapshot = counters.snapshot()
+        assert snapshot[("host", "checkpoints", "write")] == snapshot[("host", "checkpoints", "read")] == 2 * 2 * 384
+    finally:
+        io.close()
+        ssd.close()
