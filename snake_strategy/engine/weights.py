@@ -27,7 +27,7 @@ from snake_strategy.engine.trace import FetchRecord, TaskTrace
 from snake_strategy.schedule import Task, unit_run_ahead
 from snake_strategy.memory import WEIGHT_STAGING_BUFFERS
 from snake_strategy.storage.pool import BufferPool
-from snake_strategy.storage.streams import CopyStream, Event, copy_stream
+from snake_strategy.storage.streams import DONE, CopyStream, Event, copy_stream
 
 
 class WeightStreamer:
@@ -38,9 +38,11 @@ class WeightStreamer:
         in_place = all(u.weights.resident for u in units)
         self.pool = None if in_place else BufferPool(
             "weights", 1 + prefetch_depth, max(u.layout.numel for u in units), compute_dtype, device)
-        ssd_elems = max(u.weights.numel - u.weights.host_end for u in units)
-        self.staging = BufferPool("weight-staging", WEIGHT_STAGING_BUFFERS, ssd_elems, compute_dtype,
-                                  torch.device("cpu"), pin_memory=True) if device.type == "cuda" and ssd_elems else None
+        ssd_elems = max((u.weights.numel - u.weights.host_end for u in units), default=0)
+        self.staging = None  # pinned SSD->device bounce buffers (CUDA only: on CPU the SSD reads land in place)
+        if device.type == "cuda" and ssd_elems:
+            self.staging = BufferPool("weight-staging", WEIGHT_STAGING_BUFFERS, ssd_elems, compute_dtype,
+                                      torch.device("cpu"), pin_memory=True)
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="snake-prefetch",
                                           initializer=torch.set_num_threads, initargs=(1,))
         self._prefetched: dict[int, tuple[Future, float]] = {}  # unit -> (job, issue time)
@@ -54,7 +56,7 @@ class WeightStreamer:
         self._overlap.wait_forward_part(u)  # the deferred update of this unit must land first
         weights = self._units[u].weights
         if self.pool is None:
-            return None, weights.device_tensor(), time.perf_counter(), self._copies.record()
+            return None, weights.device_tensor(), time.perf_counter(), DONE  # in place: nothing copied
         # backpressure: blocks while resident + prefetched fill the pool
         buffer, reusable = self.pool.acquire_ordered()
         if weights.device_end:
