@@ -168,8 +168,9 @@ def _pinned_items(inputs: MemoryInputs) -> dict[str, int]:
         ckpt = pinned_allocation_bytes(round_up(inputs.checkpoint_bytes))  # one pinned buffer each
         tiers = checkpoint_tiers(s, inputs.num_micro)
         items["checkpoints"] = tiers.count("host") * len(units) * ckpt
-        if pool_sizes(inputs).checkpoint_staging:
-            items["checkpoint_io_buffers"] = (pool_sizes(inputs).checkpoint_staging + inputs.micro_per_backward_task) * ckpt
+        ckpt_staging = pool_sizes(inputs).checkpoint_staging
+        if ckpt_staging:
+            items["checkpoint_io_buffers"] = (ckpt_staging + inputs.micro_per_backward_task) * ckpt
     return items
 
 
