@@ -4,6 +4,12 @@ the backward pass, in memory or in one SSD file per unit (one page-aligned slot 
 Which micro-batches go to the SSD is ``memory.checkpoint_tiers`` (the turning points stay in memory).
 SSD writes are asynchronous from a bounded staging pool: when every staging buffer is in flight, ``put``
 waits for the oldest write (backpressure) instead of allocating more.
+
+On CUDA, host checkpoints go device->host into pinned buffers on the copy stream (``storage/streams.py``),
+asynchronously: the copy stream waits for the compute event that produced the tensor, and the compute
+stream waits for the copy's event before the bytes come back. Pinned buffers are kept for reuse (their
+count is bounded by the checkpoints a step holds, which ``memory.host_plan`` counts at their pinned size).
+On CPU the host tier is the same memory: the tensor is kept as it is, and every event is complete.
 """
 from __future__ import annotations
 
@@ -19,6 +25,7 @@ from snake_strategy.memory import checkpoint_tiers
 from snake_strategy.storage import IOEngine, SsdDirectory, TrafficCounters, aligned_empty, round_up
 from snake_strategy.storage.aligned import padded_bytes
 from snake_strategy.storage.io_engine import Ticket
+from snake_strategy.storage.streams import DONE, CopyStream, Event, copy_stream
 
 
 class ActivationStore:
@@ -26,11 +33,13 @@ class ActivationStore:
 
     def __init__(self, storage: StorageConfig, num_micro: int, num_units: int, staging_buffers: int,
                  device: torch.device, counters: TrafficCounters, io: IOEngine | None, ssd: SsdDirectory | None,
-                 trace=None) -> None:
+                 trace=None, copies: CopyStream | None = None) -> None:
         self._device, self._counters, self._io, self._ssd = device, counters, io, ssd
         # The engine's TaskTrace (duck-typed: importing the engine package from here would be circular);
         # while it is enabled, the waits below are recorded as timeline spans.
         self._trace = trace
+        self._copies = copy_stream(device) if copies is None else copies
+        self._pin = device.type == "cuda"  # host buffers that cross PCIe are pinned
         self._num_units, self._staging_limit = num_units, max(1, staging_buffers)
         self.set_num_micro(storage, num_micro)
         self._in_memory: dict[tuple[int, int], Tensor] = {}
@@ -38,6 +47,10 @@ class ActivationStore:
         self._files: dict[int, tuple[int, int]] = {}  # unit -> (fd, slot bytes)
         self._writes: OrderedDict[tuple[int, int], tuple[Ticket, Tensor]] = OrderedDict()  # in flight, oldest first
         self._spare: list[Tensor] = []  # staging buffers whose write finished, for reuse
+        # CUDA host checkpoints: key -> (pinned buffer, event of its device->host copy); and pinned
+        # buffers free for reuse, with the compute event after which they may be overwritten.
+        self._pinned: dict[tuple[int, int], tuple[Tensor, Event]] = {}
+        self._pinned_spare: list[tuple[Tensor, Event]] = []
         self._reads: dict[tuple[int, int], tuple[Ticket, Tensor]] = {}  # prefetches in flight
         self._space_checked = False
         self.wait_s = 0.0  # main-thread time blocked on checkpoint I/O
@@ -62,13 +75,20 @@ class ActivationStore:
         key = (unit, micro)
         if tier == "device":
             self._in_memory[key] = hidden
+        elif tier == "host" and not self._pin:
+            self._in_memory[key] = hidden  # on CPU the host tier is the same memory: count the bytes
         elif tier == "host":
-            # On CPU the host tier is the same memory: keep the tensor, count the bytes.
-            self._in_memory[key] = hidden if self._device.type == "cpu" else hidden.to("cpu")
+            # The copy stream starts once compute has produced ``hidden``; that compute event also
+            # covers the buffer's own reuse event (an earlier event of the same stream).
+            buffer, _ = self._pinned_buffer(hidden.numel(), hidden.dtype)
+            event = self._copies.copy_async(buffer, hidden.reshape(-1), after=self._copies.record())
+            self._pinned[key] = (buffer.view(hidden.shape), event)
         else:
             fd, slot_bytes = self._file(unit, num_bytes)
             staging = self._staging(hidden.numel(), hidden.dtype)
-            staging.copy_(hidden.reshape(-1))  # a copy into a page-aligned buffer (O_DIRECT needs it)
+            # Into a page-aligned buffer (O_DIRECT needs it); pinned on CUDA, via the copy stream.
+            copied = self._copies.copy_async(staging, hidden.reshape(-1), after=self._copies.record())
+            copied.wait()  # sync point on CUDA: the SSD write reads these host bytes
             ticket = self._io.submit_write(fd, micro * slot_bytes, padded_bytes(staging), self.STATE)
             self._writes[key] = (ticket, staging)
             self._on_ssd[key] = (hidden.shape, hidden.dtype)
@@ -81,7 +101,7 @@ class ActivationStore:
         self._finish_write(key)
         shape, dtype = self._on_ssd[key]
         fd, slot_bytes = self._files[unit]
-        buffer = aligned_empty(shape.numel(), dtype)
+        buffer = aligned_empty(shape.numel(), dtype, pin_memory=self._pin)
         self._counters.add("ssd", self.STATE, "read", shape.numel() * buffer.element_size())
         self._reads[key] = (self._io.submit_read(fd, micro * slot_bytes, padded_bytes(buffer), self.STATE), buffer)
 
@@ -91,6 +111,11 @@ class ActivationStore:
             hidden = self._in_memory[key]
             self._counters.add(self.tier_of(micro), self.STATE, "read", hidden.numel() * hidden.element_size())
             return hidden.to(self._device, non_blocking=True)
+        if key in self._pinned:
+            buffer, copied = self._pinned[key]
+            self._counters.add("host", self.STATE, "read", buffer.numel() * buffer.element_size())
+            self._copies.wait_event(copied)  # the compute stream, not the host, waits for the D2H copy
+            return buffer.to(self._device, non_blocking=True)  # on the compute stream: needed now
         self.prefetch(unit, micro)
         ticket, buffer = self._reads.pop(key)
         start_s = time.perf_counter()
@@ -99,11 +124,12 @@ class ActivationStore:
         if self._tracing():
             self._trace.span("wait", "wait checkpoint read", start_s, unit=unit, micro=micro)
         shape, _ = self._on_ssd[key]
-        return buffer.view(shape).to(self._device)
+        return buffer.view(shape).to(self._device, non_blocking=self._pin)  # pinned: the allocator tracks it
 
     def drop(self, unit: int, micro: int) -> None:
         key = (unit, micro)
         self._in_memory.pop(key, None)
+        self._drop_pinned(key)
         self._finish_write(key)
         if key in self._reads:
             self._reads.pop(key)[0].wait()
@@ -124,11 +150,28 @@ class ActivationStore:
             except BaseException as err:
                 first_error = first_error or err
         self._reads.clear()
+        for key in list(self._pinned):
+            self._drop_pinned(key)  # kept for the next step: pinned memory is slow to allocate
         self._in_memory.clear()
         self._on_ssd.clear()
         self._spare.clear()
         if first_error is not None:
             raise first_error
+
+    def _drop_pinned(self, key: tuple[int, int]) -> None:
+        if key in self._pinned:
+            buffer, _ = self._pinned.pop(key)
+            # Reusable once every kernel issued so far (the host->device copy out of it) has run.
+            self._pinned_spare.append((buffer.reshape(-1), self._copies.record()))
+
+    def _pinned_buffer(self, numel: int, dtype: torch.dtype) -> tuple[Tensor, Event]:
+        for i, (buffer, ready) in enumerate(self._pinned_spare):
+            if buffer.dtype == dtype and buffer.numel() == numel:
+                del self._pinned_spare[i]
+                return buffer, ready
+        if self._pinned_spare:
+            self._pinned_spare.pop(0)  # a size no longer used (a short batch): bounded, not hoarded
+        return aligned_empty(numel, dtype, pin_memory=True), DONE
 
     def _staging(self, numel: int, dtype: torch.dtype) -> Tensor:
         if len(self._writes) >= self._staging_limit:
@@ -141,7 +184,7 @@ class ActivationStore:
             buffer = self._spare.pop()
             if buffer.dtype == dtype and buffer.numel() >= numel:
                 return buffer[:numel]
-        return aligned_empty(numel, dtype)
+        return aligned_empty(numel, dtype, pin_memory=self._pin)
 
     def _finish_write(self, key: tuple[int, int]) -> None:
         if key in self._writes:

@@ -10,13 +10,19 @@ On a CPU "device", device shares live in host memory too, so they count against 
 Every in-flight buffer the engine allocates comes from a bounded pool whose size is set here
 (``PoolSizes``): the budget covers them, and when a pool is empty the producer waits (backpressure)
 instead of allocating more. docs/design.md, "Memory model", explains each item.
+
+On a CUDA device the host shares of every tiered state, the in-memory activation checkpoints and the
+staging buffers are *pinned* (page-locked, the only memory that crosses PCIe asynchronously), and a
+pinned allocation takes more than it asks for (``storage.aligned.pinned_allocation_bytes``: the next
+power of two). Those items are counted here at their real, rounded size, allocation by allocation.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from snake_strategy.config import StorageConfig, TierSplit
-from snake_strategy.storage.aligned import round_up
+from snake_strategy.storage.aligned import aligned_allocation_bytes, pinned_allocation_bytes, round_up
+from snake_strategy.storage.tiered import tier_bounds
 
 # Elements per alignment unit of the SSD tier (4 KiB pages of fp32/bf16/fp64 all divide it).
 ALIGN_ELEMS = 4096
@@ -28,6 +34,9 @@ WORKSPACE_CHECKPOINTS_PER_BLOCK = 24
 # of the worker threads, Lightning's per-step objects. Peak RSS <= baseline at setup + plan + this
 # (tests/test_memory.py measures it).
 RSS_SLACK_BYTES = 96 * 2**20
+# Pinned staging buffers of the weight streamer on CUDA, each the largest unit's SSD share: one is
+# filled from the SSD while the other's bytes cross PCIe.
+WEIGHT_STAGING_BUFFERS = 2
 
 
 @dataclass(frozen=True)
@@ -133,8 +142,55 @@ def _in_memory(split: TierSplit, device_is_cpu: bool) -> float:
     return split.host + (split.device if device_is_cpu else 0.0)
 
 
+def pinned_host_shares(unit_params: tuple[int, ...], split: TierSplit, elem_bytes: int) -> int:
+    """Pinned bytes of one tiered state's host shares on CUDA: each unit's host segment is one pinned
+    allocation (``TieredTensor``), rounded as the pinned allocator rounds it."""
+    total = 0
+    for n in unit_params:
+        device_end, host_end = tier_bounds(n, split)
+        total += aligned_allocation_bytes(host_end - device_end, elem_bytes, pin_memory=True)
+    return total
+
+
+def weight_staging_elems(unit_params: tuple[int, ...], split: TierSplit) -> int:
+    """Elements of one pinned weight-staging buffer: the largest SSD share of a unit's weights."""
+    return max((n - tier_bounds(n, split)[1] for n in unit_params), default=0)
+
+
 def host_plan(inputs: MemoryInputs) -> dict[str, int]:
     """Host bytes of the run, item by item (``checkpoint*`` items only once checkpoint_bytes is known)."""
+    plan = _host_plan(inputs)
+    if not inputs.device_is_cpu:
+        plan.update(_pinned_items(inputs))
+    return plan
+
+
+def _pinned_items(inputs: MemoryInputs) -> dict[str, int]:
+    """The CUDA device's host items: pinned allocations at their real size (they replace the nominal
+    sizes of ``_host_plan``, which on CUDA are what the items would take if pageable)."""
+    s, units, e_c, e_m = inputs.storage, inputs.unit_params, inputs.compute_bytes, inputs.master_bytes
+    items = {
+        "weights": pinned_host_shares(units, s.weights, e_c),
+        "optimizer_moments": 2 * pinned_host_shares(units, s.optimizer, e_m),
+        # the gradient store's host segment is allocated for the whole unit share, pinned
+        "gradients": pinned_host_shares(units, s.gradients, e_m),
+    }
+    if inputs.separate_master:
+        items["master"] = pinned_host_shares(units, s.master, e_m)
+    staging = weight_staging_elems(units, s.weights)
+    if staging:
+        items["weight_staging"] = WEIGHT_STAGING_BUFFERS * aligned_allocation_bytes(staging, e_c, pin_memory=True)
+    if inputs.checkpoint_bytes:
+        ckpt = pinned_allocation_bytes(round_up(inputs.checkpoint_bytes))  # one pinned buffer each
+        tiers = checkpoint_tiers(s, inputs.num_micro)
+        items["checkpoints"] = tiers.count("host") * len(units) * ckpt
+        ckpt_staging = pool_sizes(inputs).checkpoint_staging
+        if ckpt_staging:
+            items["checkpoint_io_buffers"] = (ckpt_staging + inputs.micro_per_backward_task) * ckpt
+    return items
+
+
+def _host_plan(inputs: MemoryInputs) -> dict[str, int]:
     s, cpu = inputs.storage, inputs.device_is_cpu
     e_c, e_m = inputs.compute_bytes, inputs.master_bytes
     total, unit = inputs.total_params, inputs.max_unit_params

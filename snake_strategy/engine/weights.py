@@ -5,6 +5,13 @@ A prefetch thread fetches upcoming units (in task order) into buffers of a bound
 waits for that unit's pending forward-part optimizer step, so it never reads a stale weight. Weights do
 not change during a step, so leaving a unit writes nothing back: the weight traffic is exactly
 ``schedule.weight_fetches``. Fully device-resident weights are used in place, with no buffer at all.
+
+On CUDA the fetch goes through the copy stream (``storage/streams.py``): the host->device copies of a
+unit run on their own stream, after the event the compute stream recorded when it last read the
+buffer; the compute stream waits for the unit's copy event before its first kernel on those weights.
+The host never waits for a copy here. The SSD share bounces through a bounded pool of pinned staging
+buffers (2: one being read from the SSD while the other crosses PCIe). On CPU every event is complete
+and the code path is the same.
 """
 from __future__ import annotations
 
@@ -18,16 +25,24 @@ from snake_strategy.engine.overlap import OptimizerOverlap
 from snake_strategy.engine.state import UnitStore
 from snake_strategy.engine.trace import FetchRecord, TaskTrace
 from snake_strategy.schedule import Task, unit_run_ahead
+from snake_strategy.memory import WEIGHT_STAGING_BUFFERS
 from snake_strategy.storage.pool import BufferPool
+from snake_strategy.storage.streams import DONE, CopyStream, Event, copy_stream
 
 
 class WeightStreamer:
     def __init__(self, units: list[UnitStore], overlap: OptimizerOverlap, trace: TaskTrace, prefetch_depth: int,
-                 compute_dtype: torch.dtype, device: torch.device) -> None:
+                 compute_dtype: torch.dtype, device: torch.device, copies: CopyStream | None = None) -> None:
         self._units, self._overlap, self._trace, self._depth = units, overlap, trace, prefetch_depth
+        self._copies = copy_stream(device) if copies is None else copies
         in_place = all(u.weights.resident for u in units)
         self.pool = None if in_place else BufferPool(
             "weights", 1 + prefetch_depth, max(u.layout.numel for u in units), compute_dtype, device, trace=trace)
+        ssd_elems = max((u.weights.numel - u.weights.host_end for u in units), default=0)
+        self.staging = None  # pinned SSD->device bounce buffers (CUDA only: on CPU the SSD reads land in place)
+        if device.type == "cuda" and ssd_elems:
+            self.staging = BufferPool("weight-staging", WEIGHT_STAGING_BUFFERS, ssd_elems, compute_dtype,
+                                      torch.device("cpu"), pin_memory=True)
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="snake-prefetch",
                                           initializer=torch.set_num_threads, initargs=(1,))
         self._prefetched: dict[int, tuple[Future, float]] = {}  # unit -> (job, issue time)
@@ -35,20 +50,33 @@ class WeightStreamer:
         self.wait_s = 0.0  # main-thread time blocked on weight fetches, since the last take
 
     # ------------------------------------------------------------------ fetching
-    def _fetch(self, u: int) -> tuple[Tensor | None, Tensor, float, float]:
-        """(pool buffer or None, the unit's flat weights, start time, done time). Runs on either thread."""
+    def _fetch(self, u: int) -> tuple[Tensor | None, Tensor, float, float, Event]:
+        """(pool buffer or None, the unit's flat weights, start time, issue-complete time, the copy's event).
+        Runs on either thread. On CUDA the done time is when the copies were issued, not when they land."""
         started_s = time.perf_counter()
         self._overlap.wait_forward_part(u)  # the deferred update of this unit must land first
         weights = self._units[u].weights
         if self.pool is None:
-            return None, weights.device_tensor(), started_s, time.perf_counter()
-        buffer = self.pool.acquire()  # backpressure: blocks while resident + prefetched fill the pool
+            return None, weights.device_tensor(), started_s, time.perf_counter(), DONE  # in place: nothing copied
+        # backpressure: blocks while resident + prefetched fill the pool
+        buffer, reusable = self.pool.acquire_ordered()
+        if weights.device_end:
+            # A device share is written by the optimizer on the compute stream: copy after it.
+            reusable = self._copies.record()
+        staging = self.staging.acquire() if self.staging is not None and weights.host_end < weights.numel else None
+        batch = None
         try:
-            flat = weights.fetch(buffer[:weights.numel])
+            with self._copies.issuing(after=reusable) as batch:  # the H2D copies run on the copy stream
+                flat = weights.fetch(buffer[:weights.numel], staging=staging)
         except BaseException:
+            self._copies.synchronize()  # nothing may still be copying into or out of the buffers
             self.pool.release(buffer)
+            if staging is not None:
+                self.staging.release(staging)
             raise
-        return buffer, flat, started_s, time.perf_counter()
+        if staging is not None:
+            self.staging.release(staging, batch.event)  # rewritten by the next SSD read once the copy is over
+        return buffer, flat, started_s, time.perf_counter(), batch.event
 
     def prefetch_after(self, tasks: list[Task], index: int) -> None:
         """Make sure the weights of the next ``prefetch_depth`` units after task ``index`` are on their way."""
@@ -65,11 +93,12 @@ class WeightStreamer:
         needed_s = time.perf_counter()
         job = self._prefetched.pop(u, None)
         if job is not None:
-            buffer, flat, started_s, done_s = job[0].result()  # sync point when the prefetch is late
+            buffer, flat, started_s, done_s, copied = job[0].result()  # sync point when the prefetch is late
             issued_s = job[1]
         else:
-            buffer, flat, started_s, done_s = self._fetch(u)
+            buffer, flat, started_s, done_s, copied = self._fetch(u)
             issued_s = needed_s
+        self._copies.wait_event(copied)  # the compute stream (not the host) waits for the copy
         self.wait_s += time.perf_counter() - needed_s
         # The timeline draws the wait for a late prefetch from this record (needed_s -> done_s).
         self._trace.fetch(FetchRecord(u, job is not None, issued_s, done_s, needed_s, started_s))
@@ -89,7 +118,8 @@ class WeightStreamer:
             _, buffer, _ = self._resident
             self._resident = None
             if buffer is not None:
-                self.pool.release(buffer)
+                # Rewritten only after every kernel issued so far (the ones that read it) has run.
+                self.pool.release(buffer, self._copies.record())
 
     def drain(self) -> None:
         """Finish and release every prefetch in flight (end of a step, flush, close)."""
@@ -98,12 +128,12 @@ class WeightStreamer:
         first_error = None
         for job, _ in jobs.values():
             try:
-                buffer = job.result()[0]
+                buffer, _, _, _, copied = job.result()
             except BaseException as err:
                 first_error = first_error or err
                 continue
             if buffer is not None:
-                self.pool.release(buffer)
+                self.pool.release(buffer, copied)  # never read: free once its copy has landed
         if first_error is not None:
             raise first_error
 
@@ -117,5 +147,8 @@ class WeightStreamer:
             self.drain()
         finally:
             self._thread.shutdown(wait=True)
+            self._copies.synchronize()  # sync point (teardown): no copy may outlive the buffers it uses
             if self.pool is not None:
                 self.pool.clear()
+            if self.staging is not None:
+                self.staging.clear()

@@ -36,6 +36,28 @@ def round_up(num_bytes: int, multiple: int = PAGE_BYTES) -> int:
     return -(-num_bytes // multiple) * multiple
 
 
+def pinned_allocation_bytes(num_bytes: int) -> int:
+    """The host memory a pinned allocation of ``num_bytes`` really takes.
+
+    The rule implemented (torch's CUDA caching host allocator, ``ATen/core/CachingHostAllocator.h``,
+    default settings): a request is rounded up to the next power of two (``PowerOf2Ceil``; 0 stays 0),
+    so that freed blocks are reusable by size class. The block stays cached by the allocator after the
+    tensor dies, so a pinned buffer costs its rounded size for the life of the process: a 65 MiB unit
+    takes 128 MiB. (``PYTORCH_CUDA_ALLOC_CONF=pinned_max_round_threshold:...`` can lower the threshold
+    above which requests are not rounded; the engine assumes the default, which rounds everything.)
+    """
+    if num_bytes <= 0:
+        return 0
+    return 1 << (num_bytes - 1).bit_length()
+
+
+def aligned_allocation_bytes(numel: int, elem_bytes: int, pin_memory: bool = False) -> int:
+    """The bytes ``aligned_empty(numel, ..., pin_memory)`` allocates: the page-rounded payload plus one
+    page of alignment slack; pinned, the payload alone (already page-aligned) at its rounded size."""
+    payload = round_up(max(numel * elem_bytes, 1))
+    return pinned_allocation_bytes(payload) if pin_memory else payload + PAGE_BYTES
+
+
 def aligned_empty(numel: int, dtype: torch.dtype, pin_memory: bool = False) -> torch.Tensor:
     """A 1-D CPU tensor of ``numel`` elements whose data starts on a page boundary.
 
@@ -44,6 +66,12 @@ def aligned_empty(numel: int, dtype: torch.dtype, pin_memory: bool = False) -> t
     """
     elem_bytes = torch.empty((), dtype=dtype).element_size()
     payload_bytes = round_up(max(numel * elem_bytes, 1))
+    if pin_memory:
+        # Pinned blocks are page-aligned already (whole cudaHostAlloc allocations, or 4 KiB-rounded
+        # slices of a reserved segment): no slack page, which would double a power-of-two payload.
+        raw = torch.empty(payload_bytes, dtype=torch.uint8, pin_memory=True)
+        if raw.data_ptr() % PAGE_BYTES == 0:
+            return raw.view(dtype)[:numel]
     raw = torch.empty(payload_bytes + PAGE_BYTES, dtype=torch.uint8, pin_memory=pin_memory)
     shift = (-raw.data_ptr()) % PAGE_BYTES
     page_view = raw[shift:shift + payload_bytes]

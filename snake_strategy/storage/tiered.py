@@ -112,11 +112,16 @@ class TieredTensor:
             return self._device_seg[lo:hi]
         return self.fetch(self.new_buffer(hi - lo), lo, hi)
 
-    def start_fetch(self, out: torch.Tensor, lo: int = 0, hi: int | None = None) -> Ticket:
+    def start_fetch(self, out: torch.Tensor, lo: int = 0, hi: int | None = None,
+                    staging: torch.Tensor | None = None) -> Ticket:
         """Begin filling ``out`` with elements [lo, hi); the SSD part runs on the I/O threads.
 
         ``lo`` and ``hi`` must be multiples of ``ALIGN_ELEMS`` (or ``hi == numel``) so the SSD part
         stays page-aligned; ``out`` must be page-aligned on CPU (``new_buffer`` or ``aligned_empty``).
+        ``staging`` (CUDA only): a pinned, page-aligned buffer of at least the SSD part's elements from
+        a bounded pool, for the SSD->host->device bounce (else one is allocated per fetch).
+        The host->device copies are issued on the calling thread's current stream (the copy stream
+        when called inside ``CopyStream.issuing``).
         """
         hi = self.numel if hi is None else hi
         segments = self._segments(lo, hi)
@@ -135,7 +140,9 @@ class TieredTensor:
             return self._io.submit_read(self._fd, offset, padded_bytes(dst), self.state)
         # CUDA: the SSD part lands in a pinned bounce buffer, then crosses the host link; that copy
         # is issued inside wait(), after the read completes (see _StagedFetch).
-        staging = aligned_empty(s1 - s0, self.dtype, pin_memory=True)
+        if staging is None:
+            staging = aligned_empty(s1 - s0, self.dtype, pin_memory=True)
+        staging = staging[:s1 - s0]
         return _StagedFetch(self._io.submit_read(self._fd, offset, padded_bytes(staging), self.state), staging, dst)
 
     def start_evict(self, src: torch.Tensor, lo: int = 0, hi: int | None = None) -> Ticket:
@@ -176,8 +183,9 @@ class TieredTensor:
 
         return cut(0, self.device_end), cut(self.device_end, self.host_end), cut(self.host_end, self.numel)
 
-    def fetch(self, out: torch.Tensor, lo: int = 0, hi: int | None = None) -> torch.Tensor:
-        self.start_fetch(out, lo, hi).wait()
+    def fetch(self, out: torch.Tensor, lo: int = 0, hi: int | None = None,
+              staging: torch.Tensor | None = None) -> torch.Tensor:
+        self.start_fetch(out, lo, hi, staging).wait()
         return out
 
     def evict(self, src: torch.Tensor, lo: int = 0, hi: int | None = None) -> None:
