@@ -57,10 +57,11 @@ class StepRunner:
     def plan_backward(self, micro_batch: Any) -> None:
         """Find the lowest unit whose backward is needed: 0 when pre_stage trains (its gradient flows down
         through every unit), else the first unit with a trainable parameter (all blocks when none has one)."""
-        self.pre_trains = False
-        if self.nonlayer.params:
-            # One pre_stage under grad tells whether a trainable parameter reaches its output (a tied
-            # embedding, say); the RNG stream is restored so the step's dropout masks are unchanged.
+        self.pre_trains = bool(self.nonlayer.params)
+        if self.nonlayer.params and self.nonlayer.frozen:
+            # Some non-layer parameters are frozen: one pre_stage under grad tells whether a trainable one
+            # reaches its output (a tied embedding, say); the RNG stream is restored so the step's dropout
+            # masks are unchanged. (With none frozen, the embedding trains: no probe, no extra call.)
             devices = [self.device] if self.device.type == "cuda" else []
             with torch.random.fork_rng(devices=devices, device_type=self.device.type if devices else "cuda"), \
                     torch.enable_grad(), self.autocast():
