@@ -1,5 +1,6 @@
 """Slow tests (soak runs, long benchmarks) are opt-in: `pytest --runslow`."""
 import pytest
+import torch
 
 
 def pytest_addoption(parser):
@@ -13,3 +14,12 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "slow" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def float64_default():
+    """Build tensors in fp64 for the test (exactness checks at atol 1e-10), then restore the default."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    yield
+    torch.set_default_dtype(previous)

@@ -21,11 +21,8 @@ MODELS = ["gpt", "llama"]
 
 
 @pytest.fixture(autouse=True)
-def float64_default():
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    yield
-    torch.set_default_dtype(previous)
+def _fp64_by_default(float64_default):
+    """Every test here builds its models in fp64 (conftest.float64_default)."""
 
 
 class Model:

@@ -86,11 +86,8 @@ def built(config_or_dir) -> HFCausalLM:
 
 
 @pytest.fixture(autouse=True)
-def float64_default():
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    yield
-    torch.set_default_dtype(previous)
+def _fp64_by_default(float64_default):
+    """Every test here builds its models in fp64 (conftest.float64_default)."""
 
 
 # ---------------------------------------------------------------------- forward

@@ -34,17 +34,8 @@ def kernel_for_this_python(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> s
 
 
 def test_quickstart_notebook_runs(tmp_path, monkeypatch):
-    monkeypatch.setenv("PYTHONWARNINGS", "ignore")
-    nb = nbformat.read(NOTEBOOK, as_version=4)
-    client = NotebookClient(nb, timeout=300, kernel_name=kernel_for_this_python(tmp_path, monkeypatch),
-                            resources={"metadata": {"path": str(tmp_path)}})
-    client.execute()
-
-    errors = [out for cell in nb.cells if cell.cell_type == "code" for out in cell.get("outputs", [])
-              if out.output_type == "error"]
-    assert not errors, errors
-
-    summary_cell = next(cell for cell in nb.cells if "summary" in cell.metadata.get("tags", []))
+    nb = _execute(NOTEBOOK, tmp_path, monkeypatch)
+    summary_cell = _tagged(nb, "summary")
     printed = "".join(out.get("text", "") for out in summary_cell.outputs if out.output_type == "stream")
     assert "final train loss" in printed and "ssd/weights" in printed
     result = next(out for out in summary_cell.outputs if out.output_type == "execute_result")
@@ -60,15 +51,8 @@ def test_finetune_hf_notebook_runs(tmp_path, monkeypatch):
     """02: save_pretrained -> fine-tune from the directory with SSD weights -> validate -> export ->
     from_pretrained -> generate -> plot."""
     pytest.importorskip("transformers")
-    monkeypatch.setenv("PYTHONWARNINGS", "ignore")
-    nb = nbformat.read(NOTEBOOKS / "02_finetune_hf.ipynb", as_version=4)
-    client = NotebookClient(nb, timeout=300, kernel_name=kernel_for_this_python(tmp_path, monkeypatch),
-                            resources={"metadata": {"path": str(tmp_path)}})
-    client.execute()
-    errors = [out for cell in nb.cells if cell.cell_type == "code" for out in cell.get("outputs", [])
-              if out.output_type == "error"]
-    assert not errors, errors
-    summary_cell = next(cell for cell in nb.cells if "summary" in cell.metadata.get("tags", []))
+    nb = _execute(NOTEBOOKS / "02_finetune_hf.ipynb", tmp_path, monkeypatch)
+    summary_cell = _tagged(nb, "summary")
     result = next(out for out in summary_cell.outputs if out.output_type == "execute_result")
     summary = ast.literal_eval(result.data["text/plain"])
     assert summary["reloaded_equal"] and summary["generate_equal"], summary
