@@ -29,10 +29,6 @@ class Task:
         else:
             object.__setattr__(self, "micro_batches", tuple(self.micro_batches))
 
-    @property
-    def batched(self) -> bool:
-        return len(self.micro_batches) > 1
-
     def __repr__(self) -> str:
         micro = ",".join(map(str, self.micro_batches))
         return f"{'F' if self.kind == FORWARD else 'B'}({self.unit},{micro})"

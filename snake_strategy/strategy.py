@@ -294,14 +294,13 @@ class GreedySnakeStrategy(Strategy):
         """After training the module holds the trained weights when they fit the host budget; otherwise
         reading them raises an error that says how to get them (never meta tensors without a word)."""
         module = self.lightning_module
-        budget = self.storage.host_budget_bytes
-        if budget is None or engine.master_bytes() <= budget:
+        if engine.weights_fit_host():
             engine.export_to_module()
             self._gave_back_weights = True
             return
         message = (f"the trained weights ({engine.master_bytes() / 2**30:.2f} GiB) did not fit "
-                   f"storage.host_budget_bytes ({budget / 2**30:.2f} GiB), so they were not copied back into the "
-                   "module. Save them during training (ModelCheckpoint / trainer.save_checkpoint inside fit) and "
+                   f"storage.host_budget_bytes ({self.storage.host_budget_bytes / 2**30:.2f} GiB), so they were not "
+                   "copied back into the module. Save them during training (ModelCheckpoint / trainer.save_checkpoint inside fit) and "
                    "consolidate: python -m snake_strategy.checkpoint CKPT_DIR model.ckpt")
         _install_weight_guard(module, message)
 

@@ -148,9 +148,7 @@ class SaveFinal(L.Callback):
         final = self.out_dir / "final.ckpt"
         trainer.save_checkpoint(final)
         self.saved["checkpoint"] = str(final)
-        engine = trainer.strategy.engine
-        budget = trainer.strategy.storage.host_budget_bytes
-        if budget is None or engine.master_bytes() <= budget:
+        if trainer.strategy.engine.weights_fit_host():
             model_file = self.out_dir / "final_model.ckpt"
             consolidate(final, model_file, trainer.strategy.progress)
             self.saved["model"] = str(model_file)

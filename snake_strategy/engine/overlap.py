@@ -178,10 +178,6 @@ class OptimizerOverlap:
                 self.wait_forward_part(u)
             self._deferred = None
 
-    @property
-    def pending(self) -> bool:
-        return self._deferred is not None or bool(self._backward_jobs)
-
     # ------------------------------------------------------------------ the arithmetic
     def _step_range(self, unit: UnitStore, lo: int, hi: int, grad_of: Callable[[int, int], torch.Tensor],
                     hps: list[AdamHyperParams], step_before: int, grad_scale: float | None,

@@ -41,14 +41,6 @@ class UnitStore:
             if trainable is None or s.trainable == trainable:
                 yield f"{blocks_prefix}.{self.layout.first_block + s.block}.{s.name}", s
 
-    def tensors(self) -> tuple[TieredTensor, ...]:
-        seen, out = set(), []
-        for t in (self.weights, self.master, self.exp_avg, self.exp_avg_sq, self.grads):
-            if id(t) not in seen:
-                seen.add(id(t))
-                out.append(t)
-        return tuple(out)
-
 
 class NonLayerState:
     """The embedding/head parameters (``pre_stage``/``post_stage``): on the device, stepped in place.

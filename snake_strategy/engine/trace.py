@@ -115,7 +115,3 @@ class TaskTrace:
     @property
     def last(self) -> StepTrace:
         return self.steps[-1] if self.steps else StepTrace()
-
-    @staticmethod
-    def now() -> float:
-        return time.perf_counter()
