@@ -364,3 +364,16 @@ def test_a_greedysnake_directory_with_a_plain_strategy(tmp_path):
         assert torch.equal(_params(loaded)[name], value), name
     with pytest.raises(ValueError, match="is a greedysnake checkpoint directory; consolidate it"):
         L.Trainer(max_steps=3, **trainer_kwargs()).fit(_model(), _loader(8, 4), ckpt_path=str(directory))
+
+
+def test_host_budget_check_does_not_change_dropout_masks():
+    """The first step's budget check runs pre_stage once to size the checkpoints; it must not consume
+    the RNG stream the step's embedding dropout draws from."""
+    import dataclasses
+
+    from tests.helpers import run_snake
+
+    config = dataclasses.replace(SMALL_GPT, dropout=0.1)
+    free, _ = run_snake(config, 2, 2, 2, "64-true", only_last=True)
+    budgeted, _ = run_snake(config, 2, 2, 2, "64-true", storage={"host_budget_bytes": 2**30}, only_last=True)
+    assert max_abs_diff(free[0], budgeted[0]) == 0.0

@@ -215,8 +215,11 @@ class SnakeEngine:
             self.runner.plan_backward(micro_batches[0])  # which units need a backward (frozen parameters)
             self._tasks, self._backward_planned = {}, True
         if self.storage.host_budget_bytes is not None and not self.checkpoint_bytes:
-            # The checkpoints' size is known only now: check the budget before any block runs.
-            with torch.no_grad(), self.runner.autocast():
+            # The checkpoints' size is known only now: check the budget before any block runs. The RNG
+            # stream is restored, so an embedding's dropout masks are the same with or without a budget.
+            devices = [self.device] if self.device.type == "cuda" else []
+            with torch.random.fork_rng(devices=devices, device_type=self.device.type if devices else "cuda"), \
+                    torch.no_grad(), self.runner.autocast():
                 hidden, _ = unpack_pre_stage(self.module.pre_stage(micro_batches[0]))
             self.check_host_budget(hidden.numel() * hidden.element_size())
         start_s = time.perf_counter()
