@@ -290,11 +290,17 @@ class GreedySnakeStrategy(Strategy):
             self.accelerator.teardown()
         self.checkpoint_io.teardown()
 
+    def weights_fit_host(self, engine: SnakeEngine | EvalEngine) -> bool:
+        """Whether the engine's weights fit ``storage.host_budget_bytes`` (no budget: they do): only then
+        does the module get them back after fit, and the Hydra app consolidate them into one file."""
+        budget = self.storage.host_budget_bytes
+        return budget is None or engine.master_bytes() <= budget
+
     def _give_back_weights(self, engine: SnakeEngine) -> None:
         """After training the module holds the trained weights when they fit the host budget; otherwise
         reading them raises an error that says how to get them (never meta tensors without a word)."""
         module = self.lightning_module
-        if engine.weights_fit_host():
+        if self.weights_fit_host(engine):
             engine.export_to_module()
             self._gave_back_weights = True
             return

@@ -148,7 +148,7 @@ class SaveFinal(L.Callback):
         final = self.out_dir / "final.ckpt"
         trainer.save_checkpoint(final)
         self.saved["checkpoint"] = str(final)
-        if trainer.strategy.engine.weights_fit_host():
+        if trainer.strategy.weights_fit_host(trainer.strategy.engine):
             model_file = self.out_dir / "final_model.ckpt"
             consolidate(final, model_file, trainer.strategy.progress)
             self.saved["model"] = str(model_file)

@@ -407,12 +407,6 @@ class SnakeEngine:
                 + frozen * self.dtypes.bytes_per("compute"))
 
     @torch.no_grad()
-
-    def weights_fit_host(self) -> bool:
-        """Whether the trained weights fit ``storage.host_budget_bytes`` (no budget: they do): the module
-        gets them back after fit, and the Hydra app consolidates them into one file, only then."""
-        budget = self.storage.host_budget_bytes
-        return budget is None or self.master_bytes() <= budget
     def export_to_module(self) -> None:
         """Give the module its trained weights back (master values), streamed one unit at a time, so
         ``model.state_dict()``, a second ``fit`` or a plain Trainer see them after training."""
