@@ -83,6 +83,7 @@ def save(engine: SnakeEngine, checkpoint: dict[str, Any], path: str | os.PathLik
         files["meta.pt"] = _describe(tmp / "meta.pt")
         tracker.advance(1, files["meta.pt"]["bytes"])
         manifest = {"format": FORMAT, "step_count": engine.step_count, "master_dtype": str(engine.dtypes.master),
+                    "compute_dtype": str(engine.dtypes.compute),  # the frozen CRC-32s are of these bytes
                     "blocks_per_unit": engine.schedule.blocks_per_unit, "units": units, "files": files,
                     "frozen_nonlayer": frozen["nonlayer"]}
         (tmp / "manifest.json").write_text(json.dumps(manifest))
@@ -305,11 +306,12 @@ def _check_frozen(root: Path, manifest: dict, current: dict) -> None:
 
 
 def consolidate(path: str | os.PathLike, out_path: str | os.PathLike,
-                progress: Progress | None = None) -> dict[str, Any]:
+                progress: Progress | None = None, base: Any = None) -> dict[str, Any]:
     """Write one ordinary Lightning checkpoint file with every parameter (master values).
 
     ``LightningModule.load_from_checkpoint(out_path)`` and ``torch.load(out_path)`` read it.
-    Holds the whole model in memory once: that is what a single-file state dict is.
+    Holds the whole model in memory once: that is what a single-file state dict is. A fine-tuning
+    checkpoint holds no frozen base weights: ``base`` (checkpoint_weights.open_base) supplies them.
     """
     out = Path(out_path)
     if out.is_dir():
@@ -317,7 +319,12 @@ def consolidate(path: str | os.PathLike, out_path: str | os.PathLike,
     if not out.parent.is_dir():
         raise ValueError(f"the output directory {out.parent} does not exist; create it or write elsewhere")
     progress = or_quiet(progress)
-    checkpoint = load_consolidated(path, progress)
+    if base is not None:
+        from snake_strategy.checkpoint_weights import load_consolidated_with_base  # it imports this module
+
+        checkpoint = load_consolidated_with_base(path, base, progress)
+    else:
+        checkpoint = load_consolidated(path, progress)
     # One torch.save of the whole model: no progress inside it, but its size and rate when it ends.
     tensor_bytes = sum(v.numel() * v.element_size() for v in checkpoint["state_dict"].values()
                        if isinstance(v, torch.Tensor))
@@ -433,6 +440,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="hf only: a HF model directory or config.json (default: the config saved with the module)")
     parser.add_argument("--dtype", choices=("float32", "float64", "bfloat16", "float16"), default=None,
                         help="hf only: dtype of the safetensors files (default: the checkpoint's master dtype)")
+    parser.add_argument("--base", default=None, metavar="PATH",
+                        help="a fine-tuning checkpoint's frozen base weights: the base model's HF directory, "
+                             "state-dict or .ckpt file (checked against the checkpoint's CRC-32s)")
     parser.add_argument("--quiet", action="store_true", help="no progress lines (on stderr)")
     parser.add_argument("--progress-every-s", type=float, default=5.0, metavar="SECONDS",
                         help="at most one progress line per phase every this many seconds (default 5)")
@@ -446,17 +456,28 @@ def main(argv: list[str] | None = None) -> int:
 
             dtype = getattr(torch, args.dtype) if args.dtype else None
             files = export_hf_checkpoint(args.checkpoint_dir, args.output, config=args.config, dtype=dtype,
-                                         progress=progress)
+                                         progress=progress, base=args.base)
             print(f"wrote {args.output}: config.json + {len(files)} safetensors file(s)")
             return 0
-        checkpoint = consolidate(args.checkpoint_dir, args.output, progress)
+        base_note = _base_note(args.checkpoint_dir, args.base)
+        checkpoint = consolidate(args.checkpoint_dir, args.output, progress, base=args.base)
     except (ValueError, OSError, ImportError) as err:
         # A user's mistake, a damaged checkpoint or a missing [hf] extra: one line that names it, as
         # argparse does for bad usage.
         print(f"{parser.prog}: error: {err}", file=sys.stderr)
         return 2
-    print(f"wrote {args.output}: {len(checkpoint['state_dict'])} tensors")
+    print(f"wrote {args.output}: {len(checkpoint['state_dict'])} tensors" + base_note)
     return 0
+
+
+def _base_note(path: str, base: str | None) -> str:
+    """What the CLI adds when a fine-tuning checkpoint is consolidated without its base weights."""
+    if base is not None:
+        return ""
+    manifest = _read_manifest(locate(path), verify=lambda name: False)  # consolidate verifies the files
+    frozen = sum(len(u.get("frozen", {}).get("names", [])) for u in manifest["units"])
+    return (f" (the trained ones only: the {frozen} frozen block parameters are the base model's; pass --base PATH "
+            "to include them)") if frozen else ""
 
 
 if __name__ == "__main__":

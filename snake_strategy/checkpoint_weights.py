@@ -4,19 +4,65 @@
 layout) and nothing else: evaluation from ``ckpt_path`` builds its tiers straight from it, and
 ``export_hf_checkpoint`` (``python -m snake_strategy.checkpoint DIR OUT --format hf``) streams it into
 a HuggingFace directory. Neither ever holds more than one unit of the model in memory.
+
+A fine-tuning checkpoint (frozen parameters: LoRA, a frozen embedding, frozen lower blocks) holds the
+trained parameters only, plus the names and CRC-32s of the frozen base weights. Its frozen values come
+from a *base*: the base model's directory or state-dict file, or a module that holds them. The base is
+checked against the recorded CRC-32s before any value is used (one extra read of the frozen weights),
+and a different base is refused, naming the parameters that differ.
 """
 from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator
+import zlib
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 
-from snake_strategy.checkpoint import _DTYPES, _read_manifest, _read_raw, locate
+from snake_strategy.checkpoint import _DTYPES, _read_manifest, _read_raw, load_consolidated, locate
+from snake_strategy.pretrained import PretrainedSource
 from snake_strategy.progress import Progress
+
+BASE_HELP = ("the base model the run started from: a HuggingFace model directory, a torch.save'd state dict or a "
+             "Lightning .ckpt file")
+
+
+class _MappingWeights:
+    """Base weights from a state dict, or from a module that holds them for real (not on the meta device)."""
+
+    def __init__(self, tensors: Mapping[str, torch.Tensor], what: str) -> None:
+        self.tensors, self.what = tensors, what
+
+    def tensor(self, name: str, shape: Any = None) -> torch.Tensor:
+        value = self.tensors.get(name)
+        if value is None or value.is_meta:
+            raise ValueError(f"{self.what} has no (materialized) parameter '{name}'; the base must be the model the "
+                             "checkpoint's run started from")
+        return value.detach().cpu()
+
+    def close(self) -> None:
+        self.tensors = {}
+
+
+def open_base(base: Any) -> Any:
+    """A base-weight source (``tensor(name)``, ``close()``) from a path, a state dict, a module or a source."""
+    if isinstance(base, (str, os.PathLike)):
+        return PretrainedSource(base)
+    if isinstance(base, nn.Module):
+        return _MappingWeights(dict(base.named_parameters()), f"module {type(base).__name__}")
+    if isinstance(base, Mapping):
+        return _MappingWeights(base, "the base state dict")
+    if hasattr(base, "tensor") and hasattr(base, "close"):
+        return base
+    raise ValueError(f"base must be a path ({BASE_HELP}), a state dict or a module; got {type(base).__name__}")
+
+
+def _bytes(value: torch.Tensor) -> memoryview:
+    return memoryview(value.contiguous().reshape(-1).view(torch.uint8).numpy())
 
 
 class CheckpointWeights:
@@ -26,19 +72,88 @@ class CheckpointWeights:
 
     Also a pretrained source for the engine's materialization (``unit_flat``, ``tensor``, ``close``):
     parameters are matched by name, so the reader's unit layout need not be the checkpoint's.
+
+    ``base``: where the frozen parameters of a fine-tuning checkpoint come from (see the module
+    docstring; ``open_base`` lists the kinds); checked against the checkpoint's CRC-32s here.
     """
 
-    def __init__(self, path: str | os.PathLike, progress: Progress | None = None) -> None:
+    def __init__(self, path: str | os.PathLike, progress: Progress | None = None, base: Any = None) -> None:
         self.root = locate(path)
         self.manifest = _read_manifest(self.root, progress,
                                        verify=lambda name: not name.endswith((".exp_avg.bin", ".exp_avg_sq.bin")))
         self.dtype = _DTYPES[self.manifest["master_dtype"]]
+        # The frozen CRC-32s are of the training run's compute weights (older checkpoints: master dtype).
+        self.compute_dtype = _DTYPES[self.manifest.get("compute_dtype", self.manifest["master_dtype"])]
+        self._frozen_units = [unit.get("frozen", {}).get("names", []) for unit in self.manifest["units"]]
+        self._frozen_nonlayer: dict[str, int] = dict(self.manifest.get("frozen_nonlayer", {}))
+        self.frozen_names = {n for names in self._frozen_units for n in names} | set(self._frozen_nonlayer)
+        self.base: Any = None
         self._where = {name: (u, shape, offset, numel) for u, unit in enumerate(self.manifest["units"])
                        for name, shape, offset, numel in unit["slots"]}
         # mmap: the non-layer moments in the same file are not read into memory.
         nonlayer = torch.load(self.root / "nonlayer.pt", map_location="cpu", mmap=True, weights_only=True)
         self._nonlayer = dict(zip(nonlayer["names"], nonlayer["master"]))
         self._cached: tuple[int, torch.Tensor] | None = None  # the last unit read (units are read in order)
+        if base is not None:
+            self.set_base(base)
+
+    # ------------------------------------------------------------------ the frozen base
+    def set_base(self, base: Any) -> None:
+        """Take the frozen weights from ``base`` after checking them against the recorded CRC-32s."""
+        if not self.frozen_names:
+            return  # every parameter is in the checkpoint: nothing to take from a base
+        source = open_base(base)
+        try:
+            self._check_base(source)
+        except BaseException:
+            source.close()
+            raise
+        if self.base is not None:
+            self.base.close()
+        self.base = source
+
+    def _check_base(self, source: Any) -> None:
+        """The CRC-32 of each unit's frozen bytes and of each frozen non-layer parameter, as the training
+        engine stored them (base -> master dtype -> compute dtype), against the manifest's. Costs one read
+        of the frozen weights, one tensor in memory at a time."""
+        changed = [name for name, crc in self._frozen_nonlayer.items()
+                   if zlib.crc32(_bytes(source.tensor(name).to(self.compute_dtype))) != crc]
+        for u, names in enumerate(self._frozen_units):
+            crc = 0
+            for name in names:  # flat-vector order: the unit's frozen part, contiguous
+                crc = zlib.crc32(_bytes(source.tensor(name).to(self.dtype).to(self.compute_dtype)), crc)
+            if names and crc != self.manifest["units"][u]["frozen"]["crc32"]:
+                changed.append(f"unit {u} ({names[0]} ... {names[-1]})")  # one checksum per unit
+        if changed:
+            raise ValueError(f"the base weights given for {self.root} are not the ones it was fine-tuned from: "
+                             f"{changed[:3]}{' ...' if len(changed) > 3 else ''} have another CRC-32 than the "
+                             "checkpoint records. Pass the base model the run started from (the same pretrained "
+                             "weights, or the same seed and init)")
+
+    def with_base(self, module: nn.Module, pretrained: Any = None) -> CheckpointWeights:
+        """This reader with its base attached (evaluation from ``ckpt_path``): the module's own frozen
+        parameters when it holds them for real (built with its base weights, or given back after fit),
+        else ``pretrained`` (the strategy's source, e.g. the directory an ``HFCausalLM`` was built from)."""
+        if not self.frozen_names or self.base is not None:
+            return self
+        try:
+            params = dict(module.named_parameters())
+            if all(name in params and not params[name].is_meta for name in self.frozen_names):
+                self.set_base(module)
+            elif pretrained is not None:
+                self.set_base(pretrained)
+            else:
+                raise ValueError(self._needs_base(next(iter(sorted(self.frozen_names)))))
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def _needs_base(self, name: str) -> str:
+        return (f"{self.root} is a fine-tuning checkpoint: it holds the trained parameters and only a checksum of "
+                f"the {len(self.frozen_names)} frozen base parameters (e.g. '{name}'), which must come from the base "
+                "model. Evaluation: build the module with its base weights, or pass GreedySnakeStrategy(pretrained="
+                "<base model>); consolidation: --base PATH (Python: base=PATH), " + BASE_HELP)
 
     def meta(self) -> dict[str, Any]:
         """Lightning's checkpoint dict (loops, callbacks, hparams; non-layer ``state_dict`` entries)."""
@@ -53,7 +168,11 @@ class CheckpointWeights:
 
     def tensor(self, name: str, shape: Any = None) -> torch.Tensor:
         """Parameter ``name`` (a view into the cached unit, or a non-layer tensor)."""
-        if name in self._nonlayer:
+        if name in self.frozen_names:
+            if self.base is None:
+                raise ValueError(self._needs_base(name))
+            value = self.base.tensor(name)
+        elif name in self._nonlayer:
             value = self._nonlayer[name]
         elif name in self._where:
             u, saved_shape, offset, numel = self._where[name]
@@ -73,28 +192,54 @@ class CheckpointWeights:
                                                                 s.shape).reshape(-1))
         return flat
 
-    def named_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """Every parameter by name: the non-layer ones, then unit by unit (one unit in memory)."""
-        yield from self._nonlayer.items()
+    def named_tensors(self, trained_nonlayer: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+        """Every parameter by name: the non-layer ones (the trained ones unless ``trained_nonlayer`` is
+        False, then the frozen ones from the base), then unit by unit (one unit in memory), its frozen
+        parameters from the base."""
+        if trained_nonlayer:
+            yield from self._nonlayer.items()
+        for name in self._frozen_nonlayer:
+            yield name, self.tensor(name)
         for u, unit in enumerate(self.manifest["units"]):
             for name, _, _, _ in unit["slots"]:
+                yield name, self.tensor(name)
+            for name in self._frozen_units[u]:
                 yield name, self.tensor(name)
 
     def close(self) -> None:
         self._cached = None
         self._nonlayer = {}
+        if self.base is not None:
+            self.base.close()
+            self.base = None
+
+
+def load_consolidated_with_base(path: str | os.PathLike, base: Any, progress: Progress | None = None) -> dict[str, Any]:
+    """``checkpoint.load_consolidated`` of a fine-tuning checkpoint, with the frozen parameters taken from
+    ``base`` (checked against the recorded CRC-32s first): one ordinary Lightning checkpoint dict that
+    ``load_from_checkpoint`` reads. Frozen tensors keep the base's dtype."""
+    weights = CheckpointWeights(path, base=base)  # refuses a different base before anything is read
+    try:
+        checkpoint = load_consolidated(path, progress)  # the trained parameters, in the master dtype
+        for name in sorted(weights.frozen_names):
+            checkpoint["state_dict"][name] = weights.tensor(name).clone()
+        return checkpoint
+    finally:
+        weights.close()
 
 
 def export_hf_checkpoint(path: str | os.PathLike, out_dir: str | os.PathLike, config: Any = None,
-                         dtype: torch.dtype | None = None, progress: Progress | None = None) -> list[str]:
+                         dtype: torch.dtype | None = None, progress: Progress | None = None,
+                         base: Any = None) -> list[str]:
     """Write a HF model directory from a checkpoint directory of an ``HFCausalLM``, streamed unit by unit.
 
     ``config``: a HF model directory, a ``config.json`` path, a dict or a ``PretrainedConfig``; by default
     the one the module saved in its hyper-parameters. ``dtype``: of the files (default: the master dtype).
+    ``base``: the frozen weights of a fine-tuning checkpoint (a HF directory, a state-dict file, ...).
     """
     from snake_strategy.hf import export_hf  # the optional [hf] extra
 
-    weights = CheckpointWeights(path, progress)
+    weights = CheckpointWeights(path, progress, base=base)
     try:
         if config is None:
             config = weights.meta().get("hyper_parameters", {}).get("config")

@@ -49,18 +49,27 @@ class PretrainedSource:
     def _names(self) -> list[str]:
         return self.directory.keys() if self.directory is not None else list(self.state)
 
-    def tensor(self, name: str, shape: torch.Size) -> Tensor:
+    def _find(self, name: str) -> str | None:
+        """The source's key for parameter ``name``, or None."""
+        names = [name]
+        if ".base_layer." in name:  # peft wraps a layer it adapts: "q_proj.weight" is now "q_proj.base_layer.weight"
+            names.append(name.replace(".base_layer.", "."))
         if self.directory is not None:
             # A trunk-only HF checkpoint stores "h.0.attn..." where the causal LM says "transformer.h.0.attn...".
-            candidates = [name] + ([name.split(".", 1)[1]] if "." in name else [])
-            found = next((c for c in candidates if c in self.directory), None)
-            value = self.directory.read(found) if found is not None else None
-        else:
-            value = self.state.get(name)
-        if value is None:
+            names += [n.split(".", 1)[1] for n in names if "." in n]
+        return next((n for n in names if n in (self.directory if self.directory is not None else self.state)), None)
+
+    def __contains__(self, name: str) -> bool:
+        return self._find(name) is not None
+
+    def tensor(self, name: str, shape: torch.Size | None = None) -> Tensor:
+        """Parameter ``name`` as the source stores it; ``shape``, when given, is checked."""
+        found = self._find(name)
+        if found is None:
             raise ValueError(f"pretrained='{self.path}' has no entry '{name}' (it has e.g. "
                              f"{sorted(self._names())[:5]}); the weights must come from the same model class")
-        if value.shape != shape:
+        value = self.directory.read(found) if self.directory is not None else self.state[found]
+        if shape is not None and value.shape != shape:
             raise ValueError(f"pretrained '{name}' has shape {tuple(value.shape)}, the model expects {tuple(shape)}")
         return value
 

@@ -206,7 +206,8 @@ class GreedySnakeStrategy(Strategy):
         _remove_weight_guard(module)
         self.progress.follow_progress_bar(trainer.progress_bar_callback is not None)
         self.accelerator.setup(trainer)
-        source = checkpoint if checkpoint is not None else (None if self._gave_back_weights else self.pretrained)
+        source = (checkpoint.with_base(module, self.pretrained) if checkpoint is not None  # fine-tuning: + base
+                  else None if self._gave_back_weights else self.pretrained)
         self.engine = EvalEngine(module, self.storage, self.schedule, self.precision_plugin.dtypes, self.root_device,
                                  source=source, hooks=self.hooks, progress=self.progress)
         module._device = self.root_device  # as in setup(): the blocks must not move
@@ -218,8 +219,7 @@ class GreedySnakeStrategy(Strategy):
         trainer = module._trainer if module is not None else None
         return trainer is not None and trainer.state.fn not in (None, TrainerFn.FITTING)
 
-    def _begin_eval_traffic(self) -> None:
-        # Measured around the eval loop: what a forward pass moves, materialization excluded.
+    def _begin_eval_traffic(self) -> None:  # around the eval loop: what a forward pass moves, not materialization
         self._eval_start = self.engine.counters.snapshot() if self.engine is not None else None
 
     def _end_eval_traffic(self) -> None:
