@@ -41,6 +41,7 @@ try:
 except ImportError as err:  # the adapter is an optional extra
     raise ImportError("snake_strategy.hf needs transformers>=5 and safetensors: pip install -e '.[hf]'") from err
 
+from snake_strategy.generation import greedy_generate
 from snake_strategy.module import LayeredModule
 from snake_strategy.pretrained import PretrainedSource
 from snake_strategy.progress import Progress, or_quiet
@@ -285,16 +286,24 @@ class HFCausalLM(LayeredModule):
 
     def pre_stage(self, batch: Any) -> tuple[Tensor, dict[str, Any]]:
         input_ids, padding_mask = self._inputs(batch)
+        positions = torch.arange(input_ids.shape[1], device=input_ids.device).unsqueeze(0)
+        return self.embed_stage(input_ids, positions, padding_mask)
+
+    def embed_stage(self, input_ids: Tensor, positions: Tensor, padding_mask: Tensor | None = None,
+                    cache: Any = None) -> tuple[Tensor, dict[str, Any]]:
+        """``pre_stage`` at given ``positions``: the hidden state and the side inputs every layer takes.
+
+        With a HF ``cache`` (generation), ``padding_mask`` covers the cached tokens and these, the masks
+        are built for the cached length, and every layer appends its keys/values to the cache."""
         fam, trunk = self.family, self.trunk
         embeds = getattr(trunk, fam.embed)(input_ids)
-        positions = torch.arange(input_ids.shape[1], device=input_ids.device).unsqueeze(0)
         hidden = embeds
         if fam.positions is not None:
             hidden = hidden + getattr(trunk, fam.positions)(positions)
         if fam.dropout is not None:
             hidden = getattr(trunk, fam.dropout)(hidden)
         side: dict[str, Any] = {"position_ids": positions}
-        mask_args = dict(config=self.hf_config, inputs_embeds=embeds, attention_mask=padding_mask, cache=None,
+        mask_args = dict(config=self.hf_config, inputs_embeds=embeds, attention_mask=padding_mask, cache=cache,
                          position_ids=positions, allow_is_causal_skip=False)
         # Always materialized (no is_causal shortcut): every micro-batch then has the same side keys,
         # whether or not it holds padding, and the strategy can concatenate them.
@@ -304,6 +313,8 @@ class HFCausalLM(LayeredModule):
             side["sliding_attention_mask"] = create_sliding_window_causal_mask(**mask_args)
         if fam.rotary is not None:
             side["position_embeddings"] = tuple(getattr(trunk, fam.rotary)(hidden, positions))
+        if cache is not None:
+            side.update(cache=cache, use_cache=True)
         return hidden, side
 
     def post_stage(self, hidden: Tensor) -> Tensor:
@@ -327,30 +338,13 @@ class HFCausalLM(LayeredModule):
                                  weight_decay=self.weight_decay)
 
     # ------------------------------------------------------------------ inference
-    @torch.no_grad()
-    def generate(self, input_ids: Tensor, max_new_tokens: int) -> Tensor:
-        """Greedy decoding: ``input_ids`` (batch, prompt length, no padding) plus ``max_new_tokens`` tokens.
-
-        Re-runs the whole sequence for every new token (no KV cache yet): fine for trying a model in a
-        notebook, quadratic in the length. Does not stop at EOS. Works under plain strategies and,
-        through ``forward``, under any strategy that streams the forward pass.
-        """
-        if max_new_tokens < 0:
-            raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
-        limit = getattr(self.hf_config, "max_position_embeddings", None)
-        if limit is not None and input_ids.shape[1] + max_new_tokens > limit:
-            raise ValueError(f"prompt length {input_ids.shape[1]} + max_new_tokens {max_new_tokens} exceeds the "
-                             f"model's max_position_embeddings={limit}; generate fewer tokens")
-        was_training = self.training
-        self.eval()
-        try:
-            tokens = input_ids
-            for _ in range(max_new_tokens):
-                logits = self({"input_ids": tokens})
-                tokens = torch.cat([tokens, logits[:, -1].argmax(dim=-1, keepdim=True).to(tokens.dtype)], dim=1)
-        finally:
-            self.train(was_training)
-        return tokens
+    def generate(self, input_ids: Tensor, max_new_tokens: int, attention_mask: Tensor | None = None,
+                 eos_token_id: int | list[int] | None = None, pad_token_id: int | None = None) -> Tensor:
+        """Greedy decoding with a KV cache in host memory, the tokens of transformers'
+        ``generate(do_sample=False)``: left-padded prompts with their ``attention_mask``, EOS stopping
+        (``eos_token_id``/``pad_token_id`` default to the config's; ``eos_token_id=[]`` never stops).
+        Under greedysnake each generated token streams every unit's weights once. See generation.py."""
+        return greedy_generate(self, input_ids, max_new_tokens, attention_mask, eos_token_id, pad_token_id)
 
 
 # ---------------------------------------------------------------------- export

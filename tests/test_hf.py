@@ -231,21 +231,7 @@ def test_export_from_state_dict_single_file(tmp_path):
         export_hf(state, tmp_path / "bad2")
 
 
-# ---------------------------------------------------------------------- generation
-@pytest.mark.parametrize("family", ["llama", "gpt2"])
-def test_greedy_generate_matches_hf(family):
-    hf = hf_model(family).eval()
-    module = built(tiny_config(family))
-    module.load_state_dict(hf.state_dict())
-    prompt = batches(1, 2)[0]["input_ids"][:, :4]
-    got = module.generate(prompt, max_new_tokens=5)
-    tokens = prompt
-    with torch.no_grad():
-        for _ in range(5):
-            tokens = torch.cat([tokens, hf(input_ids=tokens).logits[:, -1].argmax(-1, keepdim=True)], dim=1)
-    assert torch.equal(got, tokens)
-    with pytest.raises(ValueError, match="max_position_embeddings"):
-        module.generate(prompt, max_new_tokens=100)
+# ---------------------------------------------------------------------- generation: tests/test_generation.py
 
 
 # ---------------------------------------------------------------------- greedysnake

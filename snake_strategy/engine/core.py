@@ -25,6 +25,7 @@ from snake_strategy.engine.build import build_model, check_trainable
 from snake_strategy.engine.gradients import GradientPath, defers_whole_units
 from snake_strategy.engine.overlap import OptimizerOverlap
 from snake_strategy.engine.runner import StepRunner, StepState
+from snake_strategy.engine.streaming import stream_blocks, streamed_forward
 from snake_strategy.engine.trace import TaskTrace
 from snake_strategy.engine.weights import WeightStreamer
 from snake_strategy.memory import MemoryInputs, format_plan, host_plan, pool_sizes, ssd_plan
@@ -32,7 +33,7 @@ from snake_strategy.optim import check_optimizer, snapshot_hyper_params
 from snake_strategy.planner import ModelShape
 from snake_strategy.precision import DtypePolicy, LossScaler
 from snake_strategy.progress import Progress, or_quiet
-from snake_strategy.schedule import FORWARD, Task, build_tasks
+from snake_strategy.schedule import build_tasks
 from snake_strategy.storage import IOEngine, SsdDirectory, TrafficCounters
 from snake_strategy.storage.aligned import return_large_frees_to_os
 from snake_strategy.storage.pool import BufferPool
@@ -294,21 +295,18 @@ class SnakeEngine:
         self.weights.drain()
 
     # ------------------------------------------------------------------ evaluation
-    @torch.no_grad()
-    def forward(self, batch: Any) -> Tensor:
-        """Model outputs for ``batch``, blocks streamed in one unit at a time (read-only: no optimizer
-        state is read or written, nothing is written to the SSD)."""
+    def stream_blocks(self, hiddens: list[Tensor], sides: list[dict[str, Any]]) -> list[Tensor]:
+        """Every unit over each micro-batch's hidden state, weights streamed read-only (engine/streaming.py);
+        pending optimizer updates land first."""
         self.flush()
-        tasks = [Task(FORWARD, u, (0,)) for u in range(len(self.units))]  # for the prefetcher
-        try:
-            with self.runner.autocast():
-                hidden, side = unpack_pre_stage(self.module.pre_stage(batch))
-                for u in range(len(self.units)):
-                    self.weights.prefetch_after(tasks, u)
-                    hidden = self.runner.unit_forward(u, self.weights.flat(u), hidden, side)
-                return self.module.post_stage(hidden)
-        finally:
-            self.weights.drain()
+        return stream_blocks(self.units, self.weights, hiddens, sides)
+
+    def forward(self, batch: Any) -> Tensor:
+        """Model outputs for ``batch`` (validation inside fit): split into micro-batches as training splits
+        its batches, blocks streamed in one unit at a time, read-only (no optimizer state is read or
+        written, nothing is written to the SSD)."""
+        return streamed_forward(self.module, batch, self.schedule.num_micro_batches, self.device,
+                                self.dtypes.autocast, self.stream_blocks)
 
     # ------------------------------------------------------------------ state API (checkpoints, export)
     def unit_slots(self, u: int, trainable: bool = True) -> list[tuple[str, list[int], int, int]]:

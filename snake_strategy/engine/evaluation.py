@@ -16,7 +16,6 @@ meta device).
 """
 from __future__ import annotations
 
-import contextlib
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -25,16 +24,16 @@ import torch
 from torch import Tensor, nn
 
 from snake_strategy.config import ScheduleConfig, StorageConfig
-from snake_strategy.contract import batch_size, check_block_output, check_contract, slice_batch, unpack_pre_stage
+from snake_strategy.contract import check_contract
 from snake_strategy.engine.build import _materialize
 from snake_strategy.engine.core import EngineHooks
+from snake_strategy.engine.streaming import split_eval_batch, stream_blocks, streamed_forward
 from snake_strategy.engine.trace import TaskTrace
 from snake_strategy.engine.weights import WeightStreamer
 from snake_strategy.memory import format_plan
 from snake_strategy.precision import DtypePolicy
 from snake_strategy.pretrained import PretrainedSource
 from snake_strategy.progress import Progress, or_quiet
-from snake_strategy.schedule import FORWARD, Task
 from snake_strategy.storage import IOEngine, SsdDirectory, TieredTensor, TrafficCounters
 from snake_strategy.storage.aligned import return_large_frees_to_os, round_up
 from snake_strategy.units import UnitLayout, build_layouts
@@ -159,34 +158,20 @@ class EvalEngine:
     def split(self, batch: Any) -> list[Any]:
         """The eval batch as up to ``schedule.num_micro_batches`` micro-batches of equal size (the last
         may be smaller): each unit runs them back to back, so only one micro-batch's temporaries exist."""
-        size = batch_size(batch)
-        num = max(1, min(self.schedule.num_micro_batches, size))
-        step = -(-size // num)
-        return [slice_batch(batch, lo, min(lo + step, size)) for lo in range(0, size, step)]
+        return split_eval_batch(batch, self.schedule.num_micro_batches)
+
+    def stream_blocks(self, hiddens: list[Tensor], sides: list[dict[str, Any]]) -> list[Tensor]:
+        """Every unit over each micro-batch's hidden state, weights streamed read-only (engine/streaming.py);
+        one pass is one step of the trace."""
+        self.trace.begin_step()
+        return stream_blocks(self.units, self.weights, hiddens, sides, self.trace)
 
     @torch.no_grad()
     def forward(self, batch: Any) -> Tensor:
         """``post_stage`` outputs for the whole batch (one call on the concatenated hidden states, as a
         plain forward computes it); blocks streamed read-only, vertically over the micro-batches."""
-        micro_batches = self.split(batch)
-        tasks = [Task(FORWARD, u, tuple(range(len(micro_batches)))) for u in range(len(self.units))]
-        self.trace.begin_step()
-        autocast = (torch.autocast(self.device.type, dtype=self.dtypes.autocast) if self.dtypes.autocast
-                    else contextlib.nullcontext())
-        try:
-            # Lightning evaluates under inference_mode. Buffers first allocated there would be inference
-            # tensors, which the prefetch thread (outside inference mode: it is per thread) cannot fill.
-            with torch.inference_mode(False), torch.no_grad(), autocast:
-                staged = [unpack_pre_stage(self.module.pre_stage(mb)) for mb in micro_batches]
-                hidden, sides = [h for h, _ in staged], [side for _, side in staged]
-                for u, task in enumerate(tasks):
-                    self.weights.prefetch_after(tasks, u)
-                    self.trace.task(task)
-                    flat, layout = self.weights.flat(u), self.units[u].layout
-                    hidden = [layout.forward(flat, h, side, check_block_output) for h, side in zip(hidden, sides)]
-                return self.module.post_stage(torch.cat(hidden) if len(hidden) > 1 else hidden[0])
-        finally:
-            self.weights.drain()
+        return streamed_forward(self.module, batch, self.schedule.num_micro_batches, self.device,
+                                self.dtypes.autocast, self.stream_blocks)
 
     def flush(self) -> None:
         """Nothing is ever pending: evaluation makes no updates."""
