@@ -264,3 +264,47 @@ def test_checkpoint_weights_refuses_a_foreign_model(tmp_path):
     with pytest.raises(ValueError, match="has shape"):
         weights.tensor("blocks.0.qkv.weight", (1, 2))
     weights.close()
+
+
+class ValidationBatchSizes(StepOutputs):
+    """Also the batch size each block-0 call saw during validation (a forward pre-hook on the block)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sizes: list[int] = []
+        self.validating = False
+
+    def on_fit_start(self, trainer, pl_module):
+        pl_module.blocks[0].register_forward_pre_hook(
+            lambda block, args, kwargs: self.sizes.append(args[0].shape[0]) if self.validating else None,
+            with_kwargs=True)
+
+    def on_validation_start(self, trainer, pl_module):
+        self.validating = True
+
+    def on_validation_end(self, trainer, pl_module):
+        self.validating = False
+
+
+@pytest.mark.parametrize("kind", MODELS)
+def test_validation_inside_fit_is_micro_batched_and_equals_plain_lightning(kind, tmp_path):
+    """The val loop inside fit runs each val batch as num_micro_batches micro-batches (the training
+    engine's memory plan counts one micro-batch's workspace), and its losses equal plain Lightning's."""
+    model = Model(kind, tmp_path)
+
+    def fit(strategy, batch_size, accumulate, recorder):
+        trainer = L.Trainer(strategy=strategy, precision="64-true", max_steps=STEPS, accumulate_grad_batches=accumulate,
+                            callbacks=[recorder], **trainer_kwargs(limit_val_batches=None))
+        loader = DataLoader(model.dataset(STEPS * MICRO * MICRO_SIZE, 1), batch_size=batch_size)
+        trainer.fit(model.module(), loader, model.eval_loader())
+        return recorder.outputs["validate"]
+
+    expected = fit("auto", MICRO_SIZE, MICRO, StepOutputs())
+    recorder = ValidationBatchSizes()
+    got = fit(snake_strategy_for(tmp_path, "fit"), MICRO * MICRO_SIZE, 1, recorder)
+    assert len(got) == len(expected) == 3
+    for a, b in zip(got, expected):
+        torch.testing.assert_close(a, b, rtol=0 if a.dtype == torch.float64 else 1e-6,
+                                   atol=1e-10 if a.dtype == torch.float64 else 0)
+    # Eval batches of 4, 4 and 2 samples, MICRO = 2 micro-batches each.
+    assert recorder.sizes == [2, 2, 2, 2, 1, 1]
