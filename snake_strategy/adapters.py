@@ -10,12 +10,23 @@ After ``fit`` the module holds the trained weights (teardown gives them back), s
 ``peft_model.save_pretrained(dir)`` works as usual. ``save_adapter`` does the same also *during* fit
 (a callback, a checkpoint hook), when the trained values live in the engine's tiers: it reads the
 trainable parts only, one unit at a time, never the base weights.
+
+A model built on the meta device (a big base streamed in by the strategy) can get its adapters before
+fit too: peft then moves them to the meta device with their base layers, dropping its initial values.
+The engine initialises them again when it materializes each unit, as ``get_peft_model`` does
+(``reset_lora_parameters`` with the config's ``init_lora_weights``: A Kaiming-uniform, B zero), after
+the model's own init of the unit or around the base weights streamed from ``pretrained``
+(``adapter_initializer``). Inits that derive the adapter from the base weights (PiSSA, OLoRA, LoftQ, ...)
+need the base in memory and are refused for meta-built models.
 """
 from __future__ import annotations
 
+import copy
 import os
+from collections.abc import Callable
 from typing import Any
 
+import torch
 from torch import Tensor, nn
 
 
@@ -48,3 +59,57 @@ def save_adapter(peft_model: Any, out_dir: str | os.PathLike, **kwargs: Any) -> 
     # peft names the wrapped module's entries base_model.model.<name>; it keeps the adapter's own.
     state = {f"base_model.model.{name}": value for name, value in trained_parameters(module).items()}
     peft_model.save_pretrained(os.fspath(out_dir), state_dict=state, **kwargs)
+
+
+def _is_lora_layer(module: nn.Module) -> bool:
+    return hasattr(module, "reset_lora_parameters") and hasattr(module, "lora_A")
+
+
+def adapter_initializer(root: nn.Module) -> Callable[[nn.Module], None] | None:
+    """For a model that peft wrapped (``root.peft_config``, set by ``get_peft_model``): a function that
+    initialises the adapters of one LoRA layer as ``get_peft_model`` did; None for other models.
+
+    Called on a LoRA layer after its children (``nn.Module.apply`` order), it overrides whatever the
+    model's own init put into the adapter's ``nn.Linear`` children."""
+    configs = getattr(root, "peft_config", None)
+    if not isinstance(configs, dict) or not configs:
+        return None
+
+    def init(module: nn.Module) -> None:
+        if not _is_lora_layer(module):
+            return
+        for adapter in list(module.lora_A.keys()) + list(module.lora_embedding_A.keys()):
+            how = getattr(configs.get(adapter), "init_lora_weights", True)
+            if not (how is True or how is False or (isinstance(how, str) and how.lower() == "gaussian")):
+                raise ValueError(f"LoraConfig(init_lora_weights={how!r}) computes the adapter '{adapter}' from the "
+                                 "base weights, which a model built on the meta device does not hold: build the base "
+                                 "model for real before get_peft_model, or use init_lora_weights=True or 'gaussian'")
+            if how is False:  # peft keeps the nn.Linear constructors' init
+                for name in ("lora_A", "lora_B"):
+                    getattr(module, name)[adapter].reset_parameters()
+            else:
+                module.reset_lora_parameters(adapter, how)
+
+    return init
+
+
+def fresh_adapter_values(block: nn.Module, init: Callable[[nn.Module], None]) -> dict[str, Tensor]:
+    """Initial values of a block's adapter parameters, by parameter name inside the block: what a
+    pretrained source lacks. Adapters on the meta device are initialised with ``init``
+    (``adapter_initializer``) in a copy of their LoRA layer (only the adapters get storage; the base layer
+    stays on the meta device); materialized ones keep their values."""
+    values: dict[str, Tensor] = {}
+    for path, layer in block.named_modules():
+        if not _is_lora_layer(layer):
+            continue
+        real = layer
+        if any(p.is_meta for name in layer.adapter_layer_names for p in getattr(layer, name).parameters()):
+            real = copy.deepcopy(layer)  # meta tensors copy without storage
+            for name in layer.adapter_layer_names:
+                getattr(real, name).to_empty(device="cpu")
+            with torch.no_grad():
+                init(real)
+        for name in layer.adapter_layer_names:
+            for sub, p in getattr(real, name).named_parameters():
+                values[f"{path + '.' if path else ''}{name}.{sub}"] = p.detach()
+    return values

@@ -185,7 +185,9 @@ class CheckpointWeights:
                              f"{tuple(shape)}")
         return value
 
-    def unit_flat(self, layout: Any, first_block: int, prefix: str, dtype: torch.dtype) -> torch.Tensor:
+    def unit_flat(self, layout: Any, first_block: int, prefix: str, dtype: torch.dtype,
+                  adapter_init: Any = None) -> torch.Tensor:
+        """The unit's flat vector (``adapter_init`` is not needed: the adapters are in the checkpoint)."""
         flat = torch.empty(layout.numel, dtype=dtype)
         for s in layout.slots:
             flat[s.offset:s.offset + s.numel].copy_(self.tensor(f"{prefix}.{first_block + s.block}.{s.name}",

@@ -199,8 +199,10 @@ class HFCausalLM(LayeredModule):
         return self._modules[self.family.trunk]
 
     def configure_model(self) -> None:
-        if self.family.trunk in self._modules:
-            return  # already built: Lightning and the strategy may both call this
+        if self.family.trunk in self._modules:  # already built: Lightning and the strategy may both call this
+            if self.weights_dir is not None and self.lm_head.weight.is_meta:
+                self._hand_weights_dir_to_strategy()  # built on meta by the user (e.g. before get_peft_model)
+            return
         target = torch.empty(0).device  # "meta" under greedysnake, the CPU/GPU otherwise
         # Always construct on meta: HF's constructors would otherwise draw (and waste) random numbers.
         with torch.device("meta"):

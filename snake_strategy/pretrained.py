@@ -16,11 +16,12 @@ Either way resident memory holds one unit at a time (plus one tensor being copie
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
+from snake_strategy.adapters import fresh_adapter_values
 from snake_strategy.safetensors_io import SafetensorsDirectory
 from snake_strategy.units import UnitLayout
 
@@ -73,12 +74,24 @@ class PretrainedSource:
             raise ValueError(f"pretrained '{name}' has shape {tuple(value.shape)}, the model expects {tuple(shape)}")
         return value
 
-    def unit_flat(self, layout: UnitLayout, first_block: int, prefix: str, dtype: torch.dtype) -> Tensor:
-        """The unit's flat vector, read entry by entry from the source."""
+    def unit_flat(self, layout: UnitLayout, first_block: int, prefix: str, dtype: torch.dtype,
+                  adapter_init: Callable[[nn.Module], None] | None = None) -> Tensor:
+        """The unit's flat vector, read entry by entry from the source. With ``adapter_init``
+        (``adapters.adapter_initializer``), peft adapter parameters the source lacks (a base model's
+        directory has none) are initialised as peft does instead."""
         flat = torch.zeros(layout.numel, dtype=dtype)  # zeros: the page padding after the trainable part
+        fresh: dict[int, dict[str, Tensor]] = {}
         for s in layout.slots:
-            source = self.tensor(f"{prefix}.{first_block + s.block}.{s.name}", s.shape)
-            flat[s.offset:s.offset + s.numel].copy_(source.reshape(-1))
+            name = f"{prefix}.{first_block + s.block}.{s.name}"
+            if adapter_init is not None and name not in self:
+                if s.block not in fresh:
+                    fresh[s.block] = fresh_adapter_values(layout.blocks[s.block], adapter_init)
+                value = fresh[s.block].get(s.name)
+                if value is None:
+                    self.tensor(name, s.shape)  # not an adapter either: the source's error names it
+            else:
+                value = self.tensor(name, s.shape)
+            flat[s.offset:s.offset + s.numel].copy_(value.reshape(-1))
         return flat
 
     def close(self) -> None:

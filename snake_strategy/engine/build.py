@@ -12,6 +12,7 @@ from typing import Callable
 import torch
 from torch import nn
 
+from snake_strategy.adapters import adapter_initializer
 from snake_strategy.config import StorageConfig
 from snake_strategy.engine.state import NonLayerState, UnitStore
 from snake_strategy.memory import forward_split
@@ -116,6 +117,9 @@ def _materialize(module: nn.Module, layouts: list[UnitLayout], named: list[tuple
                  device: torch.device, source: PretrainedSource | None, dtypes: DtypePolicy, blocks_prefix: str,
                  blocks_per_unit: int, store_unit: Callable[[UnitLayout, torch.Tensor], UnitStore]) -> list[UnitStore]:
     init_fn = getattr(module, "init_module_weights", None) or _reset_parameters
+    adapter_init = adapter_initializer(module)  # peft adapters of a meta-built model: initialised as peft does
+    if adapter_init is not None:
+        init_fn = _then(init_fn, adapter_init)
     params = [p for _, p in named]
     meta = [p.is_meta for p in params]
     if any(meta) and not all(meta):
@@ -140,7 +144,8 @@ def _materialize(module: nn.Module, layouts: list[UnitLayout], named: list[tuple
                 if source is None:
                     flat = materialize_unit_blocks(layout, init_fn, dtypes.master)
                 else:
-                    flat = source.unit_flat(layout, layout.index * blocks_per_unit, blocks_prefix, dtypes.master)
+                    flat = source.unit_flat(layout, layout.index * blocks_per_unit, blocks_prefix, dtypes.master,
+                                            adapter_init)
                 units.append(store_unit(layout, flat))
             return
         for child in mod.children():
@@ -154,6 +159,14 @@ def _materialize(module: nn.Module, layouts: list[UnitLayout], named: list[tuple
             for name, p in named:
                 p.copy_(source.tensor(name, p.shape))
     return units
+
+
+def _then(first: Callable[[nn.Module], None], second: Callable[[nn.Module], None]) -> Callable[[nn.Module], None]:
+    def both(module: nn.Module) -> None:
+        first(module)
+        second(module)
+
+    return both
 
 
 def _reset_parameters(module: nn.Module) -> None:

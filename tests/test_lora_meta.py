@@ -1,0 +1,114 @@
+"""LoRA on models built on the meta device: the base streamed in unit by unit from ``pretrained`` (or
+initialised by the model), the adapters initialised as ``get_peft_model`` does. Training equals plain
+Lightning on the same base model built for real with the same initial adapters (float64, atol 1e-10).
+"""
+import math
+
+import lightning as L
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+import snake_strategy
+from snake_strategy.adapters import trained_parameters
+from snake_strategy.gpt import GPTModule
+from tests.helpers import SMALL_GPT, ParamRecorder, trainer_kwargs
+
+peft = pytest.importorskip("peft")
+pytest.importorskip("transformers")
+
+from snake_strategy.hf import HFCausalLM  # noqa: E402
+from tests.test_hf import Samples, batches, hf_model  # noqa: E402
+
+MICRO, MICRO_SIZE, STEPS = 2, 2, 2
+LORA = dict(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
+
+
+@pytest.fixture(autouse=True)
+def _fp64_by_default(float64_default):
+    """fp64 models (conftest.float64_default)."""
+
+
+class InitialAdapters(L.Callback):
+    """The adapters' values at the start of training, read from the engine's tiers."""
+
+    def on_train_start(self, trainer, pl_module):
+        self.values = {n: v.clone() for n, v in trained_parameters(pl_module).items() if "lora_" in n}
+
+
+def assert_peft_init(values):
+    assert values and all(torch.count_nonzero(v) == 0 for n, v in values.items() if "lora_B" in n)
+    for name, value in values.items():
+        if "lora_A" in name:  # kaiming_uniform_(a=sqrt(5)): bound 1 / sqrt(fan_in)
+            assert 0 < value.abs().max() <= 1 / math.sqrt(value.shape[1]), name
+
+
+def lora_on_meta(module):
+    with torch.device("meta"):
+        module.configure_model()
+    assert all(p.is_meta for p in module.parameters())  # nothing of the base is in memory
+    torch.manual_seed(5)
+    peft.get_peft_model(module, peft.LoraConfig(**LORA))
+    return module
+
+
+def test_lora_on_meta_hf_model_streams_the_base_from_its_directory(tmp_path):
+    hf_model("llama").save_pretrained(tmp_path / "start")
+    micro_batches = batches(STEPS * MICRO, MICRO_SIZE)
+    initial, rec = InitialAdapters(), ParamRecorder(only_last=True)
+    strategy = snake_strategy.GreedySnakeStrategy(
+        storage={"weights": "ssd", "optimizer": "ssd", "ssd_dir": str(tmp_path / "ssd")},
+        schedule={"kind": "vertical", "num_micro_batches": MICRO, "alpha": 0.25})
+    trainer = L.Trainer(strategy=strategy, precision="64-true", max_steps=STEPS, callbacks=[initial, rec],
+                        **trainer_kwargs())
+    module = lora_on_meta(HFCausalLM(tmp_path / "start", learning_rate=1e-2))
+    trainer.fit(module, DataLoader(Samples(micro_batches), batch_size=MICRO * MICRO_SIZE))
+    assert strategy.pretrained == str(tmp_path / "start")  # handed over by the meta-built module
+    assert_peft_init(initial.values)
+
+    # The reference: the same base built for real, the same initial adapters, plain Lightning.
+    reference = HFCausalLM(tmp_path / "start", learning_rate=1e-2)
+    reference.configure_model()
+    peft.get_peft_model(reference, peft.LoraConfig(**LORA))
+    reference.load_state_dict(initial.values, strict=False)
+    expected = ParamRecorder(only_last=True)
+    L.Trainer(strategy="auto", precision="64-true", max_steps=STEPS, accumulate_grad_batches=MICRO,
+              callbacks=[expected], **trainer_kwargs()).fit(reference, DataLoader(Samples(micro_batches),
+                                                                                  batch_size=MICRO_SIZE))
+    got, want = rec.states[-1], expected.states[-1]
+    assert got.keys() == want.keys()
+    for name in got:
+        torch.testing.assert_close(got[name], want[name], rtol=0, atol=1e-10, msg=name)
+    assert any(not torch.equal(got[n], initial.values[n]) for n in initial.values)  # the adapters trained
+
+
+def test_lora_on_meta_gpt_initialises_base_and_adapters(tmp_path):
+    """No pretrained weights: the model's own init for the base, peft's for the adapters (seeded: the
+    same numbers in a second run)."""
+    runs = []
+    for run in range(2):
+        torch.manual_seed(0)
+        module = GPTModule(SMALL_GPT, learning_rate=1e-2)
+        with torch.device("meta"):
+            module.configure_model()
+        torch.manual_seed(5)
+        peft.get_peft_model(module, peft.LoraConfig(r=4, target_modules=["qkv"], lora_dropout=0.0))
+        initial = InitialAdapters()
+        trainer = L.Trainer(strategy=snake_strategy.GreedySnakeStrategy(
+            storage={"weights": "ssd", "ssd_dir": str(tmp_path / f"ssd{run}")}, schedule={"num_micro_batches": 2}),
+            precision="64-true", max_steps=1, callbacks=[initial], **trainer_kwargs())
+        data = torch.randint(0, SMALL_GPT.vocab_size, (4, SMALL_GPT.context_len + 1), generator=torch.Generator().manual_seed(1))
+        trainer.fit(module, DataLoader(list(zip(data[:, :-1], data[:, 1:])), batch_size=4))
+        assert_peft_init(initial.values)
+        runs.append(initial.values)
+    assert all(torch.equal(runs[0][n], runs[1][n]) for n in runs[0])
+
+
+def test_lora_inits_that_need_the_base_are_refused_on_meta():
+    from snake_strategy.adapters import adapter_initializer
+
+    module = lora_on_meta(HFCausalLM(hf_model("llama").config))
+    module.peft_config["default"].init_lora_weights = "olora"  # computed from the base weights
+    layer = module.model.layers[0].self_attn.q_proj
+    with pytest.raises(ValueError, match="init_lora_weights='olora'.*build the base model for real"):
+        adapter_initializer(module)(layer)
