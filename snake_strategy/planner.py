@@ -215,8 +215,15 @@ def plan(shape: ModelShape, hw: HardwareProfile, host_budget_bytes: int, kind: s
         )
     free = host_budget_bytes - fixed
     fractions = {}
-    weight_bytes = P * shape.weight_bytes + (P * shape.master_bytes if separate_master else 0)
-    for state, nbytes in (("weights", weight_bytes), ("optimizer", 2 * P * shape.master_bytes)):
+    trained = sum(shape.trainable)  # frozen elements have no master copy and no moments
+    weight_bytes = P * shape.weight_bytes + (trained * shape.master_bytes if separate_master else 0)
+    order = (("weights", weight_bytes), ("optimizer", 2 * trained * shape.master_bytes))
+    if trained < P:
+        # Fine-tuning: the small trainable state is read and written every step, the frozen weights only
+        # read: moments first. The trainable part leads each unit's weights, so a weights host share of
+        # at least t/n also keeps its master copy off the SSD.
+        order = order[::-1]
+    for state, nbytes in order:
         on_host = min(1.0, free / nbytes) if nbytes else 1.0
         on_host = int(on_host * 1000) / 1000  # keep it a clean fraction
         fractions[state] = TierSplit(host=on_host, ssd=1.0 - on_host)
