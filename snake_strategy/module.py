@@ -43,12 +43,20 @@ class LayeredModule(pl.LightningModule):
             reset()
 
     @classmethod
-    def load_from_checkpoint(cls, checkpoint_path: Any, *args: Any, **kwargs: Any) -> Any:
+    def load_from_checkpoint(cls, checkpoint_path: Any, *args: Any, base: Any = None, **kwargs: Any) -> Any:
         """Lightning's ``load_from_checkpoint``, which also reads a greedysnake checkpoint directory
-        (consolidated in memory on the fly: the whole model is held about twice while loading)."""
+        (consolidated in memory on the fly: the whole model is held about twice while loading). A
+        fine-tuning checkpoint's frozen weights come from ``base`` (a HF directory, a state-dict or
+        ``.ckpt`` file; checked against the checkpoint's CRC-32s)."""
         if isinstance(checkpoint_path, (str, os.PathLike)) and _checkpoint_module().is_checkpoint_dir(checkpoint_path):
             buffer = io.BytesIO()
-            torch.save(_checkpoint_module().load_consolidated(checkpoint_path), buffer)
+            if base is not None:
+                from snake_strategy.checkpoint_weights import load_consolidated_with_base  # imports checkpoint.py
+
+                consolidated = load_consolidated_with_base(checkpoint_path, base)
+            else:
+                consolidated = _checkpoint_module().load_consolidated(checkpoint_path)
+            torch.save(consolidated, buffer)
             buffer.seek(0)
             checkpoint_path = buffer
             kwargs.setdefault("weights_only", False)

@@ -153,3 +153,6 @@ def test_hf_checkpoint_takes_its_base_from_the_model_directory(tmp_path, capsys)
     back = AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float64).state_dict()
     for name, value in trained.items():
         assert torch.equal(back[name], value), name
+    loaded = FrozenLowerLlama.load_from_checkpoint(str(ckpt), base=str(tmp_path / "start")).state_dict()
+    for name, value in trained.items():
+        assert torch.equal(loaded[name], value), name
