@@ -13,7 +13,9 @@
    Both with the same storage: weights and Adam moments on the SSD, gradients and activation checkpoints
    on the host, vertical schedule, 2 micro-batches of 1 x ``--context`` tokens, fp32, alpha 0.25.
 3. Per step: seconds, bytes moved per tier/state/direction (the engine's counters, training + optimizer
-   phase), and the process's peak RSS; the load average of the machine before and after each run.
+   phase), the process's peak RSS during training (at the end of fit, before teardown gives the trained
+   weights back to the module, which then holds the whole model) and after it, the engine's host plan;
+   the load average of the machine before and after each run.
 
 Writes ``benchmarks/results/finetune.json`` and ``finetune.png``. Not part of the test suite.
 """
@@ -105,6 +107,12 @@ def worker(args) -> dict:
             traffic.append(merged)
             print(f"{args.worker} step {len(steps_s)}: loss {losses[-1]:.4f}, {steps_s[-1]:.1f} s", flush=True)
 
+        def on_train_end(self, trainer, pl_module):
+            # Before teardown: after it, the module gets the trained weights back (they fit the budget),
+            # which a meta-built module never held before.
+            marks["train_peak_rss"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+            marks["host_plan"] = sum(trainer.strategy.engine.host_bytes_plan(trainer.strategy.engine.checkpoint_bytes).values())
+
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, args.vocab, (2 * args.steps, args.context), generator=g)
     loader = DataLoader([{"input_ids": row} for row in ids], batch_size=2, shuffle=False)
@@ -128,7 +136,8 @@ def worker(args) -> dict:
     steady = traffic[1:] or traffic
     return dict(system=args.worker, trainable_params=trainable, s_per_step=statistics.median(steps_s[1:] or steps_s),
                 step_s=steps_s, losses=losses, setup_s=marks.get("setup_done", start) - start,
-                peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+                peak_rss_bytes=int(marks["train_peak_rss"]), host_plan_bytes=int(marks["host_plan"]),
+                peak_rss_after_teardown_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
                 traffic_per_step=steady[-1], read_bytes_per_step_by_tier=per_tier(steady[-1], "read"),
                 write_bytes_per_step_by_tier=per_tier(steady[-1], "write"),
                 ssd_read_bytes_per_step=sum(v for k, v in steady[-1].items() if k.startswith("ssd/") and k.endswith("/read")),
@@ -146,7 +155,7 @@ def _plot(report: dict, path: Path) -> None:
     panels = [("s / step", [r["s_per_step"] for r in runs]),
               ("SSD read GB / step", [r["ssd_read_bytes_per_step"] / 1e9 for r in runs]),
               ("SSD written GB / step", [r["ssd_write_bytes_per_step"] / 1e9 for r in runs]),
-              ("peak RSS GiB", [r["peak_rss_bytes"] / GIB for r in runs])]
+              ("peak RSS in training GiB", [r["peak_rss_bytes"] / GIB for r in runs])]
     fig, axes = plt.subplots(1, len(panels), figsize=(12, 3.2))
     for ax, (title, values) in zip(axes, panels):
         ax.bar(names, values, color=["tab:green", "tab:blue"][:len(values)])
