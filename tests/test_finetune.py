@@ -324,3 +324,40 @@ def test_bf16_true_keeps_frozen_weights_in_bf16_only(tmp_path):
     first = build("lora_gpt", torch.float32)
     assert any(not torch.equal(got[-1][n].float(), p.detach().float()) for n, p in first.named_parameters()
                if p.requires_grad)
+
+
+def test_merged_lora_export_streams_units_and_loads_with_from_pretrained(tmp_path):
+    """export_merged_hf during fit (weights in the engine's tiers) and after it writes the state of peft's
+    merge_and_unload, bitwise, as a HF directory that from_pretrained loads."""
+    import copy
+
+    from transformers import AutoModelForCausalLM
+
+    from snake_strategy.adapters import export_merged_hf
+
+    class Export(L.Callback):
+        def on_train_end(self, trainer, module):
+            export_merged_hf(module.peft_model[0], tmp_path / "during", dtype=torch.float64)
+
+    _, strategy, module = run_snake("lora_llama", tmp_path / "ssd", callbacks=[Export()], only_last=True)
+    export_merged_hf(module, tmp_path / "after", dtype=torch.float64)  # the wrapped HFCausalLM works too
+    merged = copy.deepcopy(module.peft_model[0]).merge_and_unload().state_dict()
+    base = build("lora_llama").state_dict()
+    q_proj = "model.layers.0.self_attn.q_proj."
+    assert not torch.equal(merged[q_proj + "weight"], base[q_proj + "base_layer.weight"])  # the adapters merged in
+    for directory in ("during", "after"):
+        loaded = AutoModelForCausalLM.from_pretrained(tmp_path / directory, dtype=torch.float64).state_dict()
+        assert set(loaded) == set(merged), sorted(set(loaded) ^ set(merged))
+        for name, value in merged.items():
+            assert torch.equal(loaded[name], value), (directory, name)
+
+
+def test_merged_export_refuses_dora(tmp_path):
+    from snake_strategy.adapters import export_merged_hf
+
+    torch.manual_seed(0)
+    module = HFCausalLM(LLAMA)
+    module.configure_model()
+    peft_model = peft.get_peft_model(module, peft.LoraConfig(**LORA_LLAMA, use_dora=True))
+    with pytest.raises(ValueError, match="DoRA.*save_adapter"):
+        export_merged_hf(peft_model, tmp_path / "out")
