@@ -261,9 +261,17 @@ def _read_manifest(root: Path, progress: Progress | None = None,
     return manifest
 
 
-def load(engine: SnakeEngine, path: str | os.PathLike, progress: Progress | None = None) -> dict[str, Any]:
+def recover(path: str | os.PathLike) -> None:
+    """Adopt the checkpoint a killed save left aside under ``path``'s name, drop dead runs' leftovers (what
+    ``load`` does first; data-parallel ranks let rank 0 alone do it, then all load with ``recover=False``)."""
+    _recover(Path(path), clean=True)
+
+
+def load(engine: SnakeEngine, path: str | os.PathLike, progress: Progress | None = None,
+         recover: bool = True) -> dict[str, Any]:
     """Stream a checkpoint into the engine's tiers; returns Lightning's checkpoint dict."""
-    _recover(Path(path), clean=True)  # a resuming run owns the name: adopt, and drop dead runs' leftovers
+    if recover:
+        _recover(Path(path), clean=True)  # a resuming run owns the name: adopt, and drop dead runs' leftovers
     root = locate(path)
     manifest = _read_manifest(root, progress)
     if len(manifest["units"]) != engine.num_units or manifest["blocks_per_unit"] != engine.schedule.blocks_per_unit:

@@ -24,6 +24,7 @@ from snake_strategy.contract import batch_size, batch_tensors, check_contract, s
 from snake_strategy.engine.build import build_model, check_trainable
 from snake_strategy.engine.gradients import GradientPath, defers_whole_units
 from snake_strategy.engine.overlap import OptimizerOverlap
+from snake_strategy.engine.reduce import GradientReducer
 from snake_strategy.engine.runner import StepRunner, StepState
 from snake_strategy.engine.trace import TaskTrace
 from snake_strategy.engine.weights import WeightStreamer
@@ -54,7 +55,7 @@ class SnakeEngine:
                  schedule: ScheduleConfig, dtypes: DtypePolicy, device: torch.device,
                  clip: tuple[str, float] | None = None, pretrained: str | None = None,
                  scaler: LossScaler | None = None, hooks: EngineHooks | None = None,
-                 progress: Progress | None = None) -> None:
+                 progress: Progress | None = None, world_size: int = 1) -> None:
         if clip is not None and clip[0] not in ("norm", "value"):
             raise ValueError(f"gradient_clip_algorithm='{clip[0]}' is not supported; use 'norm' or 'value'")
         check_contract(module)
@@ -68,6 +69,9 @@ class SnakeEngine:
         self.alpha = 1.0 if defers_whole_units(clip, self.scaler.enabled) else schedule.alpha
         self.counters = TrafficCounters()
         self.trace = TaskTrace()
+        # Data parallel (world_size > 1, a process group set up): unit gradients summed across ranks.
+        self.world_size = world_size
+        self.reducer = GradientReducer(world_size, self.counters, self.trace) if world_size > 1 else None
         self.step_count = 0
         self.last_step_stats: dict[str, Any] = {}
         self.checkpoint_bytes = 0  # one unit input of one micro-batch, known after the first forward
@@ -76,6 +80,7 @@ class SnakeEngine:
         self.ssd: SsdDirectory | None = None
         self._parts: list[Any] = []  # everything with a close(), in creation order
         self._train_end_snapshot: dict | None = None
+        self._nonlayer_sum = None  # the in-flight cross-rank sum of the non-layer gradients
         return_large_frees_to_os()  # else freed buffers stay in the heap and RSS grows with depth
         try:
             if storage.uses_ssd():
@@ -119,7 +124,7 @@ class SnakeEngine:
                                            trace=self.trace)
         self.grad_pool = BufferPool("gradients", pools.grad_buffers, max(self._unit_trainable + (1,)),
                                     self.dtypes.master, self.device, trace=self.trace)
-        self.gradients = GradientPath(self.units, self.overlap, self.grad_pool, self.clip, self.scaler)
+        self.gradients = GradientPath(self.units, self.overlap, self.grad_pool, self.clip, self.scaler, self.reducer)
         self.runner = StepRunner(self.module, self.units, self.nonlayer, self.weights, self.activations,
                                  self.gradients, self.trace, self.device, self.dtypes.autocast)
         self._tasks: dict[int, list] = {}
@@ -225,6 +230,8 @@ class SnakeEngine:
         start_s = time.perf_counter()
         before = self.counters.snapshot()
         self.trace.begin_step()
+        if self.reducer is not None:
+            self.reducer.begin_step()
         self.weights.take_wait_s()
         self.activations.wait_s = self.activations.backpressure_s = 0.0
         self.grad_pool.take_wait_s()
@@ -235,13 +242,15 @@ class SnakeEngine:
         self.overlap.submit_forward_parts()
         self.activations.set_num_micro(self.storage, len(micro_batches))
         # Every micro-batch's loss is divided by the configured count, a short batch's too (as Lightning's
-        # accumulation does in an epoch's last, partial window).
-        state = StepState(micro_batches, sizes, self.scaler.scale / num_micro)
+        # accumulation does in an epoch's last, partial window), and by the ranks whose gradients are summed.
+        state = StepState(micro_batches, sizes, self.scaler.scale / (num_micro * self.world_size))
         tasks = self.tasks(len(micro_batches))
         watch = self.progress.step(self.step_count + 1, len(tasks))  # None unless someone listens
         try:
             self.runner.run(tasks, state, watch)
             self.gradients.flush()
+            if self.reducer is not None:  # the non-layer sum overlaps the worker's last backward parts
+                self._nonlayer_sum = self.reducer.start_nonlayer(self.nonlayer.grads, self.nonlayer.used)
         except BaseException:
             self.gradients.abandon()
             raise
@@ -271,6 +280,10 @@ class SnakeEngine:
         stats = self.last_step_stats
         before = self._train_end_snapshot or self.counters.snapshot()
         wait_s = self.overlap.wait_backward_parts()
+        pending, self._nonlayer_sum = self._nonlayer_sum, None
+        if pending is not None:
+            pending.wait()
+            self.nonlayer.used = [bool(n) for n in pending.used.tolist()]  # used on any rank
         skip, factor = self.gradients.finish(self.nonlayer, stats)
         if skip:
             # fp16 overflow: every unit's update is still pending (deferred whole): drop them all.

@@ -77,17 +77,22 @@ class OptimizerOverlap:
 
     # ------------------------------------------------------------------ backward parts
     def submit_backward_part(self, u: int, grad: torch.Tensor, release: Callable[[], None],
-                             hps: list[AdamHyperParams], step_before: int) -> None:
+                             hps: list[AdamHyperParams], step_before: int,
+                             prepare: Callable[[], None] | None = None) -> None:
         """Step unit ``u``'s backward part with the complete gradient ``grad`` (all n elements), park the
         forward part's gradient in the gradient store, then call ``release`` (the buffer goes back to its
-        pool). ``grad`` must not be touched afterwards."""
-        self._backward_jobs[u] = self._pool.submit(self._backward_job, u, grad, release, hps, step_before)
+        pool). ``grad`` must not be touched afterwards. ``prepare`` runs on the worker first (data parallel:
+        wait for the cross-rank sum of ``grad``, then check and clip it)."""
+        self._backward_jobs[u] = self._pool.submit(self._backward_job, u, grad, release, hps, step_before, prepare)
 
     def _backward_job(self, u: int, grad: torch.Tensor, release: Callable[[], None],
-                      hps: list[AdamHyperParams], step_before: int) -> None:
+                      hps: list[AdamHyperParams], step_before: int, prepare: Callable[[], None] | None) -> None:
         unit = self._units[u]
         start_s = time.perf_counter()
         try:
+            if prepare is not None:
+                prepare()
+                start_s = time.perf_counter()  # busy time excludes the wait for the other ranks
             if unit.split:
                 unit.grads.evict(grad[:unit.split], 0, unit.split)
             self._step_range(unit, unit.split, unit.train_end, lambda lo, hi: grad[lo:hi], hps, step_before, None,
