@@ -19,7 +19,7 @@ import sys
 
 import lightning as L
 import torch
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -34,7 +34,13 @@ class StepStats(L.Callback):
         self.stats: list[dict] = []
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        self.stats.append({k: v for k, v in trainer.strategy.engine.last_step_stats.items()})
+        engine = trainer.strategy.engine
+        reducer = engine.reducer
+        self.stats.append({**engine.last_step_stats,
+                           "reductions": [vars(r).copy() for r in reducer.records] if reducer else [],
+                           "tasks": [(t.kind, t.unit, tuple(t.micro_batches)) for t in engine.trace.last.tasks],
+                           "layout": engine.storage_layout(), "batch_head": batch[0][:, 0].tolist(),
+                           "ssd_dir": engine.ssd.path if engine.ssd is not None else None})
 
 
 class KillInStep:
@@ -55,7 +61,6 @@ def main() -> None:
     micro, micro_size, steps = cfg["micro"], cfg.get("micro_size", 2), cfg["steps"]
     samples = cfg.get("samples", steps * world * nodes * micro * micro_size)
     x, y = token_data(samples, SMALL_GPT.context_len, SMALL_GPT.vocab_size)
-    loader = DataLoader(TensorDataset(x, y), batch_size=micro * micro_size, shuffle=False)
     module = GPTModule(SMALL_GPT, learning_rate=cfg.get("lr", 1e-3))
     schedule = {"kind": cfg.get("kind", "vertical"), "num_micro_batches": micro, "alpha": cfg.get("alpha", 0.25)}
     hooks = None
@@ -74,6 +79,12 @@ def main() -> None:
     trainer = L.Trainer(strategy=strategy, precision=cfg.get("precision", "64-true"), max_steps=steps,
                         callbacks=callbacks, gradient_clip_val=cfg.get("clip"),
                         **trainer_kwargs(devices=world, num_nodes=nodes, **extra))
+    # Lightning's own DistributedSampler would shuffle the training set (seeded), so the global batches
+    # would not be the ones one process sees: shard in order, rank r taking samples r, r + N, ...
+    data = TensorDataset(x, y)
+    sampler = (DistributedSampler(data, num_replicas=trainer.world_size, rank=trainer.global_rank, shuffle=False)
+               if trainer.world_size > 1 else None)
+    loader = DataLoader(data, batch_size=micro * micro_size, shuffle=False, sampler=sampler)
     # Seeded right before fit: the weights are initialised in setup, from this stream (a rank > 0 starts
     # from the same seed, Lightning's reset_seed; rank 0's weights are broadcast anyway).
     L.seed_everything(0, verbose=False)

@@ -1,0 +1,153 @@
+"""Data parallel with real processes (gloo on 127.0.0.1): N ranks x M micro-batches equal 1 rank x N*M
+micro-batches over the same global batches, through Lightning's own launcher (the worker script is
+re-run for rank 1) and through torchrun with two "nodes" on this machine.
+
+Each run is ``tests/dp_worker.py CONFIG.json`` in a subprocess; every rank writes its final parameters,
+per-step stats, reduction records and task list. The default suite runs one 2-rank comparison and the
+input checks; the rest is ``--runslow``.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+from snake_strategy.distributed import check_rank_loader, rank_storage
+from snake_strategy.config import StorageConfig
+from snake_strategy.engine.reduce import ring_all_reduce_sent_bytes
+from snake_strategy.schedule import BACKWARD
+
+from .helpers import max_abs_diff
+
+WORKER = Path(__file__).with_name("dp_worker.py")
+REPO = Path(__file__).resolve().parents[1]
+SSD = {"weights": {"ssd": 1.0}, "optimizer": {"ssd": 1.0}, "checkpoints": {"host": 1.0}}
+
+
+def run_worker(tmp_path: Path, name: str, torchrun_nodes: int = 0, expect_rc: int | None = 0, **cfg) -> dict:
+    """Run the worker (ranks included); returns {rank: output}."""
+    out = tmp_path / name
+    cfg = {"out": str(out), **cfg}
+    path = tmp_path / f"{name}.json"
+    path.write_text(json.dumps(cfg))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    for key in ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE", "NODE_RANK"):
+        env.pop(key, None)
+    if torchrun_nodes:
+        procs = [subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", f"--nnodes={torchrun_nodes}", f"--node_rank={node}",
+             "--nproc_per_node=1", "--master_addr=127.0.0.1", f"--master_port={cfg['port']}", str(WORKER), str(path)],
+            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for node in range(torchrun_nodes)]
+        outputs = [p.communicate(timeout=300)[0] for p in procs]
+        codes = [p.returncode for p in procs]
+        assert codes == [0] * torchrun_nodes, "\n".join(o[-3000:] for o in outputs)
+    else:
+        done = subprocess.run([sys.executable, str(WORKER), str(path)], env=env, capture_output=True, text=True,
+                              timeout=300)
+        if expect_rc is not None:
+            assert done.returncode == expect_rc, (done.stdout[-3000:] + done.stderr[-5000:])
+        if expect_rc != 0:
+            return {"returncode": done.returncode, "stderr": done.stderr}
+    return {int(f.stem[4:]): torch.load(f, weights_only=False) for f in sorted(out.glob("rank*.pt"))}
+
+
+def _check_ranks_agree(ranks: dict) -> None:
+    assert sorted(ranks) == [0, 1]
+    for key in ranks[0]["state"]:
+        assert torch.equal(ranks[0]["state"][key], ranks[1]["state"][key]), key  # bitwise: one reduced sum
+
+
+def test_two_ranks_equal_one_rank_vertical_ssd_alpha(tmp_path):
+    common = dict(steps=3, kind="vertical", alpha=0.25, storage={**SSD, "ssd_dir": str(tmp_path / "ssd")})
+    one = run_worker(tmp_path, "one", world=1, micro=4, **common)
+    two = run_worker(tmp_path, "two", world=2, micro=2, **common)
+    _check_ranks_agree(two)
+    assert max_abs_diff(one[0]["state"], two[0]["state"]) < 1e-10
+    assert two[0]["world_size"] == 2 and two[0]["sampler"] == "DistributedSampler"
+    # Each rank has its own SSD directory under ssd_dir.
+    assert [two[r]["stats"][-1]["ssd_dir"] for r in (0, 1)] == [str(tmp_path / "ssd" / f"rank{r}") for r in (0, 1)]
+    last = two[0]["stats"][-1]
+    # One reduction per unit per step, launched right after the unit's last backward task (before the next
+    # unit's backward starts), and the non-layer one at the end; the counted bytes are the ring model's.
+    tasks, records = last["tasks"], last["reductions"]
+    unit_records = [r for r in records if r["unit"] >= 0]
+    assert [r["unit"] for r in unit_records] == sorted({t[1] for t in tasks if t[0] == BACKWARD}, reverse=True)
+    for record in unit_records:
+        last_backward = max(i for i, t in enumerate(tasks) if t[0] == BACKWARD and t[1] == record["unit"])
+        assert record["tasks_before"] == last_backward + 1
+    assert records[-1]["unit"] == -1 and records[-1]["tasks_before"] == len(tasks)
+    sent = {k: v for k, v in last["traffic"].items() if k.startswith("net/")}
+    assert sent == {f"net/{state}/sent": ring_all_reduce_sent_bytes(sum(r["payload_bytes"] for r in records
+                                                                        if (r["unit"] >= 0) == (state == "gradients")), 2)
+                    for state in ("gradients", "nonlayer_gradients")}
+    grad_payload = sum(r["payload_bytes"] for r in unit_records)
+    assert grad_payload >= sum(unit["train_end"] for unit in last["layout"]) * 8  # fp64 gradients, every unit
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind,clip", [("horizontal", None), ("vertical", 0.05), ("horizontal", 0.05)])
+def test_two_ranks_equal_one_rank_variants(tmp_path, kind, clip):
+    common = dict(steps=3, kind=kind, alpha=0.25, clip=clip, storage=SSD)
+    one = run_worker(tmp_path, "one", world=1, micro=4, **common)
+    two = run_worker(tmp_path, "two", world=2, micro=2, **common)
+    _check_ranks_agree(two)
+    assert max_abs_diff(one[0]["state"], two[0]["state"]) < 1e-10
+    if clip is not None:
+        norms = [s["grad_norm"] for s in one[0]["stats"]], [s["grad_norm"] for s in two[0]["stats"]]
+        assert norms[0] == pytest.approx(norms[1], rel=1e-12)
+        assert min(s["clip_factor"] for s in two[0]["stats"]) < 1.0  # the clip triggered
+
+
+@pytest.mark.slow
+def test_two_ranks_fp32_bf16_mixed(tmp_path):
+    common = dict(steps=2, kind="vertical", alpha=0.25, precision="32-true", storage=SSD)
+    one = run_worker(tmp_path, "one", world=1, micro=4, **common)
+    two = run_worker(tmp_path, "two", world=2, micro=2, **common)
+    _check_ranks_agree(two)
+    for key in one[0]["state"]:
+        torch.testing.assert_close(two[0]["state"][key], one[0]["state"][key], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_torchrun_two_nodes(tmp_path):
+    """The cluster template: torchrun --nnodes=2 --node_rank={0,1} with one process per node (gloo)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    common = dict(steps=2, kind="vertical", alpha=0.25, storage=SSD)
+    one = run_worker(tmp_path, "one", world=1, micro=4, **common)
+    two = run_worker(tmp_path, "two", torchrun_nodes=2, world=1, nodes=2, micro=2, port=port, **common)
+    _check_ranks_agree(two)
+    assert two[0]["world_size"] == 2
+    assert max_abs_diff(one[0]["state"], two[0]["state"]) < 1e-10
+
+
+# ---------------------------------------------------------------------- input checks (no processes)
+def _sharded_loader(samples: int, batch: int, drop_last: bool = False) -> DataLoader:
+    data = TensorDataset(torch.zeros(samples, 2))
+    return DataLoader(data, batch_size=batch, sampler=DistributedSampler(data, num_replicas=2, rank=0, shuffle=False),
+                      drop_last=drop_last)
+
+
+def test_rank_loader_checks():
+    check_rank_loader(_sharded_loader(16, 4), 4, 2)  # 8 samples per rank, 2 full batches
+    with pytest.raises(ValueError, match="cannot share evenly"):
+        check_rank_loader(_sharded_loader(15, 4), 4, 2)
+    with pytest.raises(ValueError, match="not a multiple of the per-rank batch size"):
+        check_rank_loader(_sharded_loader(12, 4), 4, 2)
+    check_rank_loader(_sharded_loader(12, 4, drop_last=True), 4, 2)  # the short batch is dropped on every rank
+
+
+def test_rank_storage_gives_each_rank_its_directory(tmp_path):
+    storage = StorageConfig(ssd_dir=str(tmp_path), weights={"ssd": 1.0})
+    assert rank_storage(storage, 0, 1) is storage
+    assert rank_storage(storage, 3, 4).ssd_dir == str(tmp_path / "rank3")
+    assert rank_storage(StorageConfig(), 1, 2).ssd_dir is None  # each process makes its own temporary directory
