@@ -391,7 +391,8 @@ class GreedySnakeStrategy(DataParallelMixin, ParallelStrategy):
             # state is gone with the run. An ordinary Lightning file, loadable by load_from_checkpoint.
             log.warning("saving %s after fit: the trained weights are in it, the Adam moments are not (they end "
                         "with the run); to resume training exactly, checkpoint during fit (ModelCheckpoint)", filepath)
-            self.checkpoint_io.save_checkpoint(checkpoint, filepath)
+            if self.is_global_zero:  # as DDPStrategy: one writer
+                self.checkpoint_io.save_checkpoint(checkpoint, filepath)
             return
         if self.is_global_zero:  # the state is the same on every rank: rank 0 writes it, Lightning then barriers
             _checkpoint_module().save(self.engine, checkpoint, filepath, self.progress)
