@@ -52,7 +52,13 @@ _DTYPES = {str(d): d for d in (torch.float32, torch.float64, torch.bfloat16, tor
 
 
 def save(engine: SnakeEngine, checkpoint: dict[str, Any], path: str | os.PathLike,
-         progress: Progress | None = None) -> None:
+         progress: Progress | None = None, write: bool = True) -> None:
+    """Write ``engine``'s state to the directory ``path``. ``write=False``: a data-parallel rank > 0 with
+    partitioned optimizer state takes part in the gathers of every unit's moments and writes nothing."""
+    if not write:
+        for u in range(engine.num_units):
+            engine.unit_state(u)  # the same collectives, in the same order, as rank 0's save
+        return
     final = Path(path)
     _recover(final, clean=True)
     tmp = _sibling(final, "tmp")

@@ -59,6 +59,8 @@ class GreedySnakeStrategy(DataParallelMixin, ParallelStrategy):
             a Chrome/Perfetto trace (``snake_strategy.timeline``); None records no timeline.
         cluster_environment, process_group_backend, timeout: as ``DDPStrategy``'s, for ``devices``/``num_nodes``
             > 1 (data parallel, ``distributed.py``): gloo on CPU, NCCL on CUDA by default.
+        shard_optimizer_state: with several ranks, each keeps 1/N of the Adam moments (ZeRO-1,
+            ``engine/partition.py``); False replicates them.
     """
 
     strategy_name = "greedysnake"
@@ -77,6 +79,7 @@ class GreedySnakeStrategy(DataParallelMixin, ParallelStrategy):
         cluster_environment: ClusterEnvironment | None = None,
         process_group_backend: str | None = None,
         timeout: datetime.timedelta | None = None,
+        shard_optimizer_state: bool = True,
     ) -> None:
         self.storage = coerce_config(StorageConfig, storage, "storage")
         self.schedule = coerce_config(ScheduleConfig, schedule, "schedule")
@@ -99,6 +102,7 @@ class GreedySnakeStrategy(DataParallelMixin, ParallelStrategy):
         super().__init__(accelerator=accelerator, cluster_environment=cluster_environment,
                          precision_plugin=precision_plugin)  # parallel_devices: filled by Lightning's connector
         self._init_data_parallel(process_group_backend, timeout)
+        self.shard_optimizer_state = shard_optimizer_state
 
     # ------------------------------------------------------------------ plugins and devices
     @property
@@ -167,7 +171,8 @@ class GreedySnakeStrategy(DataParallelMixin, ParallelStrategy):
         self.engine = SnakeEngine(module, self.optimizers[0], self._rank_storage(), self.schedule,
                                   self.precision_plugin.dtypes, self.root_device, clip=clip,
                                   pretrained=pretrained, scaler=self.precision_plugin.make_scaler(),
-                                  hooks=self.hooks, progress=self.progress, world_size=self.world_size)
+                                  hooks=self.hooks, progress=self.progress, world_size=self.world_size,
+                                  rank=self.global_rank, shard_optimizer=self.shard_optimizer_state)
         if self.world_size > 1:
             sync_initial_state(self.engine, self.root_device)  # every rank starts from rank 0's weights
         self.engine.trace.enabled = self.trace_path is not None
@@ -394,8 +399,9 @@ class GreedySnakeStrategy(DataParallelMixin, ParallelStrategy):
             if self.is_global_zero:  # as DDPStrategy: one writer
                 self.checkpoint_io.save_checkpoint(checkpoint, filepath)
             return
-        if self.is_global_zero:  # the state is the same on every rank: rank 0 writes it, Lightning then barriers
-            _checkpoint_module().save(self.engine, checkpoint, filepath, self.progress)
+        # Rank 0 writes (the other ranks' partitioned moments are gathered to it unit by unit); Lightning barriers.
+        if self.is_global_zero or self.engine.partition is not None:
+            _checkpoint_module().save(self.engine, checkpoint, filepath, self.progress, write=self.is_global_zero)
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:

@@ -64,7 +64,8 @@ def main() -> None:
     module = GPTModule(SMALL_GPT, learning_rate=cfg.get("lr", 1e-3))
     schedule = {"kind": cfg.get("kind", "vertical"), "num_micro_batches": micro, "alpha": cfg.get("alpha", 0.25)}
     hooks = None
-    strategy = snake_strategy.GreedySnakeStrategy(storage=cfg.get("storage"), schedule=schedule)
+    strategy = snake_strategy.GreedySnakeStrategy(storage=cfg.get("storage"), schedule=schedule,
+                                                  shard_optimizer_state=cfg.get("shard", True))
     rank = int(os.environ.get("RANK", os.environ.get("LOCAL_RANK", 0)))
     if cfg.get("kill_rank") is not None and rank == cfg["kill_rank"]:
         hooks = snake_strategy.EngineHooks(before_optimizer_chunk=KillInStep(strategy, cfg["kill_step"]))

@@ -27,7 +27,7 @@ from torch import Tensor, nn
 from snake_strategy.config import ScheduleConfig, StorageConfig
 from snake_strategy.contract import batch_size, check_block_output, check_contract, slice_batch, unpack_pre_stage
 from snake_strategy.engine.build import _materialize
-from snake_strategy.engine.core import EngineHooks
+from snake_strategy.engine.hooks import EngineHooks
 from snake_strategy.engine.trace import TaskTrace
 from snake_strategy.engine.weights import WeightStreamer
 from snake_strategy.memory import format_plan

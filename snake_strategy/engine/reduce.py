@@ -51,8 +51,9 @@ class ReductionRecord:
 class PendingReduction:
     """The in-flight all-reduce of one unit's gradient (and of its used-parameter mask)."""
 
-    def __init__(self, works: list, used: Tensor, record: ReductionRecord) -> None:
+    def __init__(self, works: list, used: Tensor, record: ReductionRecord, out: Tensor | None = None) -> None:
         self._works, self.used, self.record = works, used, record
+        self.out = out  # reduce-scatter: this rank's summed shard (None: the input was summed in place)
 
     def wait(self) -> None:
         start_s = time.perf_counter()
@@ -89,6 +90,27 @@ class GradientReducer:
                  dist.all_reduce(used, group=self._group, async_op=True)]
         payload = grad.numel() * grad.element_size() + used.numel() * used.element_size()
         return PendingReduction(works, used, self._record(u, payload, "gradients"))
+
+    def start_scatter(self, u: int, grad: Tensor, used: Tensor, shard_elems: int) -> PendingReduction:
+        """Partitioned optimizer state: launch the reduce-scatter of unit ``u``'s padded gradient (``N x
+        shard_elems`` elements, the padding zero); ``pending.out`` receives this rank's summed shard."""
+        out = torch.empty(shard_elems, dtype=grad.dtype, device=grad.device)  # 1/N unit, until stepped
+        works = [dist.reduce_scatter_tensor(out, grad, group=self._group, async_op=True),
+                 dist.all_reduce(used, group=self._group, async_op=True)]
+        self._counters.add(NET, "gradients", "sent",
+                           (self.world_size - 1) * grad.numel() * grad.element_size() // self.world_size
+                           + ring_all_reduce_sent_bytes(used.numel() * used.element_size(), self.world_size))
+        record = ReductionRecord(u, grad.numel() * grad.element_size(), len(self._trace.last.tasks), time.perf_counter())
+        with self._lock:
+            self.records.append(record)
+        return PendingReduction(works, used, record, out)
+
+    def all_reduce_now(self, value: Tensor, op) -> Tensor:
+        """A blocking all-reduce of a small tensor (the partitioned norm or inf flag): a sync point."""
+        dist.all_reduce(value, op=op, group=self._group)
+        self._counters.add(NET, "scalars", "sent", ring_all_reduce_sent_bytes(value.numel() * value.element_size(),
+                                                                                self.world_size))
+        return value
 
     def start_nonlayer(self, grads: list[Tensor], used: list[bool]) -> PendingReduction | None:
         """Launch the sum of the non-layer gradients (complete only at the end of the backward)."""
