@@ -20,6 +20,7 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from snake_strategy.distributed import check_rank_loader, rank_storage
 from snake_strategy.config import StorageConfig
+from snake_strategy.engine.partition import shard_bounds
 from snake_strategy.engine.reduce import ring_all_reduce_sent_bytes
 from snake_strategy.schedule import BACKWARD
 
@@ -82,22 +83,39 @@ def test_two_ranks_equal_one_rank_vertical_ssd_alpha(tmp_path):
         last_backward = max(i for i, t in enumerate(tasks) if t[0] == BACKWARD and t[1] == record["unit"])
         assert record["tasks_before"] == last_backward + 1
     assert records[-1]["unit"] == -1 and records[-1]["tasks_before"] == len(tasks)
+    # Partitioned (the default): unit gradients are reduce-scattered ((N-1)/N of the padded payload sent,
+    # plus the small used-parameter mask), the non-layer ones all-reduced, the weights all-gathered.
     sent = {k: v for k, v in last["traffic"].items() if k.startswith("net/")}
-    assert sent == {f"net/{state}/sent": ring_all_reduce_sent_bytes(sum(r["payload_bytes"] for r in records
-                                                                        if (r["unit"] >= 0) == (state == "gradients")), 2)
-                    for state in ("gradients", "nonlayer_gradients")}
-    grad_payload = sum(r["payload_bytes"] for r in unit_records)
-    assert grad_payload >= sum(unit["train_end"] for unit in last["layout"]) * 8  # fp64 gradients, every unit
+    assert all(r["kind"] == "reduce_scatter" for r in unit_records) and records[-1]["kind"] == "all_reduce"
+    assert sent["net/gradients/sent"] == sum(r["sent_bytes"] for r in unit_records)
+    assert sent["net/nonlayer_gradients/sent"] == records[-1]["sent_bytes"] == ring_all_reduce_sent_bytes(
+        records[-1]["payload_bytes"], 2)
+    padded = [-(-unit["train_end"] // 8192) * 8192 for unit in last["layout"]]  # 2 shards of whole 4096 pages
+    assert [r["payload_bytes"] for r in unit_records] == [8 * p for p in reversed(padded)]  # fp64, every unit
+    for r in unit_records:
+        assert r["payload_bytes"] // 2 <= r["sent_bytes"] < r["payload_bytes"] // 2 + 4096
+    assert sent["net/weights/sent"] == sum(8 * p // 2 for p in padded)  # each rank sends its shard
+    # Each rank keeps its shard of every unit's moments (rank 0 the first whole pages, rank 1 the rest), the
+    # weights whole.
+    for r in (0, 1):
+        layout = two[r]["stats"][-1]["layout"]
+        shards = [shard_bounds(u["train_end"], 2, r) for u in layout]
+        assert [u["exp_avg_ssd"] for u in layout] == [-(-8 * (hi - lo) // 4096) * 4096 for lo, hi in shards]
+        assert [u["weights_ssd"] for u in layout] == [u["weights_ssd"] for u in one[0]["stats"][-1]["layout"]]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind,clip", [("horizontal", None), ("vertical", 0.05), ("horizontal", 0.05)])
-def test_two_ranks_equal_one_rank_variants(tmp_path, kind, clip):
-    common = dict(steps=3, kind=kind, alpha=0.25, clip=clip, storage=SSD)
+@pytest.mark.parametrize("kind,clip,shard", [("horizontal", None, True), ("vertical", 0.05, True),
+                                             ("horizontal", 0.05, True), ("vertical", None, False),
+                                             ("vertical", 0.05, False)])
+def test_two_ranks_equal_one_rank_variants(tmp_path, kind, clip, shard):
+    common = dict(steps=3, kind=kind, alpha=0.25, clip=clip, storage=SSD, shard=shard)
     one = run_worker(tmp_path, "one", world=1, micro=4, **common)
     two = run_worker(tmp_path, "two", world=2, micro=2, **common)
     _check_ranks_agree(two)
     assert max_abs_diff(one[0]["state"], two[0]["state"]) < 1e-10
+    kinds = {r["kind"] for r in two[0]["stats"][-1]["reductions"] if r["unit"] >= 0}
+    assert kinds == {"reduce_scatter" if shard else "all_reduce"}
     if clip is not None:
         norms = [s["grad_norm"] for s in one[0]["stats"]], [s["grad_norm"] for s in two[0]["stats"]]
         assert norms[0] == pytest.approx(norms[1], rel=1e-12)
@@ -164,6 +182,8 @@ def _checkpointed_run(tmp_path: Path) -> tuple[dict, Path]:
 
 @pytest.mark.slow
 def test_resume_two_ranks_bitwise_and_on_one_rank_exact(tmp_path):
+    """Partitioned moments: rank 0 gathers and writes them; the checkpoint is the same format as one
+    process's, so 2 -> 1 re-shards by reading it (and consolidation needs nothing new)."""
     full, ckpt = _checkpointed_run(tmp_path)
     _check_ranks_agree(full)
     assert sorted(p.name for p in (tmp_path / "ckpts").iterdir()) == ["epoch=0-step=2.ckpt", "epoch=1-step=4.ckpt"]

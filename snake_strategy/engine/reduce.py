@@ -45,6 +45,8 @@ class ReductionRecord:
     payload_bytes: int
     tasks_before: int  # tasks the step had run when it was issued (the trace's task index)
     issued_s: float
+    sent_bytes: int  # what the counters got for it (ring model)
+    kind: str = "all_reduce"  # or "reduce_scatter" (partitioned optimizer state)
     waited_s: float = 0.0  # seconds the waiter blocked (0: it had finished in time)
 
 
@@ -76,9 +78,11 @@ class GradientReducer:
         with self._lock:
             self.last_step, self.records = self.records, []
 
-    def _record(self, unit: int, payload_bytes: int, state: str) -> ReductionRecord:
-        self._counters.add(NET, state, "sent", ring_all_reduce_sent_bytes(payload_bytes, self.world_size))
-        record = ReductionRecord(unit, payload_bytes, len(self._trace.last.tasks), time.perf_counter())
+    def _record(self, unit: int, payload_bytes: int, state: str, sent_bytes: int | None = None,
+                kind: str = "all_reduce") -> ReductionRecord:
+        sent = ring_all_reduce_sent_bytes(payload_bytes, self.world_size) if sent_bytes is None else sent_bytes
+        self._counters.add(NET, state, "sent", sent)
+        record = ReductionRecord(unit, payload_bytes, len(self._trace.last.tasks), time.perf_counter(), sent, kind)
         with self._lock:
             self.records.append(record)
         return record
@@ -97,13 +101,10 @@ class GradientReducer:
         out = torch.empty(shard_elems, dtype=grad.dtype, device=grad.device)  # 1/N unit, until stepped
         works = [dist.reduce_scatter_tensor(out, grad, group=self._group, async_op=True),
                  dist.all_reduce(used, group=self._group, async_op=True)]
-        self._counters.add(NET, "gradients", "sent",
-                           (self.world_size - 1) * grad.numel() * grad.element_size() // self.world_size
-                           + ring_all_reduce_sent_bytes(used.numel() * used.element_size(), self.world_size))
-        record = ReductionRecord(u, grad.numel() * grad.element_size(), len(self._trace.last.tasks), time.perf_counter())
-        with self._lock:
-            self.records.append(record)
-        return PendingReduction(works, used, record, out)
+        payload = grad.numel() * grad.element_size()
+        sent = ((self.world_size - 1) * payload // self.world_size
+                + ring_all_reduce_sent_bytes(used.numel() * used.element_size(), self.world_size))
+        return PendingReduction(works, used, self._record(u, payload, "gradients", sent, "reduce_scatter"), out)
 
     def all_reduce_now(self, value: Tensor, op) -> Tensor:
         """A blocking all-reduce of a small tensor (the partitioned norm or inf flag): a sync point."""
