@@ -1,9 +1,10 @@
 """Data parallel on this machine: the r1 preset (GPT d=768 x 6, vocab 50257, ctx 128, micro-batch 2) with
-1 rank x 8 micro-batches and 2 ranks x 4 micro-batches, the same global batch of 16 sequences, weights
-and optimizer state on the SSD tier, alpha 0.25.
+1 rank x 8 micro-batches and 2 ranks x 4 micro-batches (Adam moments replicated, or partitioned: each
+rank keeps half), the same global batch of 16 sequences, weights and optimizer state on the SSD tier,
+alpha 0.25.
 
-    python benchmarks/distributed.py                  # both runs, then results/distributed_r1.{json,png}
-    python benchmarks/distributed.py --steps 4 --ranks 2
+    python benchmarks/distributed.py                  # 1 rank, 2 ranks replicated, 2 ranks partitioned
+    python benchmarks/distributed.py --steps 4 --runs 2:partitioned
 
 Per rank and step (medians over the steps after the first): SSD bytes read and written (the engine's
 counters and /proc/self/io), bytes sent by collectives (ring model, ``engine/reduce.py``), the
@@ -62,7 +63,8 @@ def run_worker(args) -> None:
     storage = snake_strategy.StorageConfig(ssd_dir=args.ssd_dir, weights={"ssd": 1.0}, optimizer={"ssd": 1.0},
                                            gradients={"host": 1.0}, checkpoints={"host": 1.0})
     schedule = snake_strategy.ScheduleConfig(kind="vertical", num_micro_batches=num_micro, alpha=0.25)
-    strategy = snake_strategy.GreedySnakeStrategy(storage=storage, schedule=schedule)
+    strategy = snake_strategy.GreedySnakeStrategy(storage=storage, schedule=schedule,
+                                                  shard_optimizer_state=args.partitioned)
     timer = Timer()
     trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=args.world, max_steps=args.steps,
                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
@@ -103,11 +105,11 @@ def run_worker(args) -> None:
     (Path(args.json_out) / f"rank{trainer.global_rank}.json").write_text(json.dumps(result, indent=1))
 
 
-def _run(world: int, args) -> list[dict]:
+def _run(world: int, partitioned: bool, args) -> list[dict]:
     out = tempfile.mkdtemp(prefix=f"dp-bench-{world}-")
     ssd = tempfile.mkdtemp(prefix=f"dp-ssd-{world}-", dir=args.ssd_root)
     cmd = [sys.executable, __file__, "--worker", "--world", str(world), "--steps", str(args.steps),
-           "--preset", args.preset, "--json-out", out, "--ssd-dir", ssd]
+           "--preset", args.preset, "--json-out", out, "--ssd-dir", ssd] + (["--partitioned"] if partitioned else [])
     print(f"running {world} rank(s) ...", flush=True)
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout_s)
     if proc.returncode != 0:
@@ -140,6 +142,7 @@ def _plot(report: dict, path: Path) -> None:
     ax.set_ylabel("MB per rank")
     ax.legend()
     bx.bar(list(runs), [statistics.median(r["s_per_step"] for r in ranks) for ranks in runs.values()])
+    bx.tick_params(axis="x", labelsize=8)
     bx.set_ylabel("s / step (2 shared cores)")
     fig.suptitle(f"greedysnake data parallel, {report['preset']} preset, global batch {report['global_batch']}")
     fig.tight_layout()
@@ -150,7 +153,9 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", default="r1", choices=sorted(PRESETS))
     p.add_argument("--steps", type=int, default=4)
-    p.add_argument("--ranks", default="1,2", help="comma-separated world sizes to run")
+    p.add_argument("--runs", default="1,2:replicated,2:partitioned",
+                   help="comma-separated runs: WORLD[:replicated|:partitioned] (the optimizer state across ranks)")
+    p.add_argument("--partitioned", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--ssd-root", default=None, help="where the SSD directories go (default: the temp dir)")
     p.add_argument("--timeout-s", type=int, default=3600)
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -162,7 +167,11 @@ def main(argv: list[str] | None = None) -> int:
         run_worker(args)
         return 0
     preset = PRESETS[args.preset]
-    runs = {f"{w} rank{'s' if w > 1 else ''}": _run(w, args) for w in (int(x) for x in args.ranks.split(","))}
+    runs = {}
+    for spec in args.runs.split(","):
+        world, _, mode = spec.partition(":")
+        name = f"{world} rank{'s' if int(world) > 1 else ''}" + (f" {mode}" if mode else "")
+        runs[name] = _run(int(world), mode == "partitioned", args)
     report = dict(preset=args.preset, steps=args.steps, global_batch=preset["micro_batch_size"] * preset["num_micro"] * 2,
                   machine="2 shared CPU cores (other jobs running), gloo on 127.0.0.1", runs=runs,
                   deepspeed="not installed in this environment: no ZeRO-Infinity 2-rank run")

@@ -29,7 +29,7 @@ from snake_strategy.engine.reduce import GradientReducer
 from snake_strategy.engine.runner import StepRunner, StepState
 from snake_strategy.engine.trace import TaskTrace
 from snake_strategy.engine.weights import WeightStreamer
-from snake_strategy.memory import MemoryInputs, format_plan, host_plan, pool_sizes, ssd_plan
+from snake_strategy.memory import MemoryInputs, format_plan, host_plan, partition_host_bytes, pool_sizes, ssd_plan
 from snake_strategy.optim import check_optimizer, snapshot_hyper_params
 from snake_strategy.planner import ModelShape
 from snake_strategy.precision import DtypePolicy, LossScaler
@@ -156,7 +156,12 @@ class SnakeEngine:
 
     def host_bytes_plan(self, checkpoint_bytes: int = 0) -> dict[str, int]:
         """Host memory the run needs, by item (memory.host_plan)."""
-        return host_plan(self.memory_inputs(checkpoint_bytes))
+        plan = host_plan(self.memory_inputs(checkpoint_bytes))
+        if self.partition is not None:
+            plan["partition_buffers"] = partition_host_bytes(
+                max(self.partition.padded(t) for t in self._unit_trainable), self.world_size,
+                self.dtypes.bytes_per("compute"), self.dtypes.bytes_per("master"), self.device.type == "cpu")
+        return plan
 
     def check_host_budget(self, checkpoint_bytes: int = 0) -> None:
         budget = self.storage.host_budget_bytes
