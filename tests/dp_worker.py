@@ -73,6 +73,8 @@ def main() -> None:
     rec, stats = ParamRecorder(only_last=True), StepStats()
     callbacks = [rec, stats]
     extra = {}
+    if cfg.get("val"):  # validate after every step (Lightning inserts a DistributedSampler into this loader)
+        extra.update(limit_val_batches=1, val_check_interval=1)
     if cfg.get("save_every"):
         callbacks.append(L.pytorch.callbacks.ModelCheckpoint(dirpath=cfg["ckpt_dir"], every_n_train_steps=cfg["save_every"],
                                                              save_top_k=-1))
@@ -89,13 +91,15 @@ def main() -> None:
     # Seeded right before fit: the weights are initialised in setup, from this stream (a rank > 0 starts
     # from the same seed, Lightning's reset_seed; rank 0's weights are broadcast anyway).
     L.seed_everything(0, verbose=False)
-    trainer.fit(module, train_dataloaders=loader, ckpt_path=cfg.get("resume"))
+    val = DataLoader(TensorDataset(x[:4 * world * nodes], y[:4 * world * nodes]), batch_size=4) if cfg.get("val") else None
+    trainer.fit(module, train_dataloaders=loader, val_dataloaders=val, ckpt_path=cfg.get("resume"))
     out = cfg.get("out")
     if out:
         os.makedirs(out, exist_ok=True)
         torch.save({"state": rec.states[-1] if rec.states else None, "stats": stats.stats,
                     "world_size": trainer.world_size, "global_rank": trainer.global_rank,
                     "sampler": type(trainer.train_dataloader.sampler).__name__,
+                    "metrics": {k: float(v) for k, v in trainer.callback_metrics.items()},
                     "ssd_dir": getattr(strategy, "_last_ssd_dir", None)},
                    os.path.join(out, f"rank{trainer.global_rank}.pt"))
 

@@ -123,13 +123,18 @@ def test_two_ranks_equal_one_rank_variants(tmp_path, kind, clip, shard):
 
 
 @pytest.mark.slow
-def test_two_ranks_fp32_bf16_mixed(tmp_path):
-    common = dict(steps=2, kind="vertical", alpha=0.25, precision="32-true", storage=SSD)
+def test_two_ranks_fp32_with_validation(tmp_path):
+    """fp32, validation after every step (flushes and gathers in the middle of training), and the logged
+    train_loss synced across ranks (sync_dist) equals one process's."""
+    common = dict(steps=2, kind="vertical", alpha=0.25, precision="32-true", storage=SSD, val=True)
     one = run_worker(tmp_path, "one", world=1, micro=4, **common)
     two = run_worker(tmp_path, "two", world=2, micro=2, **common)
     _check_ranks_agree(two)
     for key in one[0]["state"]:
         torch.testing.assert_close(two[0]["state"][key], one[0]["state"][key], rtol=1e-5, atol=1e-5)
+    assert "val_loss" in two[0]["metrics"] and "val_loss" in two[1]["metrics"]
+    assert two[0]["metrics"]["train_loss"] == two[1]["metrics"]["train_loss"]
+    assert two[0]["metrics"]["train_loss"] == pytest.approx(one[0]["metrics"]["train_loss"], rel=1e-5)
 
 
 @pytest.mark.slow
