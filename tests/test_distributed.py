@@ -213,3 +213,16 @@ def test_rank_killed_mid_step_leaves_the_last_checkpoint_loadable(tmp_path):
                        storage=SSD, resume=str(last))
     for key in full[0]["state"]:
         assert torch.equal(again[0]["state"][key], full[0]["state"][key]), key
+
+
+def test_shards_cover_each_unit_once_on_whole_pages():
+    from snake_strategy.engine.partition import SHARD_ALIGN_ELEMS, shard_size
+
+    for train_end in (0, 1, 4096, 12800, 3 * 4096 + 5, 10**6):
+        for world in (1, 2, 3, 8):
+            bounds = [shard_bounds(train_end, world, r) for r in range(world)]
+            assert bounds[0][0] == 0 and bounds[-1][1] == train_end
+            assert all(a[1] == b[0] for a, b in zip(bounds, bounds[1:]))  # contiguous, disjoint
+            per = shard_size(train_end, world)
+            assert per % SHARD_ALIGN_ELEMS == 0 and per * world >= train_end
+            assert all((lo % SHARD_ALIGN_ELEMS == 0 or lo == hi) and hi - lo <= per for lo, hi in bounds)

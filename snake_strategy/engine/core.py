@@ -63,7 +63,7 @@ class SnakeEngine:
         self.trace = TaskTrace()
         # Data parallel (world_size > 1, a process group set up): unit gradients summed across ranks.
         self.world_size = world_size
-        self.reducer = GradientReducer(world_size, self.counters, self.trace) if world_size > 1 else None
+        self.reducer = GradientReducer(world_size, self.counters, self.trace, device) if world_size > 1 else None
         # ZeRO-1: this rank keeps 1/N of the moments (engine/partition.py).
         self.partition = Partition(world_size, rank, self.counters, dtypes, device) \
             if shard_optimizer and world_size > 1 else None

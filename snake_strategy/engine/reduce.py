@@ -67,9 +67,11 @@ class PendingReduction:
 class GradientReducer:
     """Sums gradients across the ranks of ``group`` (the default group when None)."""
 
-    def __init__(self, world_size: int, counters: TrafficCounters, trace: TaskTrace, group=None) -> None:
+    def __init__(self, world_size: int, counters: TrafficCounters, trace: TaskTrace, device: torch.device,
+                 group=None) -> None:
         assert world_size >= 2, "a single process has nothing to reduce"
         self.world_size, self._counters, self._trace, self._group = world_size, counters, trace, group
+        self._device = device  # NCCL reduces device tensors only
         self._lock = threading.Lock()
         self.records: list[ReductionRecord] = []  # this step's reductions, in issue order
         self.last_step: list[ReductionRecord] = []  # the previous complete step's
@@ -108,7 +110,9 @@ class GradientReducer:
 
     def all_reduce_now(self, value: Tensor, op) -> Tensor:
         """A blocking all-reduce of a small tensor (the partitioned norm or inf flag): a sync point."""
-        dist.all_reduce(value, op=op, group=self._group)
+        on_device = value.to(self._device)
+        dist.all_reduce(on_device, op=op, group=self._group)
+        value = on_device.to(value.device)
         self._counters.add(NET, "scalars", "sent", ring_all_reduce_sent_bytes(value.numel() * value.element_size(),
                                                                                 self.world_size))
         return value
