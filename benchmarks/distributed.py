@@ -58,8 +58,8 @@ def run_worker(args) -> None:
             io_marks.append(_proc_io())
             stats.append(dict(trainer.strategy.engine.last_step_stats))
             self.layout = trainer.strategy.engine.storage_layout()
-            engine = trainer.strategy.engine
-            self.files = [os.path.join(engine.ssd.path, f) for f in engine.ssd_files()]
+            engine = trainer.strategy.engine  # the files are removed at teardown: measure them now
+            self.files_bytes = sum(os.path.getsize(os.path.join(engine.ssd.path, f)) for f in engine.ssd_files())
 
     storage = snake_strategy.StorageConfig(ssd_dir=args.ssd_dir, weights={"ssd": 1.0}, optimizer={"ssd": 1.0},
                                            gradients={"host": 1.0}, checkpoints={"host": 1.0})
@@ -98,7 +98,7 @@ def run_worker(args) -> None:
         proc_write_bytes_per_step=per_step([b[1] - a[1] for a, b in zip(io_marks, io_marks[1:])]),
         collective_sent_bytes_per_step=total(lambda k: k.startswith("net/")),
         optimizer_state_ssd_bytes=sum(u["exp_avg_ssd"] + u["exp_avg_sq_ssd"] + u["master_ssd"] for u in layout),
-        ssd_files_bytes=sum(os.path.getsize(f) for f in timer.files),  # every state file of this rank
+        ssd_files_bytes=timer.files_bytes,  # every state file of this rank (weights, moments, gradients)
         traffic_per_step=traffic[len(traffic) // 2],
     )
     result["s_per_step"] = statistics.median(result["step_s"][1:])
