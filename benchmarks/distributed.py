@@ -10,7 +10,10 @@ Per rank and step (medians over the steps after the first): SSD bytes read and w
 counters and /proc/self/io), bytes sent by collectives (ring model, ``engine/reduce.py``), the
 optimizer state on the rank's SSD (master + Adam moments), and the step time. The ranks share this
 machine's cores, so two ranks are not expected to be faster: the point is the per-rank bytes. Every run
-is its own process group started by Lightning's launcher (``devices=N``). Not part of the test suite.
+is its own process group started by Lightning's launcher (``devices=N``). Lightning sets
+OMP_NUM_THREADS=cores/N for the processes it launches (when unset) but not for a single process: run
+with ``OMP_NUM_THREADS=1`` to compare step times at one intra-op thread per process (on a loaded
+2-core machine, 2 spinning OpenMP threads made one rank 3-7x slower). Not part of the test suite.
 """
 from __future__ import annotations
 
@@ -91,6 +94,7 @@ def run_worker(args) -> None:
     layout = timer.layout
     result = dict(
         world=args.world, rank=trainer.global_rank, num_micro=num_micro, samples_per_rank_step=per_rank,
+        torch_threads=torch.get_num_threads(), omp_num_threads=os.environ.get("OMP_NUM_THREADS"),
         step_s=[b - a for a, b in zip(marks, marks[1:])],
         ssd_read_bytes_per_step=total(lambda k: k.startswith("ssd/") and k.endswith("/read")),
         ssd_write_bytes_per_step=total(lambda k: k.startswith("ssd/") and k.endswith("/write")),
