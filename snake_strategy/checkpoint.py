@@ -52,7 +52,13 @@ _DTYPES = {str(d): d for d in (torch.float32, torch.float64, torch.bfloat16, tor
 
 
 def save(engine: SnakeEngine, checkpoint: dict[str, Any], path: str | os.PathLike,
-         progress: Progress | None = None) -> None:
+         progress: Progress | None = None, write: bool = True) -> None:
+    """Write ``engine``'s state to the directory ``path``. ``write=False``: a data-parallel rank > 0 with
+    partitioned optimizer state takes part in the gathers of every unit's moments and writes nothing."""
+    if not write:
+        for u in range(engine.num_units):
+            engine.unit_state(u)  # the same collectives, in the same order, as rank 0's save
+        return
     final = Path(path)
     _recover(final, clean=True)
     tmp = _sibling(final, "tmp")
@@ -262,9 +268,17 @@ def _read_manifest(root: Path, progress: Progress | None = None,
     return manifest
 
 
-def load(engine: SnakeEngine, path: str | os.PathLike, progress: Progress | None = None) -> dict[str, Any]:
+def recover(path: str | os.PathLike) -> None:
+    """Adopt the checkpoint a killed save left aside under ``path``'s name, drop dead runs' leftovers (what
+    ``load`` does first; data-parallel ranks let rank 0 alone do it, then all load with ``recover=False``)."""
+    _recover(Path(path), clean=True)
+
+
+def load(engine: SnakeEngine, path: str | os.PathLike, progress: Progress | None = None,
+         recover: bool = True) -> dict[str, Any]:
     """Stream a checkpoint into the engine's tiers; returns Lightning's checkpoint dict."""
-    _recover(Path(path), clean=True)  # a resuming run owns the name: adopt, and drop dead runs' leftovers
+    if recover:
+        _recover(Path(path), clean=True)  # a resuming run owns the name: adopt, and drop dead runs' leftovers
     root = locate(path)
     manifest = _read_manifest(root, progress)
     if len(manifest["units"]) != engine.num_units or manifest["blocks_per_unit"] != engine.schedule.blocks_per_unit:

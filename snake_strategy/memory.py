@@ -250,6 +250,18 @@ def ssd_plan(inputs: MemoryInputs) -> dict[str, int]:
     return plan
 
 
+def partition_host_bytes(max_padded_unit: int, world_size: int, compute_bytes: int, master_bytes: int,
+                         device_is_cpu: bool) -> int:
+    """Host buffers of partitioned optimizer state (engine/partition.py) besides the pools: the worker's
+    weight gather (its shard and the whole padded unit, compute dtype, transient) and the reduce-scatter
+    outputs (one shard each, master dtype; at most 2 in flight, one per gradient buffer). The moments
+    themselves are planned whole (an over-estimate by (N-1)/N of them)."""
+    if not device_is_cpu:
+        return 0  # device buffers
+    shard = max_padded_unit // world_size
+    return (shard + max_padded_unit) * compute_bytes + 2 * shard * master_bytes
+
+
 def format_plan(plan: dict[str, int]) -> str:
     """``"weights 1.20 GiB, ..."``, largest first."""
     return ", ".join(f"{k} {v / 2**30:.2f} GiB" for k, v in sorted(plan.items(), key=lambda kv: -kv[1]))

@@ -8,8 +8,9 @@ optimizer only holds hyper-parameters (see ``optim.py``), so LR schedulers keep 
 from __future__ import annotations
 
 import contextlib
-import os
 import dataclasses
+import datetime
+import os
 import logging
 from collections.abc import Generator
 from typing import TYPE_CHECKING, Any, Callable
@@ -17,13 +18,15 @@ from typing import TYPE_CHECKING, Any, Callable
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch.strategies import Strategy
+from lightning.fabric.plugins.environments import ClusterEnvironment
+from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import Tensor
 from typing_extensions import override
 
 from snake_strategy.config import ScheduleConfig, StorageConfig, coerce_config
 from snake_strategy.contract import check_contract
+from snake_strategy.distributed import DataParallelMixin, check_rank_loader, rank_storage, sync_initial_state
 from snake_strategy.engine import EngineHooks, SnakeEngine
 from snake_strategy.engine.evaluation import EvalEngine, traffic_delta
 from snake_strategy.module import LayeredModule
@@ -38,7 +41,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-class GreedySnakeStrategy(Strategy):
+class GreedySnakeStrategy(DataParallelMixin, ParallelStrategy):
     """Train a layered model whose state lives on device, host and SSD tiers, with the snake schedule.
 
     Args:
@@ -54,6 +57,10 @@ class GreedySnakeStrategy(Strategy):
             lines exactly when the Trainer's progress bar is enabled.
         trace_path: write the run's timeline (the last ``engine.trace.keep`` steps) to this file at teardown, as
             a Chrome/Perfetto trace (``snake_strategy.timeline``); None records no timeline.
+        cluster_environment, process_group_backend, timeout: as ``DDPStrategy``'s, for ``devices``/``num_nodes``
+            > 1 (data parallel, ``distributed.py``): gloo on CPU, NCCL on CUDA by default.
+        shard_optimizer_state: with several ranks, each keeps 1/N of the Adam moments (ZeRO-1,
+            ``engine/partition.py``); False replicates them.
     """
 
     strategy_name = "greedysnake"
@@ -69,6 +76,10 @@ class GreedySnakeStrategy(Strategy):
         hooks: EngineHooks | None = None,
         progress: Progress | bool | None = None,
         trace_path: str | os.PathLike | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        process_group_backend: str | None = None,
+        timeout: datetime.timedelta | None = None,
+        shard_optimizer_state: bool = True,
     ) -> None:
         self.storage = coerce_config(StorageConfig, storage, "storage")
         self.schedule = coerce_config(ScheduleConfig, schedule, "schedule")
@@ -88,9 +99,10 @@ class GreedySnakeStrategy(Strategy):
         self._gave_back_weights = False  # the module holds the weights a run of this strategy gave back
         self.progress = progress if isinstance(progress, Progress) else Progress(log=progress)
         self.trace_path = None if trace_path is None else check_trace_path(trace_path)  # refused now, not at the end
-        self.parallel_devices: list[torch.device] | None = None  # filled by Lightning's connector
-        self.global_rank, self.local_rank, self.world_size = 0, 0, 1
-        super().__init__(accelerator=accelerator, precision_plugin=precision_plugin)
+        super().__init__(accelerator=accelerator, cluster_environment=cluster_environment,
+                         precision_plugin=precision_plugin)  # parallel_devices: filled by Lightning's connector
+        self._init_data_parallel(process_group_backend, timeout)
+        self.shard_optimizer_state = shard_optimizer_state
 
     # ------------------------------------------------------------------ plugins and devices
     @property
@@ -106,27 +118,6 @@ class GreedySnakeStrategy(Strategy):
             self._precision_plugin = plugin
         else:
             self._precision_plugin = GreedySnakePrecision(getattr(plugin, "precision", "32-true"))
-
-    @property
-    @override
-    def root_device(self) -> torch.device:
-        if self.parallel_devices:
-            return self.parallel_devices[0]
-        return torch.device("cpu")
-
-    @property
-    @override
-    def is_global_zero(self) -> bool:
-        return True
-
-    @override
-    def setup_environment(self) -> None:
-        if self.parallel_devices and len(self.parallel_devices) > 1:
-            raise ValueError(
-                f"strategy='greedysnake' runs on one device per process; got devices={len(self.parallel_devices)}. "
-                "Pass devices=1"
-            )
-        super().setup_environment()
 
     @override
     def model_to_device(self) -> None:
@@ -177,10 +168,13 @@ class GreedySnakeStrategy(Strategy):
                              f"returned {len(self.optimizers)}")
         # Once a run gave its weights back, they are the module's weights: pretrained= was the starting point.
         pretrained = None if self._gave_back_weights else self.pretrained
-        self.engine = SnakeEngine(module, self.optimizers[0], self.storage, self.schedule,
+        self.engine = SnakeEngine(module, self.optimizers[0], self._rank_storage(), self.schedule,
                                   self.precision_plugin.dtypes, self.root_device, clip=clip,
                                   pretrained=pretrained, scaler=self.precision_plugin.make_scaler(),
-                                  hooks=self.hooks, progress=self.progress)
+                                  hooks=self.hooks, progress=self.progress, world_size=self.world_size,
+                                  rank=self.global_rank, shard_optimizer=self.shard_optimizer_state)
+        if self.world_size > 1:
+            sync_initial_state(self.engine, self.root_device)  # every rank starts from rank 0's weights
         self.engine.trace.enabled = self.trace_path is not None
         if self.storage.checkpoints.ssd > 0 and self.schedule.num_micro_batches <= 2 * self.storage.checkpoint_host_ends:
             log.warning(
@@ -208,10 +202,13 @@ class GreedySnakeStrategy(Strategy):
         self.accelerator.setup(trainer)
         source = (checkpoint.with_base(module, self.pretrained) if checkpoint is not None  # fine-tuning: + base
                   else None if self._gave_back_weights else self.pretrained)
-        self.engine = EvalEngine(module, self.storage, self.schedule, self.precision_plugin.dtypes, self.root_device,
+        self.engine = EvalEngine(module, self._rank_storage(), self.schedule, self.precision_plugin.dtypes, self.root_device,
                                  source=source, hooks=self.hooks, progress=self.progress)
         module._device = self.root_device  # as in setup(): the blocks must not move
         self.setup_precision_plugin()
+
+    def _rank_storage(self) -> StorageConfig:
+        return rank_storage(self.storage, self.global_rank, self.world_size)  # ssd_dir/rank{r}
 
     @property
     def _evaluating(self) -> bool:
@@ -265,7 +262,9 @@ class GreedySnakeStrategy(Strategy):
                     f"DataLoader batch_size={size} does not split into schedule.num_micro_batches="
                     f"{self.schedule.num_micro_batches} equal micro-batches; make it a multiple of "
                     f"{self.schedule.num_micro_batches} (micro-batch size x num_micro_batches)")
-            self.engine.global_batch_size = size
+            self.engine.global_batch_size = size  # this rank's batch (its DistributedSampler's share)
+            if self.world_size > 1:
+                check_rank_loader(loader, size, self.world_size)
 
     @override
     def on_train_end(self) -> None:
@@ -286,6 +285,8 @@ class GreedySnakeStrategy(Strategy):
             finally:
                 engine.close()  # releases files and locks even when the flush failed; re-raises
         self.precision_plugin.teardown()
+        if self.cluster_environment is not None:
+            self.cluster_environment.teardown()
         if self.accelerator is not None:
             self.accelerator.teardown()
         self.checkpoint_io.teardown()
@@ -318,7 +319,7 @@ class GreedySnakeStrategy(Strategy):
         if self.prediction is None:
             self.prediction = self._predict(batch)
             self.progress.predictions["step"] = self.prediction.roofline_s  # the ETA of long steps
-        self.lightning_module.log("train_loss", loss, prog_bar=True)
+        self.lightning_module.log("train_loss", loss, prog_bar=True, sync_dist=self.world_size > 1)  # the global mean
         return loss
 
     def _predict(self, batch: Any) -> StepPrediction:
@@ -395,9 +396,12 @@ class GreedySnakeStrategy(Strategy):
             # state is gone with the run. An ordinary Lightning file, loadable by load_from_checkpoint.
             log.warning("saving %s after fit: the trained weights are in it, the Adam moments are not (they end "
                         "with the run); to resume training exactly, checkpoint during fit (ModelCheckpoint)", filepath)
-            self.checkpoint_io.save_checkpoint(checkpoint, filepath)
+            if self.is_global_zero:  # as DDPStrategy: one writer
+                self.checkpoint_io.save_checkpoint(checkpoint, filepath)
             return
-        _checkpoint_module().save(self.engine, checkpoint, filepath, self.progress)
+        # Rank 0 writes (the other ranks' partitioned moments are gathered to it unit by unit); Lightning barriers.
+        if self.is_global_zero or self.engine.partition is not None:
+            _checkpoint_module().save(self.engine, checkpoint, filepath, self.progress, write=self.is_global_zero)
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
@@ -413,7 +417,12 @@ class GreedySnakeStrategy(Strategy):
 
             self._eval_checkpoint = CheckpointWeights(checkpoint_path)
             return self._eval_checkpoint.meta()
-        checkpoint = _checkpoint_module().load(self.engine, checkpoint_path, self.progress)
+        if self.world_size > 1:  # rank 0 alone adopts a checkpoint a killed save left aside, then all read
+            if self.is_global_zero:
+                _checkpoint_module().recover(checkpoint_path)
+            self.barrier("greedysnake.load_checkpoint")
+        checkpoint = _checkpoint_module().load(self.engine, checkpoint_path, self.progress,
+                                               recover=self.world_size == 1)
         # Lightning restores the LR schedulers, but the current lr lives in the optimizer's param_groups.
         for optimizer, saved in zip(self.optimizers, checkpoint.get("optimizer_states", [])):
             for group, saved_group in zip(optimizer.param_groups, saved.get("param_groups", [])):
@@ -427,23 +436,6 @@ class GreedySnakeStrategy(Strategy):
     @override
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:
         """Nothing: the Adam moments were restored with the parameters."""
-
-    # ------------------------------------------------------------------ collectives (single process)
-    @override
-    def reduce(self, tensor: Any, *args: Any, **kwargs: Any) -> Any:
-        return tensor
-
-    @override
-    def barrier(self, name: str | None = None) -> None:
-        pass
-
-    @override
-    def broadcast(self, obj: Any, src: int = 0) -> Any:
-        return obj
-
-    @override
-    def all_gather(self, tensor: Tensor, group: Any = None, sync_grads: bool = False) -> Tensor:
-        return tensor
 
     # ------------------------------------------------------------------ ownership flags
     @property

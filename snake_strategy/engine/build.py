@@ -14,6 +14,7 @@ from torch import nn
 
 from snake_strategy.adapters import adapter_initializer
 from snake_strategy.config import StorageConfig
+from snake_strategy.engine.partition import ShardView
 from snake_strategy.engine.state import NonLayerState, UnitStore
 from snake_strategy.memory import forward_split
 from snake_strategy.precision import DtypePolicy
@@ -58,9 +59,11 @@ def check_trainable(module: nn.Module, optimizer: torch.optim.Optimizer) -> dict
 def build_model(module: nn.Module, optimizer: torch.optim.Optimizer, layouts: list[UnitLayout], storage: StorageConfig,
                 blocks_per_unit: int, alpha: float, dtypes: DtypePolicy, device: torch.device,
                 counters: TrafficCounters, io: IOEngine | None, ssd: SsdDirectory | None,
-                pretrained: str | None, progress: Progress | None = None) -> BuiltModel:
+                pretrained: str | None, progress: Progress | None = None,
+                shard: Callable[[int], tuple[int, int]] | None = None) -> BuiltModel:
     """Materialize ``layouts`` (from ``units.build_layouts`` over ``check_trainable``'s groups), reporting
-    units done to ``progress`` (phase "materialize", or "load_pretrained" when streaming weights in)."""
+    units done to ``progress`` (phase "materialize", or "load_pretrained" when streaming weights in).
+    ``shard(train_end) -> (lo, hi)``: partitioned optimizer state, this rank keeps the moments of [lo, hi)."""
     group_of = {id(p): g for g, group in enumerate(optimizer.param_groups) for p in group["params"]}
     blocks_prefix = next(name for name, mod in module.named_modules() if mod is module.blocks)
     block_ids = {id(p) for p in module.blocks.parameters()}
@@ -81,11 +84,14 @@ def build_model(module: nn.Module, optimizer: torch.optim.Optimizer, layouts: li
         else:
             master = tiered(name, "master", t, dtypes.master)
             master.evict(flat[:t])
-        zeros = torch.zeros(t, dtype=dtypes.master)
-        exp_avg = tiered(name, "exp_avg", t, dtypes.master)
+        lo, hi = shard(t) if shard is not None else (0, t)
+        zeros = torch.zeros(hi - lo, dtype=dtypes.master)
+        exp_avg = tiered(name, "exp_avg", hi - lo, dtypes.master)
         exp_avg.evict(zeros)
-        exp_avg_sq = tiered(name, "exp_avg_sq", t, dtypes.master)
+        exp_avg_sq = tiered(name, "exp_avg_sq", hi - lo, dtypes.master)
         exp_avg_sq.evict(zeros)
+        if shard is not None:
+            exp_avg, exp_avg_sq = ShardView(exp_avg, lo), ShardView(exp_avg_sq, lo)
         grads = tiered(name, "gradients", t, dtypes.master)
         tracker.advance(1, n * dtypes.bytes_per("compute") + t * state_bytes_per_elem)
         return UnitStore(layout, weights, master, exp_avg, exp_avg_sq, grads, forward_split(t, alpha))

@@ -12,8 +12,7 @@ from __future__ import annotations
 
 import time
 import zlib
-from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -23,12 +22,15 @@ from snake_strategy.config import ScheduleConfig, StorageConfig
 from snake_strategy.contract import batch_size, batch_tensors, check_contract, slice_batch, split_micro_batches, unpack_pre_stage
 from snake_strategy.engine.build import build_model, check_trainable
 from snake_strategy.engine.gradients import GradientPath, defers_whole_units
+from snake_strategy.engine.hooks import EngineHooks
 from snake_strategy.engine.overlap import OptimizerOverlap
+from snake_strategy.engine.partition import Partition, shard_range
+from snake_strategy.engine.reduce import GradientReducer
 from snake_strategy.engine.runner import StepRunner, StepState
 from snake_strategy.engine.streaming import stream_blocks, streamed_forward
 from snake_strategy.engine.trace import TaskTrace
 from snake_strategy.engine.weights import WeightStreamer
-from snake_strategy.memory import MemoryInputs, format_plan, host_plan, pool_sizes, ssd_plan
+from snake_strategy.memory import MemoryInputs, format_plan, host_plan, partition_host_bytes, pool_sizes, ssd_plan
 from snake_strategy.optim import check_optimizer, snapshot_hyper_params
 from snake_strategy.planner import ModelShape
 from snake_strategy.precision import DtypePolicy, LossScaler
@@ -40,22 +42,13 @@ from snake_strategy.storage.pool import BufferPool
 from snake_strategy.units import build_layouts
 
 
-@dataclass
-class EngineHooks:
-    """Test hooks that slow parts of the engine down deterministically (delay injection, never used in
-    production): ``before_optimizer_chunk(unit)`` runs on the optimizer worker before each chunk step,
-    ``before_ssd_transfer(direction, num_bytes)`` on an I/O thread before each SSD chunk."""
-
-    before_optimizer_chunk: Callable[[int], None] | None = None
-    before_ssd_transfer: Callable[[str, int], None] | None = None
-
-
 class SnakeEngine:
     def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer, storage: StorageConfig,
                  schedule: ScheduleConfig, dtypes: DtypePolicy, device: torch.device,
                  clip: tuple[str, float] | None = None, pretrained: str | None = None,
                  scaler: LossScaler | None = None, hooks: EngineHooks | None = None,
-                 progress: Progress | None = None) -> None:
+                 progress: Progress | None = None, world_size: int = 1, rank: int = 0,
+                 shard_optimizer: bool = False) -> None:
         if clip is not None and clip[0] not in ("norm", "value"):
             raise ValueError(f"gradient_clip_algorithm='{clip[0]}' is not supported; use 'norm' or 'value'")
         check_contract(module)
@@ -69,6 +62,12 @@ class SnakeEngine:
         self.alpha = 1.0 if defers_whole_units(clip, self.scaler.enabled) else schedule.alpha
         self.counters = TrafficCounters()
         self.trace = TaskTrace()
+        # Data parallel (world_size > 1, a process group set up): unit gradients summed across ranks.
+        self.world_size = world_size
+        self.reducer = GradientReducer(world_size, self.counters, self.trace, device) if world_size > 1 else None
+        # ZeRO-1: this rank keeps 1/N of the moments (engine/partition.py).
+        self.partition = Partition(world_size, rank, self.counters, dtypes, device) \
+            if shard_optimizer and world_size > 1 else None
         self.step_count = 0
         self.last_step_stats: dict[str, Any] = {}
         self.checkpoint_bytes = 0  # one unit input of one micro-batch, known after the first forward
@@ -77,6 +76,7 @@ class SnakeEngine:
         self.ssd: SsdDirectory | None = None
         self._parts: list[Any] = []  # everything with a close(), in creation order
         self._train_end_snapshot: dict | None = None
+        self._nonlayer_sum = None  # the in-flight cross-rank sum of the non-layer gradients
         return_large_frees_to_os()  # else freed buffers stay in the heap and RSS grows with depth
         try:
             if storage.uses_ssd():
@@ -105,7 +105,8 @@ class SnakeEngine:
                                       "weights, master weights, optimizer moments and gradients")
         self.check_host_budget()
         built = build_model(self.module, self.optimizer, layouts, self.storage, s.blocks_per_unit, self.alpha, self.dtypes,
-                            self.device, self.counters, self.io, self.ssd, pretrained, self.progress)
+                            self.device, self.counters, self.io, self.ssd, pretrained, self.progress,
+                            shard=self.partition.bounds if self.partition is not None else None)
         self.blocks_prefix, self.units, self.nonlayer = built.blocks_prefix, built.units, built.nonlayer
         pools = pool_sizes(self.memory_inputs())
         self.overlap = OptimizerOverlap(self.units, self.dtypes.compute, self.dtypes.master, self.device,
@@ -118,9 +119,14 @@ class SnakeEngine:
         self.activations = ActivationStore(self.storage, s.num_micro_batches, len(self.units),
                                            pools.checkpoint_staging, self.device, self.counters, self.io, self.ssd,
                                            trace=self.trace)
-        self.grad_pool = BufferPool("gradients", pools.grad_buffers, max(self._unit_trainable + (1,)),
+        # Partitioned: the buffer is padded to N equal shards for the reduce-scatter (< N pages more).
+        grad_elems = [self.partition.padded(t) if self.partition else t for t in self._unit_trainable]
+        self.grad_pool = BufferPool("gradients", pools.grad_buffers, max(grad_elems + [1]),
                                     self.dtypes.master, self.device, trace=self.trace)
-        self.gradients = GradientPath(self.units, self.overlap, self.grad_pool, self.clip, self.scaler)
+        self.gradients = GradientPath(self.units, self.overlap, self.grad_pool, self.clip, self.scaler, self.reducer,
+                                      self.partition)
+        if self.partition is not None:
+            self.overlap.gather = lambda u: self.partition.gather_weights(self.units[u])
         self.runner = StepRunner(self.module, self.units, self.nonlayer, self.weights, self.activations,
                                  self.gradients, self.trace, self.device, self.dtypes.autocast)
         self._tasks: dict[int, list] = {}
@@ -151,7 +157,12 @@ class SnakeEngine:
 
     def host_bytes_plan(self, checkpoint_bytes: int = 0) -> dict[str, int]:
         """Host memory the run needs, by item (memory.host_plan)."""
-        return host_plan(self.memory_inputs(checkpoint_bytes))
+        plan = host_plan(self.memory_inputs(checkpoint_bytes))
+        if self.partition is not None:
+            plan["partition_buffers"] = partition_host_bytes(
+                max(self.partition.padded(t) for t in self._unit_trainable), self.world_size,
+                self.dtypes.bytes_per("compute"), self.dtypes.bytes_per("master"), self.device.type == "cpu")
+        return plan
 
     def check_host_budget(self, checkpoint_bytes: int = 0) -> None:
         budget = self.storage.host_budget_bytes
@@ -226,6 +237,8 @@ class SnakeEngine:
         start_s = time.perf_counter()
         before = self.counters.snapshot()
         self.trace.begin_step()
+        if self.reducer is not None:
+            self.reducer.begin_step()
         self.weights.take_wait_s()
         self.activations.wait_s = self.activations.backpressure_s = 0.0
         self.grad_pool.take_wait_s()
@@ -236,13 +249,15 @@ class SnakeEngine:
         self.overlap.submit_forward_parts()
         self.activations.set_num_micro(self.storage, len(micro_batches))
         # Every micro-batch's loss is divided by the configured count, a short batch's too (as Lightning's
-        # accumulation does in an epoch's last, partial window).
-        state = StepState(micro_batches, sizes, self.scaler.scale / num_micro)
+        # accumulation does in an epoch's last, partial window), and by the ranks whose gradients are summed.
+        state = StepState(micro_batches, sizes, self.scaler.scale / (num_micro * self.world_size))
         tasks = self.tasks(len(micro_batches))
         watch = self.progress.step(self.step_count + 1, len(tasks))  # None unless someone listens
         try:
             self.runner.run(tasks, state, watch)
             self.gradients.flush()
+            if self.reducer is not None:  # the non-layer sum overlaps the worker's last backward parts
+                self._nonlayer_sum = self.reducer.start_nonlayer(self.nonlayer.grads, self.nonlayer.used)
         except BaseException:
             self.gradients.abandon()
             raise
@@ -272,6 +287,10 @@ class SnakeEngine:
         stats = self.last_step_stats
         before = self._train_end_snapshot or self.counters.snapshot()
         wait_s = self.overlap.wait_backward_parts()
+        pending, self._nonlayer_sum = self._nonlayer_sum, None
+        if pending is not None:  # the non-layer sum; a parameter is used when used on any rank
+            pending.wait()
+            self.nonlayer.used = [bool(n) for n in pending.used.tolist()]
         skip, factor = self.gradients.finish(self.nonlayer, stats)
         if skip:
             # fp16 overflow: every unit's update is still pending (deferred whole): drop them all.
@@ -327,16 +346,20 @@ class SnakeEngine:
         """Unit ``u``'s master weights and Adam moments, fresh CPU copies (one unit at a time)."""
         self.flush()
         unit = self.units[u]
-        return {"master": _read(unit.master, 0, unit.train_end), "exp_avg": unit.exp_avg.read_full(),
-                "exp_avg_sq": unit.exp_avg_sq.read_full()}
+        # Partitioned: the moments are gathered, a collective every rank runs for the same units in order.
+        moments = self.partition.gather_moments(unit) if self.partition is not None else \
+            {"exp_avg": unit.exp_avg.read_full(), "exp_avg_sq": unit.exp_avg_sq.read_full()}
+        return {"master": _read(unit.master, 0, unit.train_end), **moments}
 
     @torch.no_grad()
     def load_unit_state(self, u: int, state: dict[str, Tensor]) -> None:
         self.flush()
         unit = self.units[u]
         t = unit.train_end  # the frozen part [t, n) is never loaded: it is the base model's
-        for name in ("master", "exp_avg", "exp_avg_sq"):
-            getattr(unit, name).evict(state[name].to(self.dtypes.master), 0, t)
+        lo, hi = shard_range(unit)  # partitioned: this rank keeps the moments of its shard
+        unit.master.evict(state["master"].to(self.dtypes.master), 0, t)
+        for name in ("exp_avg", "exp_avg_sq"):
+            getattr(unit, name).evict(state[name][lo:hi].to(self.dtypes.master), lo, hi)
         if unit.weights is not unit.master:
             unit.weights.evict(state["master"].to(self.dtypes.compute), 0, t)
 

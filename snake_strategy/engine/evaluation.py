@@ -26,7 +26,7 @@ from torch import Tensor, nn
 from snake_strategy.config import ScheduleConfig, StorageConfig
 from snake_strategy.contract import check_contract
 from snake_strategy.engine.build import _materialize
-from snake_strategy.engine.core import EngineHooks
+from snake_strategy.engine.hooks import EngineHooks
 from snake_strategy.engine.streaming import split_eval_batch, stream_blocks, streamed_forward
 from snake_strategy.engine.trace import TaskTrace
 from snake_strategy.engine.weights import WeightStreamer

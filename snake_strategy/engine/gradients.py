@@ -13,9 +13,12 @@ Policies (docs/design.md, "Clipping and loss scaling"):
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 from snake_strategy.engine.overlap import OptimizerOverlap
+from snake_strategy.engine.partition import Partition, shard_range
+from snake_strategy.engine.reduce import GradientReducer
 from snake_strategy.engine.state import NonLayerState, UnitStore
 from snake_strategy.optim import AdamHyperParams
 from snake_strategy.precision import LossScaler
@@ -28,8 +31,11 @@ def defers_whole_units(clip: tuple[str, float] | None, loss_scaling: bool) -> bo
 
 class GradientPath:
     def __init__(self, units: list[UnitStore], overlap: OptimizerOverlap, pool: BufferPool,
-                 clip: tuple[str, float] | None, scaler: LossScaler) -> None:
+                 clip: tuple[str, float] | None, scaler: LossScaler, reducer: GradientReducer | None = None,
+                 partition: Partition | None = None) -> None:
         self._units, self._overlap, self._pool, self._clip, self._scaler = units, overlap, pool, clip, scaler
+        self._reducer = reducer  # None: one process; else the unit gradients are summed across ranks
+        self._partition = partition  # partitioned optimizer state: each rank receives its shard's sum
         self._acc: tuple[int, Tensor] | None = None  # (unit, pool buffer) of the unit being accumulated
         self._begin(1, [], 0)
 
@@ -93,6 +99,35 @@ class GradientPath:
                 self._pool.release(buffer)
             self._partial[u] = True
             return
+        release = lambda: self._pool.release(buffer)  # noqa: E731 (the worker gives the buffer back)
+        if self._reducer is None:
+            self._complete(u, acc, self._used[u])
+            self._overlap.submit_backward_part(u, acc, release, self._hps, self._step_before)
+            return
+        # Data parallel: sum the unit across the ranks while the next unit's backward runs; the worker
+        # waits for the sum, then checks and clips it (a norm or an inf of the SUM, as on one rank).
+        used = torch.tensor([i in self._used[u] for i in range(len(unit.layout.trainable_slots))],
+                            dtype=torch.int32, device=acc.device)
+        if self._partition is None:
+            pending = self._reducer.start(u, acc, used)
+            grad = acc
+        else:
+            padded = self._partition.padded(unit.train_end)
+            buffer[unit.train_end:padded].zero_()  # the last shard's padding adds nothing
+            pending = self._reducer.start_scatter(u, buffer[:padded], used, padded // self._partition.world_size)
+            lo, hi = shard_range(unit)
+            grad = pending.out[:hi - lo]
+
+        def reduced() -> None:
+            pending.wait()
+            self._complete(u, grad, {i for i, n in enumerate(pending.used.tolist()) if n})
+
+        self._overlap.submit_backward_part(u, grad, release, self._hps, self._step_before, prepare=reduced)
+
+    def _complete(self, u: int, acc: Tensor, used: set[int]) -> None:
+        """Check and clip unit ``u``'s complete gradient (on the worker when it was reduced across ranks;
+        partitioned: this rank's shard of it, the norm and inf flag being completed in ``finish``)."""
+        unit = self._units[u]
         if self._scaler.enabled:
             self._found_inf |= not bool(torch.isfinite(acc).all())  # a sync point on GPUs
         if self._clip is not None and self._clip[0] == "value":
@@ -102,10 +137,9 @@ class GradientPath:
         elif self._clip is not None:
             self._grad_sq += torch.linalg.vector_norm(acc, dtype=torch.float64).square().cpu()
         unused = [(s.offset, s.offset + s.numel) for i, s in enumerate(unit.layout.trainable_slots)
-                  if i not in self._used[u]]
+                  if i not in used]
         if unused:
             self._overlap.unused[u] = unused
-        self._overlap.submit_backward_part(u, acc, lambda: self._pool.release(buffer), self._hps, self._step_before)
 
     def abandon(self) -> None:
         """Give back the accumulator after a failed step (the step's gradients are lost, not applied)."""
@@ -122,6 +156,9 @@ class GradientPath:
         scale_used = self._scaler.scale
         if self._scaler.enabled:
             self._found_inf |= any(not bool(torch.isfinite(g).all()) for g in used)
+            if self._partition is not None:  # one all-reduce of the inf flag: every rank saw its shards only
+                flag = torch.tensor([float(self._found_inf)], dtype=torch.float64)
+                self._found_inf = bool(self._reducer.all_reduce_now(flag, dist.ReduceOp.MAX).item())
             stats["loss_scale"] = scale_used
             if self._scaler.update(self._found_inf):
                 stats["skipped"] = True
@@ -137,6 +174,8 @@ class GradientPath:
             for g in used:
                 g.clamp_(-value, value)
             return False, None  # unit gradients were unscaled and clamped when they completed
+        if self._partition is not None:  # one all-reduce of the squared norm of the shards
+            self._grad_sq = self._reducer.all_reduce_now(self._grad_sq.reshape(1), dist.ReduceOp.SUM).reshape(())
         grad_sq = self._grad_sq * (unscale**2 if unscale is not None else 1.0)
         sq = grad_sq + sum((torch.linalg.vector_norm(g, dtype=torch.float64).square().cpu() for g in used),
                            torch.zeros((), dtype=torch.float64))

@@ -28,6 +28,7 @@ from typing import Callable
 
 import torch
 
+from snake_strategy.engine.partition import shard_range
 from snake_strategy.engine.state import UnitStore
 from snake_strategy.engine.trace import OPTIMIZER, WAIT, TaskTrace
 from snake_strategy.optim import AdamHyperParams, adam_step
@@ -73,25 +74,34 @@ class OptimizerOverlap:
         # parameter whose grad is None, so their values and moments are kept as they were.
         self.unused: dict[int, list[tuple[int, int]]] = {}
         self._lock = threading.Lock()
+        # Partitioned optimizer state: gather(u) all-gathers unit u's updated weights (engine/partition.py).
+        self.gather: Callable[[int], None] | None = None
         self.busy_s = 0.0  # worker time spent stepping, since the last reset
 
     # ------------------------------------------------------------------ backward parts
     def submit_backward_part(self, u: int, grad: torch.Tensor, release: Callable[[], None],
-                             hps: list[AdamHyperParams], step_before: int) -> None:
+                             hps: list[AdamHyperParams], step_before: int,
+                             prepare: Callable[[], None] | None = None) -> None:
         """Step unit ``u``'s backward part with the complete gradient ``grad`` (all n elements), park the
         forward part's gradient in the gradient store, then call ``release`` (the buffer goes back to its
-        pool). ``grad`` must not be touched afterwards."""
-        self._backward_jobs[u] = self._pool.submit(self._backward_job, u, grad, release, hps, step_before)
+        pool). ``grad`` must not be touched afterwards. ``prepare`` runs on the worker first (data parallel:
+        wait for the cross-rank sum of ``grad``, then check and clip it)."""
+        self._backward_jobs[u] = self._pool.submit(self._backward_job, u, grad, release, hps, step_before, prepare)
 
     def _backward_job(self, u: int, grad: torch.Tensor, release: Callable[[], None],
-                      hps: list[AdamHyperParams], step_before: int) -> None:
+                      hps: list[AdamHyperParams], step_before: int, prepare: Callable[[], None] | None) -> None:
         unit = self._units[u]
+        lo, hi = shard_range(unit)  # partitioned: ``grad`` is this rank's shard [lo, hi) only
         start_s = time.perf_counter()
         try:
-            if unit.split:
-                unit.grads.evict(grad[:unit.split], 0, unit.split)
-            self._step_range(unit, unit.split, unit.train_end, lambda lo, hi: grad[lo:hi], hps, step_before, None,
-                             self.unused.get(u, []))
+            if prepare is not None:
+                prepare()
+                start_s = time.perf_counter()  # busy time excludes the wait for the other ranks
+            park_end = min(unit.split, hi)
+            if park_end > lo:
+                unit.grads.evict(grad[:park_end - lo], lo, park_end)
+            self._step_range(unit, max(unit.split, lo), hi, lambda a, b: grad[a - lo:b - lo], hps, step_before,
+                             None, self.unused.get(u, []))
         finally:
             release()
         self._add_busy(time.perf_counter() - start_s)
@@ -111,8 +121,13 @@ class OptimizerOverlap:
         return end_s - start_s
 
     # ------------------------------------------------------------------ forward parts
+    def _has_forward_job(self, u: int) -> bool:
+        # Partitioned state: every trainable unit's weights are gathered after its forward part.
+        unit = self._units[u]
+        return bool(unit.split) or (self.gather is not None and unit.train_end > 0)
+
     def defer_forward_parts(self, hps: list[AdamHyperParams], step_before: int, grad_scale: float | None) -> None:
-        if any(unit.split for unit in self._units):
+        if any(self._has_forward_job(u) for u in range(len(self._units))):
             self._deferred = _Deferred(hps, step_before, grad_scale, dict(self.unused))
 
     def drop_forward_parts(self) -> None:
@@ -127,7 +142,7 @@ class OptimizerOverlap:
 
     def _submit_forward_part(self, u: int) -> Future | None:
         d = self._deferred
-        if d is None or not self._units[u].split:
+        if d is None or not self._has_forward_job(u):
             return None
         if u not in d.submitted:
             d.submitted[u] = self._pool.submit(self._forward_job, u, d.hps, d.step_before, d.grad_scale,
@@ -145,10 +160,13 @@ class OptimizerOverlap:
             # Read back chunk by chunk into the scratch buffer: bounded memory however large the unit.
             return unit.grads.fetch(buffer[:hi - lo], lo, hi)
 
+        lo, hi = shard_range(unit)
         try:
-            self._step_range(unit, 0, unit.split, parked_grad, hps, step_before, grad_scale, unused)
+            self._step_range(unit, lo, min(unit.split, hi), parked_grad, hps, step_before, grad_scale, unused)
         finally:
             grad_pool.release(buffer)
+        if self.gather is not None:
+            self.gather(u)  # partitioned: every rank's updated shard of the unit, before anyone reads it
         self._add_busy(time.perf_counter() - start_s)
         if self._trace.enabled:
             self._trace.span(OPTIMIZER, f"forward part u{u}", start_s, unit=u, part="forward", elements=unit.split)
@@ -165,7 +183,8 @@ class OptimizerOverlap:
 
     def end_forward_parts(self) -> None:
         """All forward parts of the pending iteration have been waited on; forget them."""
-        if self._deferred is not None and len(self._deferred.submitted) == sum(bool(u.split) for u in self._units):
+        if self._deferred is not None and len(self._deferred.submitted) == sum(
+                self._has_forward_job(u) for u in range(len(self._units))):
             for job in self._deferred.submitted.values():
                 job.result()
             self._deferred = None

@@ -1,0 +1,213 @@
+"""Several processes, the Lightning way: launchers, cluster environments, the process group, collectives.
+
+``DataParallelMixin`` gives ``GreedySnakeStrategy`` what Lightning's ``DDPStrategy`` has, without the
+``DistributedDataParallel`` wrapper (the engine sums the gradients itself, unit by unit, see
+``engine/reduce.py``):
+
+- ``devices=N, num_nodes=K``: Lightning's ``_SubprocessScriptLauncher`` starts the other local ranks by
+  re-running the script; under torchrun or SLURM the cluster environment says the processes exist already
+  and the launcher only runs the function. One process per device; gloo on CPU, NCCL on CUDA.
+- ``reduce``, ``barrier``, ``broadcast``, ``all_gather`` (``ParallelStrategy``'s), ``is_global_zero``:
+  as ``DDPStrategy``'s, so ``self.log(..., sync_dist=True)``, ``ModelCheckpoint`` and loggers work.
+- ``is_distributed``: Lightning inserts a ``DistributedSampler`` (each rank loads its own batch).
+
+With one process (the default) nothing here creates a process group: the strategy is exactly the
+single-process one.
+
+The module also holds the per-rank rules: each rank's SSD directory (``ssd_dir/rank{r}``), the data
+checks that keep N ranks x M micro-batches equal to 1 rank x N*M (no padded or short per-rank batches),
+and the initial-state check that makes every rank start from rank 0's weights.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import zlib
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.utilities.distributed import (
+    _distributed_is_initialized,
+    _get_default_process_group_backend_for_device,
+    _init_dist_connection,
+    _sync_ddp_if_available,
+)
+from lightning.fabric.utilities.seed import reset_seed
+from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from torch import Tensor
+from torch.utils.data import DistributedSampler
+
+from snake_strategy.config import StorageConfig
+
+DEFAULT_TIMEOUT = timedelta(minutes=30)  # torch.distributed's default process-group timeout
+
+
+class DataParallelMixin:
+    """Process-group and collectives glue for a ``ParallelStrategy`` (put it before it in the bases)."""
+
+    def _init_data_parallel(self, process_group_backend: str | None, timeout: timedelta | None) -> None:
+        self._num_nodes = 1
+        self._process_group_backend = process_group_backend
+        self._timeout = timeout if timeout is not None else DEFAULT_TIMEOUT
+
+    # ------------------------------------------------------------------ topology
+    @property
+    def num_nodes(self) -> int:
+        return self._num_nodes
+
+    @num_nodes.setter
+    def num_nodes(self, num_nodes: int) -> None:
+        self._num_nodes = num_nodes
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices else 1
+
+    @property
+    def root_device(self) -> torch.device:
+        if self.parallel_devices:
+            return self.parallel_devices[self.local_rank]
+        return torch.device("cpu")
+
+    @property
+    def is_distributed(self) -> bool:
+        """Read by Lightning's connectors: True inserts a DistributedSampler into the loaders."""
+        return self.num_processes * self.num_nodes > 1
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        return {"num_replicas": self.num_processes * self.num_nodes, "rank": self.global_rank}
+
+    @property
+    def process_group_backend(self) -> str | None:
+        return self._process_group_backend
+
+    def _configure_launcher(self) -> None:
+        # A single process needs no launcher; otherwise Lightning's script launcher starts the local
+        # ranks (or, under torchrun / SLURM, sees that the environment already did).
+        if self.is_distributed:
+            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+
+    def set_world_ranks(self) -> None:
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = self.global_rank
+
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        if self.is_distributed:
+            reset_seed()  # the seed Lightning's seed_everything exported, in this process too
+            self.set_world_ranks()
+            self._process_group_backend = (self._process_group_backend
+                                           or _get_default_process_group_backend_for_device(self.root_device))
+            device = self.root_device if self.root_device.type != "cpu" else None
+            _init_dist_connection(self.cluster_environment, self._process_group_backend, timeout=self._timeout,
+                                  device_id=device)
+
+    # ------------------------------------------------------------------ collectives (as DDPStrategy's)
+    def reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
+        if isinstance(tensor, Tensor):
+            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+        return tensor
+
+    def barrier(self, name: str | None = None) -> None:
+        if not _distributed_is_initialized():
+            return
+        if dist.get_backend() == "nccl":
+            dist.barrier(device_ids=[self.root_device.index])
+        else:
+            dist.barrier()
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        if not _distributed_is_initialized():
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src)
+        return box[0]
+
+
+# ---------------------------------------------------------------------- per-rank rules
+def rank_storage(storage: StorageConfig, rank: int, world_size: int) -> StorageConfig:
+    """Each rank's own SSD directory, ``ssd_dir/rank{r}``: its own files, lock and free-space check. A
+    per-node path comes from the environment (``ssd_dir="$LOCAL_NVME/run1"`` is expanded in each process).
+    Without an ``ssd_dir`` every process makes its own temporary directory anyway."""
+    if world_size == 1 or storage.ssd_dir is None:
+        return storage
+    return dataclasses.replace(storage, ssd_dir=os.path.join(storage.ssd_dir, f"rank{rank}"))
+
+
+def check_rank_loader(loader: Any, batch_size: int, world_size: int) -> None:
+    """Refuse, before step 1, data that would make N ranks differ from one rank over the same global
+    batches: a DistributedSampler that pads the dataset with repeated samples, or per-rank batches that
+    end short (a short global batch splits into other micro-batches on N ranks than on one)."""
+    sampler = getattr(loader, "sampler", None)
+    if not isinstance(sampler, DistributedSampler):
+        return  # the user shards the data (use_distributed_sampler=False, an iterable dataset): their call
+    num_samples = len(sampler.dataset)
+    if not sampler.drop_last and num_samples % world_size:
+        raise ValueError(
+            f"the training set has {num_samples} samples, which the {world_size} ranks cannot share evenly: "
+            f"DistributedSampler would repeat {world_size - num_samples % world_size} of them, and the step "
+            "would not equal one process over the same data. Use a dataset whose length is a multiple of "
+            f"{world_size} (or a DistributedSampler with drop_last=True)")
+    if len(sampler) % batch_size and not getattr(loader, "drop_last", False):
+        raise ValueError(
+            f"each of the {world_size} ranks gets {len(sampler)} samples, which is not a multiple of the per-rank "
+            f"batch size {batch_size}: the last global batch would be short and split differently across ranks "
+            f"than on one process. Make the dataset length a multiple of {world_size * batch_size} "
+            "(world size x per-rank batch), or set drop_last=True in the DataLoader")
+
+
+def sync_initial_state(engine: Any, device: torch.device) -> int:
+    """Make every rank start from rank 0's state, as DistributedDataParallel does at wrapping: compare a
+    CRC-32 of each unit's trainable state and of the non-layer state across ranks (one small gather), and
+    broadcast rank 0's copy of what differs. Returns the number of parts broadcast. Frozen (base) weights
+    must already agree (every rank loads the same pretrained files): a mismatch is refused.
+
+    Cost: every unit's master weights and moments are read once at setup (SSD reads on an SSD layout)."""
+    local = {"units": [_crc_of(engine.unit_state(u)) for u in range(engine.num_units)],
+             "frozen": engine.frozen_checksums(),
+             "nonlayer": _crc_of(engine.nonlayer_state())}
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, local)
+    reference = gathered[0]
+    if any(g["frozen"] != reference["frozen"] for g in gathered):
+        raise ValueError("the ranks hold different frozen (base) weights; every rank must load the same "
+                         "pretrained weights (pretrained= a file every rank can read)")
+    broadcast = 0
+    for u in range(engine.num_units):
+        if any(g["units"][u] != reference["units"][u] for g in gathered):
+            state = {}
+            for name, value in sorted(engine.unit_state(u).items()):
+                value = value.to(device)  # NCCL moves device tensors only
+                dist.broadcast(value, 0)
+                state[name] = value.cpu()
+            engine.load_unit_state(u, state)
+            broadcast += 1
+    if any(g["nonlayer"] != reference["nonlayer"] for g in gathered):
+        box = [engine.nonlayer_state()]
+        dist.broadcast_object_list(box, 0)
+        engine.load_nonlayer_state(box[0])
+        broadcast += 1
+    return broadcast
+
+
+def _crc_of(value: Any) -> int:
+    """CRC-32 over every tensor in a (nested) state, in a fixed order."""
+    crc = 0
+    if isinstance(value, Tensor):
+        return zlib.crc32(memoryview(value.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()))
+    if isinstance(value, dict):
+        for key in sorted(value):
+            crc = zlib.crc32(str(key).encode(), crc)
+            crc = zlib.crc32(_crc_of(value[key]).to_bytes(4, "little"), crc)
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            crc = zlib.crc32(_crc_of(item).to_bytes(4, "little"), crc)
+    else:
+        crc = zlib.crc32(repr(value).encode())
+    return crc

@@ -1,0 +1,143 @@
+"""Partitioned optimizer state (ZeRO-1 style) for data parallelism: each rank owns 1/N of every unit.
+
+Unit ``u``'s trainable elements ``[0, train_end)`` are cut into ``N`` equal shards of ``per`` elements
+(a multiple of ``SHARD_ALIGN_ELEMS``, so optimizer chunks and SSD pages stay aligned; the last shard is
+short or empty). Rank ``r`` owns ``[r per, (r+1) per) ∩ [0, train_end)``:
+
+- its Adam moments exist for that range only (``ShardView``: a tiered tensor of the shard's length that
+  is addressed with unit-wide element indices, so the optimizer code keeps its indices);
+- the unit's summed gradient arrives by ``reduce_scatter`` (each rank receives the sum of its shard
+  only: ``(N-1)/N`` of the payload sent per rank instead of ``2 (N-1)/N``);
+- the rank steps its shard (backward part at once, forward part in the next forward, as on one rank);
+- before the unit is read again the ranks ``all_gather`` the updated compute weights of the whole unit
+  (in the next step's forward, on the optimizer worker, right after the forward part: one gather per
+  unit and step covers both parts). The gathers run on a process group of their own, so the worker's
+  collectives and the main thread's never interleave within one group.
+
+The compute weights stay whole on every rank (the forward and backward need them); in fp32/fp64 they
+are the master copy, so the partitioned bytes are the two moments: per-rank optimizer state drops from
+``3 P`` to ``P + 2 P / N`` elements and its optimizer reads/writes of moments by N.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+SHARD_ALIGN_ELEMS = 4096  # a page for every dtype up to 1 byte; optimizer chunks are multiples of it
+
+
+def shard_size(train_end: int, world_size: int) -> int:
+    """Elements per shard (the padded length every rank contributes to a collective)."""
+    if train_end == 0:
+        return 0
+    per = -(-train_end // world_size)
+    return -(-per // SHARD_ALIGN_ELEMS) * SHARD_ALIGN_ELEMS
+
+
+def shard_bounds(train_end: int, world_size: int, rank: int) -> tuple[int, int]:
+    """[lo, hi) of ``rank``'s shard of a unit with ``train_end`` trainable elements (may be empty)."""
+    per = shard_size(train_end, world_size)
+    lo = min(rank * per, train_end)
+    return lo, min(lo + per, train_end)
+
+
+class ShardView:
+    """A tiered tensor holding elements ``[base, base + numel)`` of a unit, addressed with unit-wide
+    indices. Never "resident": the optimizer fetches into and evicts from its scratch (one device copy
+    more than in place when the shard is on the device)."""
+
+    resident = False
+
+    def __init__(self, tensor, base: int) -> None:
+        self.tensor, self.base, self.end = tensor, base, base + tensor.numel
+        self.state, self.name, self.dtype = tensor.state, tensor.name, tensor.dtype
+        self.ssd_bytes = tensor.ssd_bytes
+
+    def new_buffer(self, numel: int | None = None) -> Tensor:
+        return self.tensor.new_buffer(numel)
+
+    def fetch(self, out: Tensor, lo: int, hi: int) -> Tensor:
+        return self.tensor.fetch(out, lo - self.base, hi - self.base)
+
+    def start_fetch(self, out: Tensor, lo: int, hi: int, staging: Tensor | None = None):
+        return self.tensor.start_fetch(out, lo - self.base, hi - self.base, staging)
+
+    def start_evict(self, src: Tensor, lo: int, hi: int):
+        return self.tensor.start_evict(src, lo - self.base, hi - self.base)
+
+    def evict(self, src: Tensor, lo: int, hi: int) -> None:
+        self.tensor.evict(src, lo - self.base, hi - self.base)
+
+    def read_shard(self) -> Tensor:
+        return self.tensor.read_full()
+
+
+def shard_range(unit) -> tuple[int, int]:
+    """[lo, hi) of a unit's trainable elements this rank steps: its shard, or all of them unpartitioned."""
+    if isinstance(unit.exp_avg, ShardView):
+        return unit.exp_avg.base, unit.exp_avg.end
+    return 0, unit.train_end
+
+
+class Partition:
+    """This rank's place in the partition, and the collectives on shards. ``counters`` get the bytes sent
+    (ring model: ``(N-1)/N`` of an all-gather's output)."""
+
+    def __init__(self, world_size: int, rank: int, counters, dtypes, device: torch.device) -> None:
+        if dtypes.compute != dtypes.master:
+            raise ValueError("shard_optimizer_state=True needs the compute weights to be the master weights "
+                             "(precision 32-true, 64-true or bf16-mixed); with bf16-true pass "
+                             "GreedySnakeStrategy(shard_optimizer_state=False)")
+        self.world_size, self.rank, self._counters = world_size, rank, counters
+        self._dtype, self._device = dtypes.compute, device
+        # The optimizer worker's own group: its gathers never interleave with the main thread's reductions.
+        self.worker_group = dist.new_group(list(range(world_size)))
+
+    def bounds(self, train_end: int) -> tuple[int, int]:
+        return shard_bounds(train_end, self.world_size, self.rank)
+
+    def padded(self, train_end: int) -> int:
+        return shard_size(train_end, self.world_size) * self.world_size
+
+    def gather_weights(self, unit) -> float:
+        """All-gather the unit's weights ``[0, train_end)`` from the shard owners into this rank's tiers (the
+        other ranks' shards are written; this rank's own is already there). Returns seconds spent."""
+        weights, train_end, compute_dtype, device = unit.weights, unit.train_end, self._dtype, self._device
+        start_s = time.perf_counter()
+        per = shard_size(train_end, self.world_size)
+        if per == 0:
+            return 0.0
+        lo, hi = self.bounds(train_end)
+        mine = weights.new_buffer(per)  # page-aligned: the SSD share is read and written straight through it
+        mine[hi - lo:].zero_()
+        if hi > lo:
+            weights.fetch(mine[:hi - lo], lo, hi)
+        gathered = weights.new_buffer(per * self.world_size)  # one unit, transient
+        dist.all_gather_into_tensor(gathered, mine, group=self.worker_group)
+        self._counters.add("net", "weights", "sent", (self.world_size - 1) * per * mine.element_size())
+        for r in range(self.world_size):
+            a, b = shard_bounds(train_end, self.world_size, r)
+            if r != self.rank and b > a:
+                weights.evict(gathered[r * per:r * per + (b - a)], a, b)
+        return time.perf_counter() - start_s
+
+    def gather_moments(self, unit) -> dict[str, Tensor]:
+        """The unit's whole Adam moments from every rank's shard (CPU copies; a collective)."""
+        return {name: self._gather_shard(getattr(unit, name).read_shard(), unit.train_end)
+                for name in ("exp_avg", "exp_avg_sq")}
+
+    def _gather_shard(self, shard: Tensor, train_end: int) -> Tensor:
+        device = self._device
+        per = shard_size(train_end, self.world_size)
+        mine = torch.zeros(per, dtype=shard.dtype, device=device)
+        mine[:shard.numel()] = shard.to(device)
+        gathered = torch.empty(per * self.world_size, dtype=shard.dtype, device=device)
+        dist.all_gather_into_tensor(gathered, mine)
+        out = torch.empty(train_end, dtype=shard.dtype)
+        for r in range(self.world_size):
+            a, b = shard_bounds(train_end, self.world_size, r)
+            out[a:b] = gathered[r * per:r * per + (b - a)].cpu()
+        return out

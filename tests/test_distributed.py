@@ -1,0 +1,228 @@
+"""Data parallel with real processes (gloo on 127.0.0.1): N ranks x M micro-batches equal 1 rank x N*M
+micro-batches over the same global batches, through Lightning's own launcher (the worker script is
+re-run for rank 1) and through torchrun with two "nodes" on this machine.
+
+Each run is ``tests/dp_worker.py CONFIG.json`` in a subprocess; every rank writes its final parameters,
+per-step stats, reduction records and task list. The default suite runs one 2-rank comparison and the
+input checks; the rest is ``--runslow``.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+from snake_strategy.distributed import check_rank_loader, rank_storage
+from snake_strategy.config import StorageConfig
+from snake_strategy.engine.partition import shard_bounds
+from snake_strategy.engine.reduce import ring_all_reduce_sent_bytes
+from snake_strategy.schedule import BACKWARD
+
+from .helpers import max_abs_diff
+
+WORKER = Path(__file__).with_name("dp_worker.py")
+REPO = Path(__file__).resolve().parents[1]
+SSD = {"weights": {"ssd": 1.0}, "optimizer": {"ssd": 1.0}, "checkpoints": {"host": 1.0}}
+
+
+def run_worker(tmp_path: Path, name: str, torchrun_nodes: int = 0, expect_rc: int | None = 0, **cfg) -> dict:
+    """Run the worker (ranks included); returns {rank: output}."""
+    out = tmp_path / name
+    cfg = {"out": str(out), **cfg}
+    path = tmp_path / f"{name}.json"
+    path.write_text(json.dumps(cfg))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    for key in ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE", "NODE_RANK"):
+        env.pop(key, None)
+    if torchrun_nodes:
+        procs = [subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", f"--nnodes={torchrun_nodes}", f"--node_rank={node}",
+             "--nproc_per_node=1", "--master_addr=127.0.0.1", f"--master_port={cfg['port']}", str(WORKER), str(path)],
+            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for node in range(torchrun_nodes)]
+        outputs = [p.communicate(timeout=300)[0] for p in procs]
+        codes = [p.returncode for p in procs]
+        assert codes == [0] * torchrun_nodes, "\n".join(o[-3000:] for o in outputs)
+    else:
+        done = subprocess.run([sys.executable, str(WORKER), str(path)], env=env, capture_output=True, text=True,
+                              timeout=300)
+        if expect_rc is not None:
+            assert done.returncode == expect_rc, (done.stdout[-3000:] + done.stderr[-5000:])
+        if expect_rc != 0:
+            return {"returncode": done.returncode, "stderr": done.stderr}
+    return {int(f.stem[4:]): torch.load(f, weights_only=False) for f in sorted(out.glob("rank*.pt"))}
+
+
+def _check_ranks_agree(ranks: dict) -> None:
+    assert sorted(ranks) == [0, 1]
+    for key in ranks[0]["state"]:
+        assert torch.equal(ranks[0]["state"][key], ranks[1]["state"][key]), key  # bitwise: one reduced sum
+
+
+def test_two_ranks_equal_one_rank_vertical_ssd_alpha(tmp_path):
+    common = dict(steps=3, kind="vertical", alpha=0.25, storage={**SSD, "ssd_dir": str(tmp_path / "ssd")})
+    one = run_worker(tmp_path, "one", world=1, micro=4, **common)
+    two = run_worker(tmp_path, "two", world=2, micro=2, **common)
+    _check_ranks_agree(two)
+    assert max_abs_diff(one[0]["state"], two[0]["state"]) < 1e-10
+    assert two[0]["world_size"] == 2 and two[0]["sampler"] == "DistributedSampler"
+    # Each rank has its own SSD directory under ssd_dir.
+    assert [two[r]["stats"][-1]["ssd_dir"] for r in (0, 1)] == [str(tmp_path / "ssd" / f"rank{r}") for r in (0, 1)]
+    last = two[0]["stats"][-1]
+    # One reduction per unit per step, launched right after the unit's last backward task (before the next
+    # unit's backward starts), and the non-layer one at the end; the counted bytes are the ring model's.
+    tasks, records = last["tasks"], last["reductions"]
+    unit_records = [r for r in records if r["unit"] >= 0]
+    assert [r["unit"] for r in unit_records] == sorted({t[1] for t in tasks if t[0] == BACKWARD}, reverse=True)
+    for record in unit_records:
+        last_backward = max(i for i, t in enumerate(tasks) if t[0] == BACKWARD and t[1] == record["unit"])
+        assert record["tasks_before"] == last_backward + 1
+    assert records[-1]["unit"] == -1 and records[-1]["tasks_before"] == len(tasks)
+    # Partitioned (the default): unit gradients are reduce-scattered ((N-1)/N of the padded payload sent,
+    # plus the small used-parameter mask), the non-layer ones all-reduced, the weights all-gathered.
+    sent = {k: v for k, v in last["traffic"].items() if k.startswith("net/")}
+    assert all(r["kind"] == "reduce_scatter" for r in unit_records) and records[-1]["kind"] == "all_reduce"
+    assert sent["net/gradients/sent"] == sum(r["sent_bytes"] for r in unit_records)
+    assert sent["net/nonlayer_gradients/sent"] == records[-1]["sent_bytes"] == ring_all_reduce_sent_bytes(
+        records[-1]["payload_bytes"], 2)
+    padded = [-(-unit["train_end"] // 8192) * 8192 for unit in last["layout"]]  # 2 shards of whole 4096 pages
+    assert [r["payload_bytes"] for r in unit_records] == [8 * p for p in reversed(padded)]  # fp64, every unit
+    for r in unit_records:
+        assert r["payload_bytes"] // 2 <= r["sent_bytes"] < r["payload_bytes"] // 2 + 4096
+    assert sent["net/weights/sent"] == sum(8 * p // 2 for p in padded)  # each rank sends its shard
+    # Each rank keeps its shard of every unit's moments (rank 0 the first whole pages, rank 1 the rest), the
+    # weights whole.
+    for r in (0, 1):
+        layout = two[r]["stats"][-1]["layout"]
+        shards = [shard_bounds(u["train_end"], 2, r) for u in layout]
+        assert [u["exp_avg_ssd"] for u in layout] == [-(-8 * (hi - lo) // 4096) * 4096 for lo, hi in shards]
+        assert [u["weights_ssd"] for u in layout] == [u["weights_ssd"] for u in one[0]["stats"][-1]["layout"]]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind,clip,shard", [("horizontal", None, True), ("vertical", 0.05, True),
+                                             ("horizontal", 0.05, True), ("vertical", None, False),
+                                             ("vertical", 0.05, False)])
+def test_two_ranks_equal_one_rank_variants(tmp_path, kind, clip, shard):
+    common = dict(steps=3, kind=kind, alpha=0.25, clip=clip, storage=SSD, shard=shard)
+    one = run_worker(tmp_path, "one", world=1, micro=4, **common)
+    two = run_worker(tmp_path, "two", world=2, micro=2, **common)
+    _check_ranks_agree(two)
+    assert max_abs_diff(one[0]["state"], two[0]["state"]) < 1e-10
+    kinds = {r["kind"] for r in two[0]["stats"][-1]["reductions"] if r["unit"] >= 0}
+    assert kinds == {"reduce_scatter" if shard else "all_reduce"}
+    if clip is not None:
+        norms = [s["grad_norm"] for s in one[0]["stats"]], [s["grad_norm"] for s in two[0]["stats"]]
+        assert norms[0] == pytest.approx(norms[1], rel=1e-12)
+        assert min(s["clip_factor"] for s in two[0]["stats"]) < 1.0  # the clip triggered
+
+
+@pytest.mark.slow
+def test_two_ranks_fp32_with_validation(tmp_path):
+    """fp32, validation after every step (flushes and gathers in the middle of training), and the logged
+    train_loss synced across ranks (sync_dist) equals one process's."""
+    common = dict(steps=2, kind="vertical", alpha=0.25, precision="32-true", storage=SSD, val=True)
+    one = run_worker(tmp_path, "one", world=1, micro=4, **common)
+    two = run_worker(tmp_path, "two", world=2, micro=2, **common)
+    _check_ranks_agree(two)
+    for key in one[0]["state"]:
+        torch.testing.assert_close(two[0]["state"][key], one[0]["state"][key], rtol=1e-5, atol=1e-5)
+    assert "val_loss" in two[0]["metrics"] and "val_loss" in two[1]["metrics"]
+    assert two[0]["metrics"]["train_loss"] == two[1]["metrics"]["train_loss"]
+    assert two[0]["metrics"]["train_loss"] == pytest.approx(one[0]["metrics"]["train_loss"], rel=1e-5)
+
+
+@pytest.mark.slow
+def test_torchrun_two_nodes(tmp_path):
+    """The cluster template: torchrun --nnodes=2 --node_rank={0,1} with one process per node (gloo)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    common = dict(steps=2, kind="vertical", alpha=0.25, storage=SSD)
+    one = run_worker(tmp_path, "one", world=1, micro=4, **common)
+    two = run_worker(tmp_path, "two", torchrun_nodes=2, world=1, nodes=2, micro=2, port=port, **common)
+    _check_ranks_agree(two)
+    assert two[0]["world_size"] == 2
+    assert max_abs_diff(one[0]["state"], two[0]["state"]) < 1e-10
+
+
+# ---------------------------------------------------------------------- input checks (no processes)
+def _sharded_loader(samples: int, batch: int, drop_last: bool = False) -> DataLoader:
+    data = TensorDataset(torch.zeros(samples, 2))
+    return DataLoader(data, batch_size=batch, sampler=DistributedSampler(data, num_replicas=2, rank=0, shuffle=False),
+                      drop_last=drop_last)
+
+
+def test_rank_loader_checks():
+    check_rank_loader(_sharded_loader(16, 4), 4, 2)  # 8 samples per rank, 2 full batches
+    with pytest.raises(ValueError, match="cannot share evenly"):
+        check_rank_loader(_sharded_loader(15, 4), 4, 2)
+    with pytest.raises(ValueError, match="not a multiple of the per-rank batch size"):
+        check_rank_loader(_sharded_loader(12, 4), 4, 2)
+    check_rank_loader(_sharded_loader(12, 4, drop_last=True), 4, 2)  # the short batch is dropped on every rank
+
+
+def test_rank_storage_gives_each_rank_its_directory(tmp_path):
+    storage = StorageConfig(ssd_dir=str(tmp_path), weights={"ssd": 1.0})
+    assert rank_storage(storage, 0, 1) is storage
+    assert rank_storage(storage, 3, 4).ssd_dir == str(tmp_path / "rank3")
+    assert rank_storage(StorageConfig(), 1, 2).ssd_dir is None  # each process makes its own temporary directory
+
+
+# ---------------------------------------------------------------------- checkpoints
+def _checkpointed_run(tmp_path: Path) -> tuple[dict, Path]:
+    """2 ranks, 4 steps, 2 steps per epoch (a resume after step 2 starts a fresh epoch: same data order)."""
+    cfg = dict(world=2, micro=2, steps=4, samples=16, kind="vertical", alpha=0.25, storage=SSD, save_every=2,
+               ckpt_dir=str(tmp_path / "ckpts"))
+    full = run_worker(tmp_path, "full", **cfg)
+    return full, tmp_path / "ckpts" / "epoch=0-step=2.ckpt"
+
+
+@pytest.mark.slow
+def test_resume_two_ranks_bitwise_and_on_one_rank_exact(tmp_path):
+    """Partitioned moments: rank 0 gathers and writes them; the checkpoint is the same format as one
+    process's, so 2 -> 1 re-shards by reading it (and consolidation needs nothing new)."""
+    full, ckpt = _checkpointed_run(tmp_path)
+    _check_ranks_agree(full)
+    assert sorted(p.name for p in (tmp_path / "ckpts").iterdir()) == ["epoch=0-step=2.ckpt", "epoch=1-step=4.ckpt"]
+    common = dict(steps=4, samples=16, kind="vertical", alpha=0.25, storage=SSD, resume=str(ckpt))
+    again = run_worker(tmp_path, "again", world=2, micro=2, **common)
+    _check_ranks_agree(again)
+    for key in full[0]["state"]:
+        assert torch.equal(again[0]["state"][key], full[0]["state"][key]), key
+    one = run_worker(tmp_path, "one", world=1, micro=4, **common)  # re-sharded: one rank, the same global batches
+    assert max_abs_diff(one[0]["state"], full[0]["state"]) < 1e-10
+
+
+@pytest.mark.slow
+def test_rank_killed_mid_step_leaves_the_last_checkpoint_loadable(tmp_path):
+    full, ckpt = _checkpointed_run(tmp_path)
+    cfg = dict(world=2, micro=2, steps=4, samples=16, kind="vertical", alpha=0.25, storage=SSD, save_every=2,
+               ckpt_dir=str(tmp_path / "ckpts_killed"), kill_rank=1, kill_step=3)
+    killed = run_worker(tmp_path, "killed", expect_rc=None, **cfg)
+    assert killed["returncode"] != 0  # Lightning's launcher ends rank 0 when rank 1 dies
+    last = tmp_path / "ckpts_killed" / "epoch=0-step=2.ckpt"
+    again = run_worker(tmp_path, "again", world=2, micro=2, steps=4, samples=16, kind="vertical", alpha=0.25,
+                       storage=SSD, resume=str(last))
+    for key in full[0]["state"]:
+        assert torch.equal(again[0]["state"][key], full[0]["state"][key]), key
+
+
+def test_shards_cover_each_unit_once_on_whole_pages():
+    from snake_strategy.engine.partition import SHARD_ALIGN_ELEMS, shard_size
+
+    for train_end in (0, 1, 4096, 12800, 3 * 4096 + 5, 10**6):
+        for world in (1, 2, 3, 8):
+            bounds = [shard_bounds(train_end, world, r) for r in range(world)]
+            assert bounds[0][0] == 0 and bounds[-1][1] == train_end
+            assert all(a[1] == b[0] for a, b in zip(bounds, bounds[1:]))  # contiguous, disjoint
+            per = shard_size(train_end, world)
+            assert per % SHARD_ALIGN_ELEMS == 0 and per * world >= train_end
+            assert all((lo % SHARD_ALIGN_ELEMS == 0 or lo == hi) and hi - lo <= per for lo, hi in bounds)
