@@ -8,7 +8,8 @@ Choices (docs/design.md, "The planner drives the run"; the measurements behind t
   otherwise ``planner.plan`` fills the budget with the states that move the most bytes per byte stored
   (weights, then Adam moments) and puts the rest on the SSD. The budget is
   ``storage.host_budget_bytes``, or ``AVAILABLE_MEMORY_SHARE`` of the memory the kernel reports
-  available at setup.
+  available at setup; ``ACTIVATION_RESERVE_SHARE`` of it is left for the activations (sized at the
+  first step, when the host budget is checked again with them).
 - **order**: vertical (the horizontal order moves every unit's weights M times more).
 - **batching**: batched forward and backward passes when the module declares that its blocks treat
   samples independently (``LayeredModule.independent_samples``; the GPT and HuggingFace modules do): on
@@ -42,6 +43,9 @@ log = logging.getLogger(__name__)
 # Without storage.host_budget_bytes, auto placement plans within this share of MemAvailable at setup: the
 # rest is for Python, Lightning, the data pipeline and what the memory model does not see.
 AVAILABLE_MEMORY_SHARE = 0.6
+# Activation checkpoints and the compute workspace are sized only at the first step (they need the tokens
+# per micro-batch): the placement leaves this share of the budget for them (checked then, item by item).
+ACTIVATION_RESERVE_SHARE = 0.25
 # Measured on this project's CPU benchmarks (docs/LOG.md, 2026-12-01 "split backward"): whether the split
 # backward beats the unbatched backward it replaces for models whose blocks may mix samples.
 SPLIT_BACKWARD_WINS = False
@@ -150,6 +154,7 @@ def _place(shape: ModelShape, hw: HardwareProfile, storage: StorageConfig, kind:
     host = TierSplit()
     all_host = dataclasses.replace(storage, placement="manual", **{s: given.get(s, host) for s in STATES})
     needed = sum(host_plan(memory_inputs(shape, hw, all_host, kind, alpha, 1)).values())
+    budget = int(budget * (1 - ACTIVATION_RESERVE_SHARE))
     if needed <= budget:
         reasons.update({s: f"host: the run needs {needed / 2**30:.2f} GiB of the {budget / 2**30:.2f} GiB budget"
                         for s in unset})

@@ -113,6 +113,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     if report["val_loss"] is None and "val_loss" in trainer.callback_metrics:
         report["val_loss"] = float(trainer.callback_metrics["val_loss"])
     report["choices"] = _choices()
+    report["plan"] = strategy.plan.as_dict() if strategy.plan is not None else None  # what "auto" chose
     report["saved"] = save_cb.saved if save_cb is not None else {}
     report["output_dir"] = str(out_dir)
     report["trace"] = str(trace_path) if trace_path is not None else None
