@@ -26,7 +26,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -61,7 +61,6 @@ class RunPlan:
     host_budget_bytes: int
     host_bytes: int  # memory.host_plan of the chosen settings (checkpoints not yet counted)
     prediction: StepPrediction | None = None  # the floor of one step, from the first batch's shapes
-    achieved_s: list[float] = field(default_factory=list)  # every step's measured time (progress, telemetry)
 
     def describe(self) -> str:
         s, st = self.schedule, self.storage
