@@ -132,6 +132,10 @@ def resolve(module: nn.Module, optimizer: torch.optim.Optimizer | None, storage:
     batching, why = _batching(module, schedule, kind)
     reasons.update(why)
     concrete = dataclasses.replace(schedule, kind=kind, alpha=alpha, prefetch_depth=depth, **batching)
+    if schedule.split_backward:
+        log.info("schedule.split_backward=true: LayerPipe's split backward (input gradients per micro-batch, Linear "
+                 "weight gradients as one product per unit). Until 2026-12 this key was an old name of "
+                 "batched_backward; set batched_backward for that")
     host_bytes = sum(host_plan(memory_inputs(shape, hardware, storage, kind, alpha, depth)).values())
     if storage.checkpoints.ssd > 0 and concrete.num_micro_batches <= 2 * storage.checkpoint_host_ends:
         log.warning(
