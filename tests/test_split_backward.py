@@ -119,3 +119,43 @@ def test_split_backward_with_frozen_parameters_and_lora(case, tmp_path):
     got, _, _ = finetune.run_snake(case, tmp_path / "ssd", schedule={"split_backward": True}, callbacks=[stats])
     finetune.assert_matches(got, finetune.reference(case))
     assert all(s["weight_grad_products"] > 0 for s in stats.steps)
+
+
+class OddBlock(torch.nn.Module):
+    """A Linear called twice (two call sites of one weight), a weight used in a raw matmul (not F.linear:
+    autograd's gradient in BX) and an elementwise gain."""
+
+    def __init__(self, width):
+        super().__init__()
+        self.fc = torch.nn.Linear(width, width)
+        self.raw = torch.nn.Parameter(torch.randn(width, width) * 0.1)
+        self.gain = torch.nn.Parameter(torch.ones(width))
+
+    def forward(self, x):
+        h = self.fc(torch.tanh(self.fc(x)))
+        return x + (h * self.gain) @ self.raw
+
+
+def test_split_backward_is_exact_for_any_block():
+    from torch.utils.data import DataLoader, TensorDataset
+
+    import snake_strategy
+    from tests.helpers import StackModule, token_data, trainer_kwargs
+
+    x, y = token_data(STEPS * MICRO * MICRO_SIZE, 8, 64)
+
+    def fit(strategy, batch_size, accumulate):
+        torch.manual_seed(0)
+        module = StackModule(lambda i: OddBlock(16), width=16, depth=3).double()
+        stats = Stats() if strategy != "auto" else None
+        trainer = L.Trainer(strategy=strategy, precision="64-true", max_steps=STEPS, accumulate_grad_batches=accumulate,
+                            callbacks=[stats] if stats else [], **trainer_kwargs())
+        trainer.fit(module, train_dataloaders=DataLoader(TensorDataset(x, y), batch_size=batch_size))
+        return {n: p.detach() for n, p in module.named_parameters()}, stats
+
+    ref, _ = fit("auto", MICRO_SIZE, MICRO)
+    strategy = snake_strategy.GreedySnakeStrategy(schedule={"kind": "vertical", "num_micro_batches": MICRO,
+                                                            "split_backward": True})
+    got, stats = fit(strategy, MICRO * MICRO_SIZE, 1)
+    _close([got], [ref], "64-true")
+    assert stats.steps[-1]["weight_grad_products"] == 2 * 3  # fc's two call sites per block; raw is autograd's
