@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from snake_strategy.config import ScheduleConfig
-from snake_strategy.schedule import BACKWARD_INPUT, WEIGHT_GRAD, build_tasks, weight_fetches
+from snake_strategy.schedule import BACKWARD_INPUT, WEIGHT_GRAD, build_tasks, unit_run_ahead, weight_fetches
 from tests.helpers import SMALL_GPT, max_abs_diff, run_reference, run_snake
 
 STEPS, MICRO, MICRO_SIZE = 3, 4, 2
@@ -45,6 +45,9 @@ def test_split_tasks_are_explicit():
                                         "BX(0,0)", "BX(0,1)", "W(0,0,1)"]
     # The same weight fetches as the unsplit schedule: W(u) follows its unit's input-gradient tasks.
     assert weight_fetches(tasks) == weight_fetches(build_tasks("vertical", 3, 2))
+    # W(2) holds no weights (its buffer is given back): the run-ahead from it is one unit longer.
+    w2 = [repr(t) for t in tasks].index("W(2,0,1)")
+    assert unit_run_ahead(tasks, w2, 1) == [1, 0] and unit_run_ahead(tasks, w2 - 1, 1) == [1]
     # Frozen lower units: no backward tasks of either kind below first_backward.
     lower = build_tasks("vertical", 3, 2, split_backward=True, first_backward=2)
     assert {t.unit for t in lower if t.kind in (BACKWARD_INPUT, WEIGHT_GRAD)} == {2}
