@@ -3,7 +3,7 @@
 The only module of the package that imports Hydra. It turns the composed config (``configs/`` at the
 repository root) into plain objects, one ``_target_`` per group, and wires them together::
 
-    python -m snake_strategy.train                                   # tiny GPT, SSD storage, 20 steps
+    python -m snake_strategy.train                                   # tiny GPT, placement/schedule: auto
     python -m snake_strategy.train model=small storage=ssd_all trainer.max_steps=50
     python -m snake_strategy.train experiment=io_bound_bench schedule=horizontal
     python -m snake_strategy.train -m storage=device,host,ssd      # a sweep, one job after another
