@@ -12,6 +12,7 @@ and prints a table. Not part of the test suite.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import resource
@@ -29,8 +30,13 @@ PRESETS = {
     "r1": dict(model="r1", context_len=128, micro_batch_size=2, num_micro=4, steps=6),
     "io_bound": dict(model="io_bound", context_len=32, micro_batch_size=1, num_micro=8, steps=5),
     "tiny": dict(model="tiny", context_len=64, micro_batch_size=2, num_micro=4, steps=6),
+    # deeper and narrower than r1: many small units, where per-unit overheads and turning points add up
+    "deep": dict(model="small", context_len=64, micro_batch_size=2, num_micro=4, steps=6,
+                 overrides=dict(d_model=512, num_layers=24, num_heads=8)),
 }
-SYSTEMS = ("plain", "horizontal", "vertical", "vertical_batched", "zero_infinity")
+# "auto": the default settings (schedule kind "auto": the planner's choice), on the same SSD placement as
+# the others; "split": vertical with LayerPipe's split backward (unbatched forward).
+SYSTEMS = ("plain", "horizontal", "vertical", "vertical_batched", "split", "auto", "zero_infinity")
 
 
 # ---------------------------------------------------------------------- worker side (one system)
@@ -56,7 +62,7 @@ def run_worker(system: str, preset: dict, ssd_dir: str, alpha: float, batched_ba
     import snake_strategy
     from snake_strategy.gpt import GPTModule, preset as gpt_preset
 
-    cfg = gpt_preset(preset["model"])
+    cfg = dataclasses.replace(gpt_preset(preset["model"]), **preset.get("overrides", {}))
     cfg.context_len = preset["context_len"]
     micro, num_micro, steps = preset["micro_batch_size"], preset["num_micro"], preset["steps"]
     torch.manual_seed(0)
@@ -93,9 +99,13 @@ def run_worker(system: str, preset: dict, ssd_dir: str, alpha: float, batched_ba
         # "vertical_batched": the vertical schedule with each unit's forward and backward batched over
         # all its micro-batches (batched_forward + batched_backward): bigger matmuls, same traffic.
         batched = system == "vertical_batched" or (batched_backward and system == "vertical")
-        schedule = snake_strategy.ScheduleConfig(kind="horizontal" if system == "horizontal" else "vertical",
-                                                 num_micro_batches=num_micro, alpha=alpha,
-                                                 batched_backward=batched, batched_forward=batched)
+        if system == "auto":
+            schedule = snake_strategy.ScheduleConfig(num_micro_batches=num_micro)  # everything else: the planner
+        else:
+            schedule = snake_strategy.ScheduleConfig(kind="horizontal" if system == "horizontal" else "vertical",
+                                                     num_micro_batches=num_micro, alpha=alpha,
+                                                     batched_backward=batched, batched_forward=batched,
+                                                     split_backward=system == "split")
         strategy = snake_strategy.GreedySnakeStrategy(storage=storage, schedule=schedule, hardware="probe")
         trainer = L.Trainer(strategy=strategy, **common)
         trainer.fit(module, train_dataloaders=_loader(cfg.context_len, micro * num_micro, steps))
@@ -120,6 +130,8 @@ def run_worker(system: str, preset: dict, ssd_dir: str, alpha: float, batched_ba
         result["exposed_io_fraction"] = result["io_wait_s"] / s_per_step
         result["prediction"] = strategy.prediction.as_dict()
         result["hardware"] = strategy.hardware_profile.__dict__
+        result["plan"] = strategy.plan.as_dict()  # the concrete settings (what "auto" chose, with reasons)
+        result["weight_grad_products"] = statistics.median(s.get("weight_grad_products", 0) for s in timed)
         result["traffic_per_step"] = counted[len(counted) // 2] if counted else {}
     return result
 
@@ -156,7 +168,7 @@ def compare(preset_name: str, args) -> dict:
     preset = dict(PRESETS[preset_name])
     if args.num_micro:
         preset["num_micro"] = args.num_micro
-    systems = [s for s in args.systems.split(",")]
+    systems = [s for s in args.systems.split(",") if not (s == "zero_infinity" and "overrides" in preset)]
     # Probe once here (cached on disk per filesystem) so no worker's peak RSS includes the probe buffers.
     from snake_strategy.hardware import probe_hardware
     probe_hardware(args.ssd_root)
@@ -164,12 +176,12 @@ def compare(preset_name: str, args) -> dict:
     ok = {s: r for s, r in results.items() if "s_per_step" in r}
     report = dict(preset=preset_name, settings=preset, alpha=args.alpha, batched_backward=args.batched_backward,
                   systems=results, machine=dict(cores=os.cpu_count()))
-    vertical = ok.get("vertical")
+    vertical = ok.get("auto") or ok.get("vertical")
     if vertical:
         report["roofline_s_per_step"] = vertical["prediction"]["roofline_s"]
         report["roofline_bound"] = vertical["prediction"]["bound"]
         ratios = {}
-        for mine in ("vertical", "vertical_batched"):
+        for mine in ("vertical", "vertical_batched", "split", "auto"):
             if mine not in ok:
                 continue
             for other in ("plain", "horizontal", "zero_infinity"):
@@ -247,6 +259,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sweep", default=None, help="comma-separated micro-batch counts (horizontal vs vertical)")
     p.add_argument("--ssd-root", default=None, help="directory for the SSD tiers (default: the temp dir)")
     p.add_argument("--timeout-s", type=int, default=1800)
+    p.add_argument("--name", default=None, help="result file name (default: the preset's)")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     p.add_argument("--ssd-dir", default=None, help=argparse.SUPPRESS)
     p.add_argument("--json-out", default=None, help=argparse.SUPPRESS)
@@ -265,7 +278,7 @@ def main(argv: list[str] | None = None) -> int:
         name = f"{args.preset}_sweep"
     else:
         report = compare(args.preset, args)
-        name = args.preset
+        name = args.name or args.preset
         print(_table(report))
     (RESULTS / f"{name}.json").write_text(json.dumps(report, indent=1))
     _plot(report, RESULTS / f"{name}.png")

@@ -15,6 +15,7 @@ TIERS = ("device", "host", "ssd")
 # The offloadable training states. "master" only has its own storage when the compute weights are
 # not fp32/fp64 (bf16-true); otherwise the compute weights are the master copy and are stored once.
 STATES = ("weights", "master", "optimizer", "gradients", "checkpoints")
+PLACEMENTS = ("manual", "auto")
 
 
 @dataclass(frozen=True)
@@ -76,6 +77,9 @@ def whole_number(value: Any, name: str) -> int:
 class StorageConfig:
     """Where each training state lives.
 
+    ``placement="manual"``: every state left unset lives on the host. ``placement="auto"`` (what
+    ``GreedySnakeStrategy()`` uses when given no storage): the planner places every state left unset
+    (None) within ``host_budget_bytes`` (``autoplan.resolve_storage``); the ones given stay as given.
     ``ssd_dir=None`` puts the SSD tier in a fresh temporary directory that teardown removes.
     ``checkpoint_host_ends`` keeps the activation checkpoints of the first and last that many
     micro-batches of each unit on the host: they sit at the schedule's turning points, where an
@@ -83,11 +87,11 @@ class StorageConfig:
     """
 
     ssd_dir: str | None = None
-    weights: TierSplit = field(default_factory=TierSplit)
-    master: TierSplit = field(default_factory=TierSplit)
-    optimizer: TierSplit = field(default_factory=TierSplit)
-    gradients: TierSplit = field(default_factory=TierSplit)
-    checkpoints: TierSplit = field(default_factory=TierSplit)
+    weights: TierSplit | None = None
+    master: TierSplit | None = None
+    optimizer: TierSplit | None = None
+    gradients: TierSplit | None = None
+    checkpoints: TierSplit | None = None
     checkpoint_host_ends: int = 2
     use_o_direct: bool = True
     num_io_threads: int = 2
@@ -98,8 +102,11 @@ class StorageConfig:
     # The optimizer worker steps a unit in chunks of this many elements (a multiple of 4096): its
     # scratch memory is ~5 chunks whatever the unit size; larger chunks mean fewer, larger transfers.
     optimizer_chunk_elems: int = 8192 * 4096
+    placement: str = "manual"
 
     def __post_init__(self) -> None:
+        if self.placement not in PLACEMENTS:
+            raise ValueError(f"storage.placement='{self.placement}' is not one of {PLACEMENTS}")
         for name in ("checkpoint_host_ends", "num_io_threads", "optimizer_chunk_elems"):
             setattr(self, name, whole_number(getattr(self, name), f"storage.{name}"))
         if self.host_budget_bytes is not None:
@@ -107,7 +114,11 @@ class StorageConfig:
         if self.host_budget_bytes is not None and self.host_budget_bytes <= 0:
             raise ValueError(f"storage.host_budget_bytes={self.host_budget_bytes} must be positive (or null)")
         for state in STATES:
-            setattr(self, state, TierSplit.coerce(getattr(self, state), state))
+            value = getattr(self, state)
+            if value is None and self.placement == "manual":
+                value = TierSplit()  # on the host
+            if value is not None:
+                setattr(self, state, TierSplit.coerce(value, state))
         if self.checkpoint_host_ends < 0:
             raise ValueError(f"storage.checkpoint_host_ends={self.checkpoint_host_ends} must be >= 0")
         if self.optimizer_chunk_elems < 4096 or self.optimizer_chunk_elems % 4096:
@@ -122,8 +133,15 @@ class StorageConfig:
     def uses_ssd(self) -> bool:
         return any(getattr(self, state).ssd > 0 for state in STATES)
 
+    def unset(self) -> list[str]:
+        """The states the planner still has to place (empty once resolved)."""
+        return [state for state in STATES if getattr(self, state) is None]
 
-SCHEDULES = ("vertical", "horizontal")
+
+SCHEDULES = ("auto", "vertical", "horizontal")
+# What an explicit ``kind`` gives the fields left unset (None): the fixed settings of earlier releases.
+SCHEDULE_DEFAULTS = {"alpha": 0.25, "batched_backward": False, "batched_forward": False, "split_backward": False,
+                     "prefetch_depth": 1}
 
 
 @dataclass
@@ -131,48 +149,67 @@ class ScheduleConfig:
     """How one optimizer step is ordered.
 
     ``kind="vertical"`` is the GreedySnake order (all micro-batches of a unit before the next unit);
-    ``"horizontal"`` is ZeRO-Infinity-style gradient accumulation (one micro-batch through all units).
-    A unit is ``blocks_per_unit`` consecutive blocks: the grain of every transfer and optimizer step.
+    ``"horizontal"`` is ZeRO-Infinity-style gradient accumulation (one micro-batch through all units);
+    ``"auto"`` (the default) lets the planner choose the order and every field left None (alpha,
+    batching, split backward, prefetch depth: ``autoplan.resolve_schedule``) at setup. With an explicit
+    kind, fields left None take ``SCHEDULE_DEFAULTS``. A unit is ``blocks_per_unit`` consecutive blocks:
+    the grain of every transfer and optimizer step.
     """
 
-    kind: str = "vertical"
+    kind: str = "auto"
     num_micro_batches: int = 4
     blocks_per_unit: int = 1
     # Fraction of each unit's parameters whose optimizer step is deferred to the next iteration's
     # forward (docs/design.md, "Optimizer overlap"); the rest is stepped during this iteration's backward.
-    alpha: float = 0.25
+    alpha: float | None = None
     # Backward of a unit as one batched pass over all its micro-batches (one weight-gradient product
     # per Linear; vertical schedule only; blocks must treat samples independently).
-    batched_backward: bool = False
+    batched_backward: bool | None = None
     # Forward of a unit as one batched pass over all its micro-batches (vertical only; the
     # checkpoints are still kept per micro-batch). Larger matmuls run faster on CPUs.
-    batched_forward: bool = False
-    # How many upcoming units' weights are fetched ahead of use (0 = fetch on demand, no overlap).
-    prefetch_depth: int = 1
-    # The old name of batched_backward: refused with the new name, so sweeps fail loudly.
+    batched_forward: bool | None = None
+    # LayerPipe's split backward (vertical only): per micro-batch the input gradient first, then every
+    # Linear weight gradient of the unit over all micro-batches as one product (engine/split.py). Exact for
+    # any block (no sample-independence needed). Until 2026-12 this key was the old name of
+    # batched_backward (refused then); it now names this feature.
     split_backward: bool | None = None
+    # How many upcoming units' weights are fetched ahead of use (0 = fetch on demand, no overlap).
+    prefetch_depth: int | None = None
 
     def __post_init__(self) -> None:
-        if self.split_backward is not None:
-            raise ValueError("schedule.split_backward was renamed schedule.batched_backward (it runs a unit's backward "
-                             "as one batched pass over all micro-batches); set batched_backward instead")
-        for name in ("num_micro_batches", "blocks_per_unit", "prefetch_depth"):
+        for name in ("num_micro_batches", "blocks_per_unit"):
             setattr(self, name, whole_number(getattr(self, name), f"schedule.{name}"))
+        if self.prefetch_depth is not None:
+            self.prefetch_depth = whole_number(self.prefetch_depth, "schedule.prefetch_depth")
         if self.kind not in SCHEDULES:
             raise ValueError(f"schedule.kind='{self.kind}' is not one of {SCHEDULES}")
-        if not 0.0 <= self.alpha <= 0.5:
+        if self.kind != "auto":
+            for name, value in SCHEDULE_DEFAULTS.items():
+                if getattr(self, name) is None:
+                    setattr(self, name, value)
+        if self.alpha is not None and not 0.0 <= self.alpha <= 0.5:
             raise ValueError(f"schedule.alpha={self.alpha} must lie in [0, 0.5]")
-        if self.batched_backward and self.kind != "vertical":
-            raise ValueError("schedule.batched_backward=true needs schedule.kind='vertical' (it batches all "
-                             "micro-batches of a unit, which only the vertical order has at hand)")
-        if self.batched_forward and self.kind != "vertical":
-            raise ValueError("schedule.batched_forward=true needs schedule.kind='vertical'")
-        if self.prefetch_depth < 0:
+        for name in ("batched_backward", "batched_forward", "split_backward"):
+            if getattr(self, name) and self.kind == "horizontal":
+                raise ValueError(f"schedule.{name}=true needs schedule.kind='vertical' (it works on all micro-batches "
+                                 "of a unit, which only the vertical order has at hand)")
+        if self.split_backward and self.batched_backward:
+            raise ValueError("schedule.split_backward=true and schedule.batched_backward=true are two ways to run a "
+                             "unit's backward: set one of them")
+        if self.prefetch_depth is not None and self.prefetch_depth < 0:
             raise ValueError(f"schedule.prefetch_depth={self.prefetch_depth} must be >= 0")
         if self.num_micro_batches < 1:
             raise ValueError(f"schedule.num_micro_batches={self.num_micro_batches} must be >= 1")
         if self.blocks_per_unit < 1:
             raise ValueError(f"schedule.blocks_per_unit={self.blocks_per_unit} must be >= 1")
+
+    @property
+    def is_auto(self) -> bool:
+        return self.kind == "auto"
+
+    def unset(self) -> list[str]:
+        """The fields the planner still has to choose (empty once resolved)."""
+        return [name for name in ("kind", *SCHEDULE_DEFAULTS) if getattr(self, name) in (None, "auto")]
 
 
 def coerce_config(cls: type, value: Any, name: str) -> Any:

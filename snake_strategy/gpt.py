@@ -214,6 +214,8 @@ class GPTModule(LayeredModule):
     Modules are built in ``configure_model`` so a strategy can create them on the meta device.
     """
 
+    independent_samples = True  # attention and LayerNorm stay within a sample: batched passes are exact
+
     def __init__(
         self,
         config: GPTConfig | dict | str = "tiny",

@@ -22,6 +22,11 @@ class LayeredModule(pl.LightningModule):
     (everything in memory) and under ``strategy="greedysnake"`` (blocks streamed from their tiers).
     """
 
+    # True when every block computes each sample from that sample alone (no BatchNorm, no attention across
+    # the batch): the planner (``schedule.kind="auto"``) may then run a unit's micro-batches as one batched
+    # pass, which is only exact for such blocks. False (the default) keeps passes per micro-batch.
+    independent_samples: bool = False
+
     def pre_stage(self, batch: Any) -> Tensor | tuple[Tensor, dict[str, Any]]:
         raise NotImplementedError("implement pre_stage(batch) -> hidden (the embedding), or (hidden, side_inputs)")
 

@@ -8,6 +8,12 @@ fused with its forward, the post stage and the loss, so the last unit is never r
 A task normally holds one micro-batch. With ``batched_forward`` / ``batched_backward`` (vertical
 schedule only) all micro-batches of a unit's pass form ONE task that runs them as a single batched
 pass, in the same snake order; the list says so explicitly instead of the engine skipping tasks.
+
+With ``split_backward`` (LayerPipe's split, vertical only) a unit's backward is two kinds of task:
+``BX(u, m)`` per micro-batch (recompute, the input gradient and every gradient that is not an
+nn.Linear weight's) and then one ``W(u, ...)`` over all micro-batches: each Linear weight gradient of
+the unit as ONE product (``engine/split.py``). ``W`` reads no weights, so the unit's weight buffer is
+given back before it runs and the fetches of the units below proceed under it.
 """
 from __future__ import annotations
 
@@ -15,11 +21,14 @@ from dataclasses import dataclass
 
 FORWARD = "fwd"
 BACKWARD = "bwd"
+BACKWARD_INPUT = "bwd_x"  # split backward: recompute + input gradient (dX), Linear weight gradients deferred
+WEIGHT_GRAD = "wgrad"  # split backward: the deferred Linear weight gradients (dW) of all micro-batches
+_LETTER = {FORWARD: "F", BACKWARD: "B", BACKWARD_INPUT: "BX", WEIGHT_GRAD: "W"}
 
 
 @dataclass(frozen=True)
 class Task:
-    kind: str  # FORWARD or BACKWARD
+    kind: str  # FORWARD, BACKWARD, BACKWARD_INPUT or WEIGHT_GRAD
     unit: int
     micro_batches: tuple[int, ...]  # in the order they are stacked when batched
 
@@ -31,7 +40,12 @@ class Task:
 
     def __repr__(self) -> str:
         micro = ",".join(map(str, self.micro_batches))
-        return f"{'F' if self.kind == FORWARD else 'B'}({self.unit},{micro})"
+        return f"{_LETTER[self.kind]}({self.unit},{micro})"
+
+    @property
+    def backward(self) -> bool:
+        """A task that back-propagates through its unit (the split's input-gradient part included)."""
+        return self.kind in (BACKWARD, BACKWARD_INPUT)
 
 
 def _snake_order(unit: int, num_micro: int) -> tuple[int, ...]:
@@ -46,6 +60,14 @@ def _pass(kind: str, units: range, num_micro: int, batched: bool) -> list[Task]:
     return [Task(kind, u, (m,)) for u in units for m in _snake_order(u, num_micro)]
 
 
+def _split_pass(units: range, num_micro: int) -> list[Task]:
+    tasks = []
+    for u in units:
+        order = _snake_order(u, num_micro)
+        tasks += [Task(BACKWARD_INPUT, u, (m,)) for m in order] + [Task(WEIGHT_GRAD, u, order)]
+    return tasks
+
+
 def _backward_units(num_units: int, first_backward: int) -> range:
     # Units below ``first_backward`` hold nothing trainable and feed nothing trainable: no backward. The
     # last unit's task always runs (it is the forward of the last unit, the head and the loss).
@@ -53,11 +75,15 @@ def _backward_units(num_units: int, first_backward: int) -> range:
 
 
 def vertical_tasks(num_units: int, num_micro: int, batched_forward: bool = False,
-                   batched_backward: bool = False, first_backward: int = 0) -> list[Task]:
+                   batched_backward: bool = False, first_backward: int = 0, split_backward: bool = False) -> list[Task]:
     """The GreedySnake order: every micro-batch of a unit before moving to the next unit."""
     _check(num_units, num_micro)
-    return (_pass(FORWARD, range(num_units - 1), num_micro, batched_forward)
-            + _pass(BACKWARD, _backward_units(num_units, first_backward), num_micro, batched_backward))
+    if split_backward and batched_backward:
+        raise ValueError("split_backward and batched_backward are two ways to run a unit's backward; pick one")
+    backward_units = _backward_units(num_units, first_backward)
+    backward = (_split_pass(backward_units, num_micro) if split_backward
+                else _pass(BACKWARD, backward_units, num_micro, batched_backward))
+    return _pass(FORWARD, range(num_units - 1), num_micro, batched_forward) + backward
 
 
 def horizontal_tasks(num_units: int, num_micro: int, first_backward: int = 0) -> list[Task]:
@@ -71,12 +97,12 @@ def horizontal_tasks(num_units: int, num_micro: int, first_backward: int = 0) ->
 
 
 def build_tasks(kind: str, num_units: int, num_micro: int, batched_forward: bool = False,
-                batched_backward: bool = False, first_backward: int = 0) -> list[Task]:
+                batched_backward: bool = False, first_backward: int = 0, split_backward: bool = False) -> list[Task]:
     if kind == "vertical":
-        return vertical_tasks(num_units, num_micro, batched_forward, batched_backward, first_backward)
+        return vertical_tasks(num_units, num_micro, batched_forward, batched_backward, first_backward, split_backward)
     if kind == "horizontal":
-        if batched_forward or batched_backward:
-            raise ValueError("batched passes need schedule.kind='vertical'")
+        if batched_forward or batched_backward or split_backward:
+            raise ValueError("batched passes and the split backward need schedule.kind='vertical'")
         return horizontal_tasks(num_units, num_micro, first_backward)
     raise ValueError(f"unknown schedule kind '{kind}'")
 
@@ -96,7 +122,12 @@ def weight_fetches(tasks: list[Task]) -> list[int]:
 
 
 def unit_run_ahead(tasks: list[Task], index: int, depth: int) -> list[int]:
-    """The next ``depth`` distinct units after task ``index``'s own, in task order (what to prefetch)."""
+    """The next ``depth`` distinct units after task ``index``'s own, in task order (what to prefetch).
+
+    A ``W`` task holds no weights (its unit's buffer is given back before it runs), so from it one more
+    unit is fetched ahead: the buffer it frees is used at once."""
+    if tasks[index].kind == WEIGHT_GRAD:
+        depth += 1
     upcoming: list[int] = []
     current = tasks[index].unit
     for task in tasks[index + 1:]:

@@ -8,7 +8,6 @@ optimizer only holds hyper-parameters (see ``optim.py``), so LR schedulers keep 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import datetime
 import os
 import logging
@@ -24,13 +23,14 @@ from lightning.pytorch.trainer.states import TrainerFn
 from torch import Tensor
 from typing_extensions import override
 
+from snake_strategy.autoplan import RunPlan, first_prediction, resolve
 from snake_strategy.config import ScheduleConfig, StorageConfig, coerce_config
 from snake_strategy.contract import check_contract
 from snake_strategy.distributed import DataParallelMixin, check_rank_loader, rank_storage, sync_initial_state
 from snake_strategy.engine import EngineHooks, SnakeEngine
 from snake_strategy.engine.evaluation import EvalEngine, traffic_delta
 from snake_strategy.module import LayeredModule
-from snake_strategy.planner import HardwareProfile, StepPrediction, predict
+from snake_strategy.planner import HardwareProfile, StepPrediction
 from snake_strategy.precision import GreedySnakePrecision
 from snake_strategy.progress import Progress
 from snake_strategy.timeline import check_trace_path, export_trace
@@ -45,8 +45,11 @@ class GreedySnakeStrategy(DataParallelMixin, ParallelStrategy):
     """Train a layered model whose state lives on device, host and SSD tiers, with the snake schedule.
 
     Args:
-        storage: where each state lives (``StorageConfig`` or a mapping of its fields).
-        schedule: task order, micro-batches per step and blocks per unit (``ScheduleConfig`` or mapping).
+        storage: where each state lives (``StorageConfig`` or a mapping of its fields); None or "auto":
+            placed by the planner (``StorageConfig(placement="auto")``).
+        schedule: task order, micro-batches per step and blocks per unit (``ScheduleConfig`` or mapping;
+            its default kind "auto" lets the planner choose what is not given). ``strategy.plan`` holds the
+            choice after setup.
         hardware: the machine's rates for the planner's roofline: ``"probe"`` (measure, cached on disk),
             a ``HardwareProfile`` or mapping, or None (this machine class's nominal figures).
         pretrained: a state-dict or Lightning checkpoint file to stream in one unit at a time instead of
@@ -81,8 +84,12 @@ class GreedySnakeStrategy(DataParallelMixin, ParallelStrategy):
         timeout: datetime.timedelta | None = None,
         shard_optimizer_state: bool = True,
     ) -> None:
-        self.storage = coerce_config(StorageConfig, storage, "storage")
-        self.schedule = coerce_config(ScheduleConfig, schedule, "schedule")
+        # As asked ("auto" fields unset); self.storage / self.schedule hold the concrete plan after setup.
+        self.requested = (coerce_config(StorageConfig, {"placement": "auto"} if storage in (None, "auto") else storage,
+                                        "storage"),
+                          coerce_config(ScheduleConfig, None if schedule == "auto" else schedule, "schedule"))
+        self.storage, self.schedule = self.requested
+        self.plan: RunPlan | None = None
         if isinstance(hardware, str) and hardware != "probe":
             raise ValueError(f"hardware='{hardware}' is not understood; pass 'probe', a HardwareProfile, a mapping or None")
         self.hardware = hardware if hardware in (None, "probe") else coerce_config(HardwareProfile, hardware, "hardware")
@@ -166,6 +173,7 @@ class GreedySnakeStrategy(DataParallelMixin, ParallelStrategy):
         if len(self.optimizers) != 1:
             raise ValueError(f"strategy='greedysnake' needs exactly one optimizer; configure_optimizers "
                              f"returned {len(self.optimizers)}")
+        self._resolve_plan(self.optimizers[0])
         # Once a run gave its weights back, they are the module's weights: pretrained= was the starting point.
         pretrained = None if self._gave_back_weights else self.pretrained
         self.engine = SnakeEngine(module, self.optimizers[0], self._rank_storage(), self.schedule,
@@ -176,12 +184,6 @@ class GreedySnakeStrategy(DataParallelMixin, ParallelStrategy):
         if self.world_size > 1:
             sync_initial_state(self.engine, self.root_device)  # every rank starts from rank 0's weights
         self.engine.trace.enabled = self.trace_path is not None
-        if self.storage.checkpoints.ssd > 0 and self.schedule.num_micro_batches <= 2 * self.storage.checkpoint_host_ends:
-            log.warning(
-                "storage.checkpoints puts %.0f%% on the SSD, but with schedule.num_micro_batches=%d and "
-                "storage.checkpoint_host_ends=%d every micro-batch is a turning point kept on the host: no "
-                "activation checkpoint will reach the SSD. Lower checkpoint_host_ends or raise num_micro_batches",
-                100 * self.storage.checkpoints.ssd, self.schedule.num_micro_batches, self.storage.checkpoint_host_ends)
         # Lightning's strategies set the device through module.to(); the blocks must not move, so set the
         # attribute LightningModule.device reads, as model_to_device would have.
         module._device = self.root_device
@@ -200,6 +202,7 @@ class GreedySnakeStrategy(DataParallelMixin, ParallelStrategy):
         _remove_weight_guard(module)
         self.progress.follow_progress_bar(trainer.progress_bar_callback is not None)
         self.accelerator.setup(trainer)
+        self._resolve_plan(None)
         source = (checkpoint.with_base(module, self.pretrained) if checkpoint is not None  # fine-tuning: + base
                   else None if self._gave_back_weights else self.pretrained)
         self.engine = EvalEngine(module, self._rank_storage(), self.schedule, self.precision_plugin.dtypes, self.root_device,
@@ -324,28 +327,21 @@ class GreedySnakeStrategy(DataParallelMixin, ParallelStrategy):
 
     def _predict(self, batch: Any) -> StepPrediction:
         """The planner's roofline for this run, from the shapes seen in the first step."""
-        hardware = self.hardware
-        if hardware == "probe":
-            from snake_strategy.hardware import probe_hardware
-
-            hardware = probe_hardware(self.engine.ssd.path if self.engine.ssd else None, self.root_device)
-        elif hardware is None:
-            hardware = HardwareProfile(device_is_cpu=self.root_device.type == "cpu")
-        micro = self.engine.split(batch)[0][0]
-        shape = self.engine.model_shape(micro)
-        if self.hardware_at_model_shape and shape.tokens_per_micro:
-            # The compute roof at this model's own matmul shape (tokens x in) @ (in x out).
-            from snake_strategy.hardware import matmul_flops_per_s
-
-            out_dim, in_dim = self.engine.largest_block_matrix()
-            hardware = dataclasses.replace(
-                hardware, flops_per_s=matmul_flops_per_s(shape.tokens_per_micro, in_dim, out_dim, self.root_device))
-        self.hardware_profile = hardware
-        self.model_shape = shape
-        prediction = predict(shape, hardware, self.storage, self.schedule.kind, self.engine.alpha)
-        log.info("planner: predicted floor %.3f s/step (%s-bound; compute %.3f s, ssd %.3f s, optimizer %.3f s)",
-                 prediction.roofline_s, prediction.bound, prediction.compute_s, prediction.ssd_s, prediction.optimizer_s)
+        prediction, self.hardware_profile, self.model_shape = first_prediction(
+            self.engine, self.hardware, self.root_device, batch, self.hardware_at_model_shape)
+        if self.plan is not None:
+            self.plan.prediction = prediction
         return prediction
+
+    def _resolve_plan(self, optimizer: Any) -> None:
+        """The planner turns the requested "auto" settings into this run's concrete ones (explicit ones kept)."""
+        storage, schedule = self.requested
+        hardware = self.hardware if isinstance(self.hardware, HardwareProfile) else HardwareProfile()
+        self.plan = resolve(self.lightning_module, optimizer, storage, schedule, self.precision_plugin.dtypes.bytes_per(
+            "compute"), self.precision_plugin.dtypes.bytes_per("master"), self.root_device, hardware,
+            processes_per_node=self.num_processes)
+        self.storage, self.schedule = self.plan.storage, self.plan.schedule
+        log.info("planner: %s", self.plan.describe())
 
     @override
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:

@@ -155,7 +155,8 @@ class StepReport(pl.Callback):
         step = len(self.step_seconds)
         if self.log_every_n_steps and step % self.log_every_n_steps == 0:
             loss_text = f"{self.losses[-1]:.4f}" if self.losses else "n/a"
-            log.info("step %d | loss %s | %.3f s | %.0f tokens/s | ssd %s | host %s", step, loss_text, seconds,
+            floor = f" (planner floor {prediction.roofline_s:.3f} s)" if prediction is not None else ""
+            log.info("step %d | loss %s | %.3f s%s | %.0f tokens/s | ssd %s | host %s", step, loss_text, seconds, floor,
                      tokens / seconds if seconds > 0 else 0.0, _fmt_bytes(per_tier["ssd"]),
                      _fmt_bytes(per_tier["host"]))
 

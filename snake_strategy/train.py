@@ -3,7 +3,7 @@
 The only module of the package that imports Hydra. It turns the composed config (``configs/`` at the
 repository root) into plain objects, one ``_target_`` per group, and wires them together::
 
-    python -m snake_strategy.train                                   # tiny GPT, SSD storage, 20 steps
+    python -m snake_strategy.train                                   # tiny GPT, placement/schedule: auto
     python -m snake_strategy.train model=small storage=ssd_all trainer.max_steps=50
     python -m snake_strategy.train experiment=io_bound_bench schedule=horizontal
     python -m snake_strategy.train -m storage=device,host,ssd      # a sweep, one job after another
@@ -113,6 +113,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     if report["val_loss"] is None and "val_loss" in trainer.callback_metrics:
         report["val_loss"] = float(trainer.callback_metrics["val_loss"])
     report["choices"] = _choices()
+    report["plan"] = strategy.plan.as_dict() if strategy.plan is not None else None  # what "auto" chose
     report["saved"] = save_cb.saved if save_cb is not None else {}
     report["output_dir"] = str(out_dir)
     report["trace"] = str(trace_path) if trace_path is not None else None

@@ -272,7 +272,7 @@ def test_enospc_during_a_step_is_clear_and_keeps_the_last_checkpoint(tmp_path, m
     torch.manual_seed(0)
     strategy = snake_strategy.GreedySnakeStrategy(
         storage={"ssd_dir": str(tmp_path / "ssd"), "weights": "ssd", "optimizer": "ssd"},
-        schedule={"num_micro_batches": MICRO})
+        schedule={"kind": "vertical", "num_micro_batches": MICRO, "alpha": 0.25})  # _fit's, which resumes it
     ckpt = L.pytorch.callbacks.ModelCheckpoint(dirpath=str(tmp_path / "ckpts"), every_n_train_steps=3, save_top_k=-1)
     trainer = L.Trainer(strategy=strategy, max_steps=6, callbacks=[ckpt, FailLater()],
                         **trainer_kwargs(enable_checkpointing=True))

@@ -296,7 +296,7 @@ def test_bad_schedule_sizes(field, value):
     ({"alpha": 0.6}, r"schedule.alpha=0.6 must lie in \[0, 0.5\]"),
     ({"alpha": -0.1}, r"schedule.alpha=-0.1"),
     ({"kind": "horizontal", "batched_backward": True}, r"schedule.batched_backward=true needs schedule.kind='vertical'"),
-    ({"split_backward": True}, r"schedule.split_backward was renamed schedule.batched_backward"),
+    ({"split_backward": True, "batched_backward": True}, r"split_backward=true and schedule.batched_backward=true"),
     ({"prefetch_depth": -1}, r"schedule.prefetch_depth=-1 must be >= 0"),
 ])
 def test_bad_overlap_settings(kwargs, match):
@@ -307,7 +307,7 @@ def test_bad_overlap_settings(kwargs, match):
 def test_mismatched_batching_refuses_dropout_before_any_update():
     # The recompute of a batched backward cannot replay masks drawn by unbatched forwards.
     config = dataclasses.replace(SMALL_GPT, dropout=0.1)
-    strategy = GreedySnakeStrategy(schedule={"num_micro_batches": 2, "batched_backward": True})
+    strategy = GreedySnakeStrategy(schedule={"kind": "vertical", "num_micro_batches": 2, "batched_backward": True})
     with pytest.raises(ValueError, match="random numbers.*batched_forward / batched_backward"):
         fit(GPTModule(config), strategy=strategy)
     assert fit.last_counter.batches == 1  # refused inside the first step's backward, before any update

@@ -144,7 +144,8 @@ def test_fp16_matches_gradscaler_reference(tmp_path, overflow_step):
     torch.manual_seed(0)
     strategy = snake_strategy.GreedySnakeStrategy(
         storage={"ssd_dir": str(tmp_path), "weights": "ssd", "optimizer": "ssd"},
-        schedule={"num_micro_batches": MICRO, "alpha": 0.25}, precision_plugin=GreedySnakePrecision("16-mixed"))
+        schedule={"kind": "vertical", "num_micro_batches": MICRO, "alpha": 0.25},  # the reference's micro-batching
+        precision_plugin=GreedySnakePrecision("16-mixed"))
     log = _Fp16Log(overflow_step)
     trainer = L.Trainer(strategy=strategy, max_steps=STEPS, callbacks=[log], **trainer_kwargs())
     trainer.fit(ScaledLossGPT(FP16_GPT, learning_rate=LR),

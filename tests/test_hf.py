@@ -287,7 +287,8 @@ def test_hydra_app_trains_hf_tiny_llama(tmp_path):
     import sys
 
     out = tmp_path / "run"
-    cmd = [sys.executable, "-m", "snake_strategy.train", "model=hf_tiny_llama", "trainer.max_steps=2",
+    # storage=ssd: the default (auto) keeps a model this small on the host; this run checks the SSD tier
+    cmd = [sys.executable, "-m", "snake_strategy.train", "model=hf_tiny_llama", "storage=ssd", "trainer.max_steps=2",
            "data.max_bytes=200000", "data.micro_batch_size=1", "trainer.limit_val_batches=1",
            "trainer.log_every_n_steps=1", f"hydra.run.dir={out}"]
     env = dict(os.environ, PYTHONWARNINGS="ignore")

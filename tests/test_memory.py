@@ -134,7 +134,7 @@ def _static_plan(cfg):
     with torch.device("meta"):
         module.configure_model()
     optimizer = module.configure_optimizers()
-    engine = SnakeEngine(module, optimizer, snake_strategy.StorageConfig(), snake_strategy.ScheduleConfig(),
+    engine = SnakeEngine(module, optimizer, snake_strategy.StorageConfig(), snake_strategy.ScheduleConfig(kind="vertical"),
                          DtypePolicy(torch.float32, torch.float32), torch.device("cpu"))
     try:
         return sum(engine.host_bytes_plan().values())

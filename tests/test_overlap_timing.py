@@ -44,7 +44,7 @@ def _run(tmp_path, prefetch_depth):
     rec = Fetches()
     strategy = GreedySnakeStrategy(
         storage={"ssd_dir": str(tmp_path / f"ssd{prefetch_depth}"), "weights": "ssd", "optimizer": "ssd"},
-        schedule={"num_micro_batches": 2, "prefetch_depth": prefetch_depth},
+        schedule={"kind": "vertical", "num_micro_batches": 2, "prefetch_depth": prefetch_depth},
         hooks=EngineHooks(before_ssd_transfer=lambda direction, n: time.sleep(SSD_DELAY_S)))
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=2)
     L.Trainer(strategy=strategy, max_steps=2, callbacks=[rec], **trainer_kwargs()).fit(SleepyStack(), loader)

@@ -62,7 +62,8 @@ class SlowedFit:
         hooks = snake_strategy.EngineHooks(before_ssd_transfer=(lambda direction, n: time.sleep(SSD_DELAY_S))
                                            if slow else None)
         storage = {"ssd_dir": str(tmp_path / "ssd"), "weights": {"ssd": 1.0}, "optimizer": {"ssd": 1.0}}
-        self.strategy = snake_strategy.GreedySnakeStrategy(storage=storage, schedule={"num_micro_batches": MICRO},
+        self.strategy = snake_strategy.GreedySnakeStrategy(storage=storage, schedule={"kind": "vertical",
+                                                                                               "num_micro_batches": MICRO},
                                                            hooks=hooks, progress=progress)
         self.checkpoint = tmp_path / "progress.ckpt"
         callbacks = [SaveAt(save_at_step, self.checkpoint)] if save_at_step else []

@@ -13,7 +13,9 @@ import torch
 from snake_strategy import gpt
 from snake_strategy.schedule import (
     BACKWARD,
+    BACKWARD_INPUT,
     FORWARD,
+    WEIGHT_GRAD,
     Task,
     build_tasks,
     horizontal_tasks,
@@ -117,6 +119,8 @@ def test_unknown_kind_raises():
 
 
 def test_task_repr():
+    assert repr(Task(BACKWARD_INPUT, 2, 1)) == "BX(2,1)"
+    assert repr(Task(WEIGHT_GRAD, 2, (1, 0))) == "W(2,1,0)"
     assert repr(Task(FORWARD, 1, 2)) == "F(1,2)"
     assert repr(Task(BACKWARD, 0, 3)) == "B(0,3)"
     assert repr(Task(BACKWARD, 1, (2, 1, 0))) == "B(1,2,1,0)"
@@ -188,10 +192,12 @@ class TraceRecorder(L.Callback):
         self.steps.append(list(trainer.strategy.engine.trace.last.tasks))
 
 
-@pytest.mark.parametrize("kind,batched", [("vertical", False), ("horizontal", False), ("vertical", True)])
-def test_engine_executes_the_schedule_in_order(kind, batched):
+@pytest.mark.parametrize("kind,batched,split", [("vertical", False, False), ("horizontal", False, False),
+                                                ("vertical", True, False), ("vertical", False, True)])
+def test_engine_executes_the_schedule_in_order(kind, batched, split):
     rec = TraceRecorder()
     extra = {"batched_forward": True, "batched_backward": True} if batched else {}
+    extra["split_backward"] = split
     run_snake(SMALL_GPT, 2, 3, 1, "32-true", schedule_kind=kind, schedule_extra=extra, callbacks=[rec])
-    one_step = build_tasks(kind, SMALL_GPT.num_layers, 3, batched, batched)
+    one_step = build_tasks(kind, SMALL_GPT.num_layers, 3, batched, batched, split_backward=split)
     assert rec.steps == [one_step, one_step]

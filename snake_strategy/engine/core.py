@@ -53,6 +53,10 @@ class SnakeEngine:
             raise ValueError(f"gradient_clip_algorithm='{clip[0]}' is not supported; use 'norm' or 'value'")
         check_contract(module)
         check_optimizer(optimizer)
+        if schedule.unset() or storage.unset():
+            raise ValueError(f"SnakeEngine runs concrete settings, but schedule {schedule.unset()} and storage "
+                             f"{storage.unset()} are left to the planner: resolve them first (snake_strategy.autoplan."
+                             "resolve, as GreedySnakeStrategy does) or set them")
         self.module, self.optimizer, self.storage, self.schedule = module, optimizer, storage, schedule
         self.dtypes, self.device, self.clip = dtypes, device, clip
         self.scaler = scaler if scaler is not None else LossScaler(dtypes.loss_scaling)
@@ -139,7 +143,7 @@ class SnakeEngine:
         if num_micro not in self._tasks:
             s = self.schedule
             self._tasks[num_micro] = build_tasks(s.kind, len(self.units), num_micro, s.batched_forward,
-                                                 s.batched_backward, self.runner.first_backward)
+                                                 s.batched_backward, self.runner.first_backward, s.split_backward)
         return self._tasks[num_micro]
 
     # ------------------------------------------------------------------ memory plan
@@ -152,7 +156,8 @@ class SnakeEngine:
             device_is_cpu=self.device.type == "cpu", storage=self.storage, kind=s.kind,
             num_micro=s.num_micro_batches, alpha=self.alpha, prefetch_depth=s.prefetch_depth,
             blocks_per_unit=s.blocks_per_unit,
-            micro_per_backward_task=s.num_micro_batches if s.batched_backward else 1,
+            # the split backward keeps every micro-batch's Linear inputs and output gradients until W(u)
+            micro_per_backward_task=s.num_micro_batches if s.batched_backward or s.split_backward else 1,
             checkpoint_bytes=checkpoint_bytes)
 
     def host_bytes_plan(self, checkpoint_bytes: int = 0) -> dict[str, int]:
@@ -276,6 +281,7 @@ class SnakeEngine:
             "train_s": time.perf_counter() - start_s,
             "io_wait_s": io_wait_s + self.activations.wait_s,
             "backpressure_wait_s": weight_backpressure_s + self.activations.backpressure_s,
+            "weight_grad_products": state.weight_grad_products,  # split backward: one per Linear call site
             "traffic": _delta(before, self._train_end_snapshot),
         }
         return torch.stack(state.losses).mean()

@@ -23,11 +23,12 @@ from torch import Tensor, nn
 from snake_strategy.activations import ActivationStore
 from snake_strategy.contract import check_block_output, stack_side_inputs, unpack_pre_stage
 from snake_strategy.engine.gradients import GradientPath
+from snake_strategy.engine.split import DeferLinearWeights, WeightGradStash
 from snake_strategy.engine.state import NonLayerState, UnitStore
 from snake_strategy.engine.trace import TASK, TaskTrace
 from snake_strategy.engine.weights import WeightStreamer
 from snake_strategy.progress import StepProgress
-from snake_strategy.schedule import BACKWARD, Task
+from snake_strategy.schedule import BACKWARD, FORWARD, WEIGHT_GRAD, Task
 
 
 @dataclass
@@ -40,6 +41,8 @@ class StepState:
     random_units: set[int] = field(default_factory=set)  # units whose forward drew random numbers
     act_grads: dict[int, Tensor] = field(default_factory=dict)  # dL/d(input of the unit below), per micro
     losses: list[Tensor] = field(default_factory=list)
+    stashes: dict[int, WeightGradStash] = field(default_factory=dict)  # split backward: deferred (X, dY) per unit
+    weight_grad_products: int = 0  # split backward: deferred Linear weight gradients computed (one product each)
     checkpoint_bytes: int = 0  # one unit input of one full micro-batch
 
 
@@ -88,10 +91,12 @@ class StepRunner:
                 for m in following.micro_batches:
                     self.activations.prefetch(following.unit, m)
             self.trace.task(task)
-            if task.kind == BACKWARD:
-                self._backward(task, state)
-            else:
+            if task.kind == FORWARD:
                 self._forward(task, state)
+            elif task.kind == WEIGHT_GRAD:
+                self._weight_grads(task, state)
+            else:
+                self._backward(task, state)
             if trace.enabled:
                 trace.span(TASK, repr(task), start_s, kind=task.kind, unit=task.unit,
                            micro_batches=list(task.micro_batches), index=index)
@@ -130,6 +135,34 @@ class StepRunner:
             if u < self.first_backward:
                 self.activations.drop(u, m)  # no backward below the first trainable unit: no recompute
 
+    def _defer(self, task: Task, state: StepState, wt: list[Tensor]):
+        """Split backward: the Linear weight gradients of this task's recompute wait for W(u); others run now."""
+        if task.kind == BACKWARD or not wt:
+            return contextlib.nullcontext()
+        stash = state.stashes.setdefault(task.unit, WeightGradStash([leaf.dtype for leaf in wt]))
+        return DeferLinearWeights(wt, stash, self.device.type)
+
+    def _accumulate(self, task: Task, grads: tuple[Tensor | None, ...]) -> None:
+        """A unit's gradients of one task. An input-gradient task of the split adds what it has (the
+        deferred ones come in W(u), which completes the unit); a whole backward task completes its part."""
+        if task.kind == BACKWARD:
+            self.gradients.accumulate(task.unit, grads, len(task.micro_batches))
+        elif any(g is not None for g in grads):
+            self.gradients.accumulate(task.unit, grads, 0)
+
+    def _weight_grads(self, task: Task, state: StepState) -> None:
+        """W(u): every deferred Linear weight gradient of unit ``u``, one product per call site over all the
+        micro-batches; completes the unit's gradient (it goes to the optimizer worker from here)."""
+        self.weights.release()  # no weights are read here: the buffer serves the fetches ahead (run-ahead + 1)
+        layout = self.units[task.unit].layout
+        if not layout.num_trainable:
+            return  # a frozen unit: nothing was deferred, nothing to complete
+        stash = state.stashes.pop(task.unit, None)
+        slots = layout.trainable_slots
+        grads = stash.weight_grads() if stash is not None else (None,) * len(slots)
+        state.weight_grad_products += stash.num_products if stash is not None else 0
+        self.gradients.accumulate(task.unit, grads, len(task.micro_batches))
+
     def _backward(self, task: Task, state: StepState) -> None:
         u, order = task.unit, task.micro_batches
         last = u == len(self.units) - 1
@@ -142,11 +175,13 @@ class StepRunner:
                 # A single-unit model: the embedding joins the fused task's graph directly.
                 with self.autocast():
                     x = torch.cat([self.pre_stage(state, m) for m in order])
-                    losses = self._post_losses(self.unit_forward(u, w, x, self._side(state, order)), batches, sizes)
+                    with self._defer(task, state, wt):
+                        y = self.unit_forward(u, w, x, self._side(state, order))
+                    losses = self._post_losses(y, batches, sizes)
                 grads = _grad(sum(losses) * state.loss_factor, wt + self.nonlayer.params)
                 self.nonlayer.accumulate(grads[len(wt):])
                 if wt:
-                    self.gradients.accumulate(u, grads[:len(wt)], len(order))
+                    self._accumulate(task, grads[:len(wt)])
                 state.losses += [loss.detach() for loss in losses]
                 return
             x = torch.cat([self.activations.get(u, m) for m in order]) if len(order) > 1 else self.activations.get(u, order[0])
@@ -157,17 +192,19 @@ class StepRunner:
             xs = [x] if needs_dx else []
             if last:
                 with self.autocast():
-                    losses = self._post_losses(self.unit_forward(u, w, x, self._side(state, order)), batches, sizes)
+                    with self._defer(task, state, wt):
+                        y = self.unit_forward(u, w, x, self._side(state, order))
+                    losses = self._post_losses(y, batches, sizes)
                 grads = _grad(sum(losses) * state.loss_factor, xs + wt + self.nonlayer.params)
                 self.nonlayer.accumulate(grads[len(xs) + len(wt):])
                 state.losses += [loss.detach() for loss in losses]
             else:
-                with self._replay(state, u, order), self.autocast():
+                with self._replay(state, u, order), self.autocast(), self._defer(task, state, wt):
                     y = self.unit_forward(u, w, x, self._side(state, order))
                 g = torch.cat([state.act_grads.pop(m) for m in order]) if len(order) > 1 else state.act_grads.pop(order[0])
                 grads = _grad(y, xs + wt, g)
             if wt:
-                self.gradients.accumulate(u, grads[len(xs):len(xs) + len(wt)], len(order))
+                self._accumulate(task, grads[len(xs):len(xs) + len(wt)])
             for m, dx in zip(order, grads[0].split(sizes) if needs_dx else [None] * len(order)):
                 self.activations.drop(u, m)
                 if u > 0 and dx is not None:

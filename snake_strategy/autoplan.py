@@ -1,0 +1,229 @@
+"""The planner drives the run: ``schedule.kind="auto"`` and ``storage.placement="auto"`` (the defaults of
+``GreedySnakeStrategy()``) become concrete settings at setup, from the model's shape, the host budget
+and the machine; settings given explicitly are kept as given.
+
+Choices (docs/design.md, "The planner drives the run"; the measurements behind them in docs/LOG.md):
+
+- **placement**: everything on the host when the whole run fits the host budget (nothing is faster);
+  otherwise ``planner.plan`` fills the budget with the states that move the most bytes per byte stored
+  (weights, then Adam moments) and puts the rest on the SSD. The budget is
+  ``storage.host_budget_bytes`` (per process), or ``AVAILABLE_MEMORY_SHARE`` of the memory the kernel
+  reports available at setup, divided among the processes of the node; ``ACTIVATION_RESERVE_SHARE`` of it is left for the activations (sized at the
+  first step, when the host budget is checked again with them).
+- **order**: vertical (the horizontal order moves every unit's weights M times more).
+- **batching**: batched forward and backward passes when the module declares that its blocks treat
+  samples independently (``LayeredModule.independent_samples``; the GPT and HuggingFace modules do): on
+  the measured presets they are the fastest. Otherwise the unbatched passes, which are exact for any block,
+  with ``split_backward`` when ``SPLIT_BACKWARD_WINS`` (measured, see docs/LOG.md).
+- **alpha**: ``planner.choose_alpha`` (the forward's share of the block compute).
+- **prefetch depth**: 2 when the weights are partly on the SSD (a unit's read then takes longer than a
+  unit's compute on the measured machines), else 1.
+
+The step-time prediction needs the tokens per micro-batch, known at the first step: ``first_prediction``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from snake_strategy.engine.build import check_trainable
+from snake_strategy.config import STATES, ScheduleConfig, StorageConfig, TierSplit
+from snake_strategy.memory import host_plan
+from snake_strategy.planner import HardwareProfile, ModelShape, StepPrediction, choose_alpha, memory_inputs, plan, predict
+from snake_strategy.units import build_layouts
+
+log = logging.getLogger(__name__)
+
+# Without storage.host_budget_bytes, auto placement plans within this share of MemAvailable at setup: the
+# rest is for Python, Lightning, the data pipeline and what the memory model does not see.
+AVAILABLE_MEMORY_SHARE = 0.6
+# Activation checkpoints and the compute workspace are sized only at the first step (they need the tokens
+# per micro-batch): the placement leaves this share of the budget for them (checked then, item by item).
+ACTIVATION_RESERVE_SHARE = 0.25
+# Measured on this project's CPU benchmarks (docs/LOG.md, 2026-12-01 "split backward"): whether the split
+# backward beats the unbatched backward it replaces for models whose blocks may mix samples.
+SPLIT_BACKWARD_WINS = False
+
+
+@dataclass
+class RunPlan:
+    """What the planner chose for this run, and why (``strategy.plan``)."""
+
+    storage: StorageConfig  # concrete: every state placed
+    schedule: ScheduleConfig  # concrete: every field set
+    reasons: dict[str, str]  # setting -> "given" or why the planner chose it
+    host_budget_bytes: int
+    host_bytes: int  # memory.host_plan of the chosen settings (checkpoints not yet counted)
+    prediction: StepPrediction | None = None  # the floor of one step, from the first batch's shapes
+
+    def describe(self) -> str:
+        s, st = self.schedule, self.storage
+        batching = ("split backward" if s.split_backward else
+                    f"batched forward={s.batched_forward} backward={s.batched_backward}")
+        places = ", ".join(f"{state} {_split_text(getattr(st, state))}" for state in STATES)
+        text = (f"{s.kind}, {s.num_micro_batches} micro-batches, {batching}, alpha {s.alpha}, prefetch "
+                f"{s.prefetch_depth}; {places}; host {self.host_bytes / 2**30:.2f} of "
+                f"{self.host_budget_bytes / 2**30:.2f} GiB")
+        if self.prediction is not None:
+            text += f"; predicted floor {self.prediction.roofline_s:.3f} s/step ({self.prediction.bound}-bound)"
+        return text
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"schedule": dataclasses.asdict(self.schedule),
+                "storage": {k: (dataclasses.asdict(v) if isinstance(v, TierSplit) else v)
+                            for k, v in dataclasses.asdict(self.storage).items()},
+                "reasons": dict(self.reasons), "host_budget_bytes": self.host_budget_bytes,
+                "host_bytes": self.host_bytes,
+                "prediction": self.prediction.as_dict() if self.prediction is not None else None}
+
+
+def available_memory_bytes() -> int:
+    """MemAvailable (Linux), else the free physical pages: what a new allocation can get without swapping."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def setup_shape(module: nn.Module, optimizer: torch.optim.Optimizer | None, blocks_per_unit: int, num_micro: int,
+                compute_bytes: int, master_bytes: int) -> ModelShape:
+    """The planner's view of the model before any batch is seen (tokens and checkpoint sizes are 0)."""
+    if optimizer is not None:
+        groups = check_trainable(module, optimizer)  # the engine's own refusals, with its messages
+    else:  # evaluation: no optimizer, the weights are all that is stored
+        groups = {id(p): 0 for p in module.parameters()}
+    layouts = build_layouts(module.blocks, blocks_per_unit, groups)
+    block_ids = {id(p) for p in module.blocks.parameters()}
+    nonlayer = [p for p in module.parameters() if id(p) not in block_ids]
+    return ModelShape(num_units=len(layouts), params_per_unit=max(layout.numel for layout in layouts),
+                      nonlayer_params=sum(p.numel() for p in nonlayer if p.requires_grad), head_params=0,
+                      tokens_per_micro=0, num_micro=num_micro, checkpoint_bytes=0, weight_bytes=compute_bytes,
+                      master_bytes=master_bytes, trainable_per_unit=tuple(layout.train_end for layout in layouts),
+                      nonlayer_frozen_params=sum(p.numel() for p in nonlayer if not p.requires_grad))
+
+
+def resolve(module: nn.Module, optimizer: torch.optim.Optimizer | None, storage: StorageConfig,
+            schedule: ScheduleConfig, compute_bytes: int, master_bytes: int, device: torch.device,
+            hardware: HardwareProfile, processes_per_node: int = 1) -> RunPlan:
+    """Concrete storage and schedule for this run (explicit settings kept), with the reasons.
+    ``processes_per_node``: the ranks sharing this machine's memory split the default budget."""
+    shape = setup_shape(module, optimizer, schedule.blocks_per_unit, schedule.num_micro_batches, compute_bytes,
+                        master_bytes)
+    hardware = dataclasses.replace(hardware, device_is_cpu=device.type == "cpu")
+    budget = storage.host_budget_bytes or int(AVAILABLE_MEMORY_SHARE * available_memory_bytes() / processes_per_node)
+    reasons: dict[str, str] = {}
+    kind = "vertical" if schedule.kind == "auto" else schedule.kind
+    reasons["kind"] = "given" if schedule.kind != "auto" else "vertical: one weight fetch per unit per pass"
+    alpha = schedule.alpha if schedule.alpha is not None else choose_alpha(shape)
+    reasons["alpha"] = "given" if schedule.alpha is not None else "the forward's share of the block compute"
+    storage, depth, placed = _place(shape, hardware, storage, kind, alpha, budget)
+    reasons.update(placed)
+    if schedule.prefetch_depth is not None:
+        depth, reasons["prefetch_depth"] = schedule.prefetch_depth, "given"
+    batching, why = _batching(module, schedule, kind)
+    reasons.update(why)
+    concrete = dataclasses.replace(schedule, kind=kind, alpha=alpha, prefetch_depth=depth, **batching)
+    if schedule.split_backward:
+        log.info("schedule.split_backward=true: LayerPipe's split backward (input gradients per micro-batch, Linear "
+                 "weight gradients as one product per unit). Until 2026-12 this key was an old name of "
+                 "batched_backward; set batched_backward for that")
+    host_bytes = sum(host_plan(memory_inputs(shape, hardware, storage, kind, alpha, depth)).values())
+    if storage.checkpoints.ssd > 0 and concrete.num_micro_batches <= 2 * storage.checkpoint_host_ends:
+        log.warning(
+            "storage.checkpoints puts %.0f%% on the SSD, but with schedule.num_micro_batches=%d and "
+            "storage.checkpoint_host_ends=%d every micro-batch is a turning point kept on the host: no "
+            "activation checkpoint will reach the SSD. Lower checkpoint_host_ends or raise num_micro_batches",
+            100 * storage.checkpoints.ssd, concrete.num_micro_batches, storage.checkpoint_host_ends)
+    return RunPlan(storage, concrete, reasons, budget, host_bytes)
+
+
+def _place(shape: ModelShape, hw: HardwareProfile, storage: StorageConfig, kind: str, alpha: float,
+           budget: int) -> tuple[StorageConfig, int, dict[str, str]]:
+    """(placed storage, prefetch depth, reasons). States given explicitly keep their split."""
+    unset = storage.unset()
+    given = {state: getattr(storage, state) for state in STATES if state not in unset}
+    reasons = {state: "given" for state in given}
+    if not unset:
+        return storage, 2 if storage.weights.ssd > 0 else 1, reasons
+    host = TierSplit()
+    all_host = dataclasses.replace(storage, placement="manual", **{s: given.get(s, host) for s in STATES})
+    needed = sum(host_plan(memory_inputs(shape, hw, all_host, kind, alpha, 1)).values())
+    budget = int(budget * (1 - ACTIVATION_RESERVE_SHARE))
+    if needed <= budget:
+        reasons.update({s: f"host: the run needs {needed / 2**30:.2f} GiB of the {budget / 2**30:.2f} GiB budget"
+                        for s in unset})
+        return all_host, 2 if all_host.weights.ssd > 0 else 1, reasons
+    chosen = plan(shape, hw, budget, kind, storage.ssd_dir)  # raises when not even the working set fits
+    placed = dataclasses.replace(storage, placement="manual",
+                                 **{s: given.get(s, getattr(chosen.storage, s)) for s in STATES})
+    reasons.update({s: f"planner.plan: {needed / 2**30:.2f} GiB all on the host exceeds the "
+                       f"{budget / 2**30:.2f} GiB budget" for s in unset})
+    return placed, 2 if placed.weights.ssd > 0 else 1, reasons
+
+
+def _batching(module: nn.Module, schedule: ScheduleConfig, kind: str) -> tuple[dict[str, bool], dict[str, str]]:
+    """batched_forward / batched_backward / split_backward: the given ones kept, the others chosen to match
+    (a random block needs the forward and the recompute grouped alike)."""
+    names = ("batched_forward", "batched_backward", "split_backward")
+    given = {n: getattr(schedule, n) for n in names if getattr(schedule, n) is not None}
+    reasons = {n: "given" for n in given}
+    if kind != "vertical":
+        return {n: given.get(n, False) for n in names}, {**{n: "horizontal order" for n in names}, **reasons}
+    if given.get("split_backward") or given.get("batched_backward") is False or given.get("batched_forward") is False:
+        # An unbatched pass was asked for: keep the other unbatched too (the dropout rule), split as measured.
+        split = given.get("split_backward", SPLIT_BACKWARD_WINS and not given.get("batched_backward"))
+        chosen = {"batched_forward": False, "batched_backward": False, "split_backward": split}
+        why = "unbatched passes, as asked"
+    elif given.get("batched_backward") or given.get("batched_forward"):
+        chosen = {"batched_forward": True, "batched_backward": True, "split_backward": False}
+        why = "batched passes, as asked (both, so dropout masks replay)"
+    elif getattr(module, "independent_samples", False):
+        chosen = {"batched_forward": True, "batched_backward": True, "split_backward": False}
+        why = "batched passes: the module declares independent samples (fastest measured)"
+    else:
+        chosen = {"batched_forward": False, "batched_backward": False, "split_backward": SPLIT_BACKWARD_WINS}
+        why = ("unbatched passes: the module does not declare independent samples "
+               "(LayeredModule.independent_samples)")
+    chosen.update(given)
+    reasons.update({n: why for n in names if n not in given})
+    return chosen, reasons
+
+
+def first_prediction(engine: Any, hardware: HardwareProfile | str | None, device: torch.device, batch: Any,
+                     at_model_shape: bool) -> tuple[StepPrediction, HardwareProfile, ModelShape]:
+    """The planner's roofline for this run, from the shapes seen in the first step: (prediction, the
+    machine's profile, the model's shape). ``hardware="probe"`` measures the machine (cached on disk)."""
+    if hardware == "probe":
+        from snake_strategy.hardware import probe_hardware  # on use: the probe writes a scratch file
+
+        hardware = probe_hardware(engine.ssd.path if engine.ssd else None, device)
+    elif hardware is None:
+        hardware = HardwareProfile(device_is_cpu=device.type == "cpu")
+    micro = engine.split(batch)[0][0]
+    shape = engine.model_shape(micro)
+    if at_model_shape and shape.tokens_per_micro:
+        # The compute roof at this model's own matmul shape (tokens x in) @ (in x out).
+        from snake_strategy.hardware import matmul_flops_per_s
+
+        out_dim, in_dim = engine.largest_block_matrix()
+        hardware = dataclasses.replace(
+            hardware, flops_per_s=matmul_flops_per_s(shape.tokens_per_micro, in_dim, out_dim, device))
+    prediction = predict(shape, hardware, engine.storage, engine.schedule.kind, engine.alpha)
+    log.info("planner: predicted floor %.3f s/step (%s-bound; compute %.3f s, ssd %.3f s, optimizer %.3f s)",
+             prediction.roofline_s, prediction.bound, prediction.compute_s, prediction.ssd_s, prediction.optimizer_s)
+    return prediction, hardware, shape
+
+
+def _split_text(split: TierSplit) -> str:
+    parts = [f"{tier} {getattr(split, tier):g}" for tier in ("device", "host", "ssd") if getattr(split, tier)]
+    return "/".join(parts)

@@ -1,0 +1,121 @@
+"""The planner drives the run: "auto" settings (the defaults) become concrete ones at setup, explicit
+settings are kept, the choice is public (``strategy.plan``), and the run stays exact (fp64 atol 1e-10)."""
+import dataclasses
+
+import pytest
+import torch
+
+import snake_strategy
+from snake_strategy import autoplan
+from snake_strategy.config import ScheduleConfig, StorageConfig, TierSplit
+from snake_strategy.engine import SnakeEngine
+from snake_strategy.gpt import GPTModule
+from snake_strategy.planner import HardwareProfile
+from snake_strategy.precision import GreedySnakePrecision
+from tests.helpers import SMALL_GPT, run_reference, run_snake
+
+STEPS, MICRO, MICRO_SIZE = 3, 4, 2
+
+
+class MixedSamplesGPT(GPTModule):
+    """The same model, without the declaration that its blocks keep samples apart."""
+
+    independent_samples = False
+
+
+def _close(got, ref):
+    assert len(got) == len(ref) and got
+    for a, b in zip(got, ref):
+        for name in a:
+            torch.testing.assert_close(a[name], b[name], rtol=0, atol=1e-10, msg=name)
+
+
+def _resolve(module_cls=GPTModule, storage=None, schedule=None, config=SMALL_GPT):
+    module = module_cls(config)
+    module.configure_model()
+    optimizer = module.configure_optimizers()
+    optimizer = optimizer["optimizer"] if isinstance(optimizer, dict) else optimizer
+    return autoplan.resolve(module, optimizer, storage or StorageConfig(placement="auto"),
+                            schedule or ScheduleConfig(num_micro_batches=MICRO), 8, 8, torch.device("cpu"),
+                            HardwareProfile())
+
+
+def test_the_default_strategy_is_auto():
+    strategy = snake_strategy.GreedySnakeStrategy()
+    assert strategy.schedule.kind == "auto" and strategy.schedule.unset()
+    assert strategy.storage.placement == "auto" and strategy.storage.unset()
+    assert snake_strategy.GreedySnakeStrategy(storage="auto", schedule="auto").requested == strategy.requested
+
+
+def test_default_run_is_planned_reported_and_exact():
+    ref = run_reference(SMALL_GPT, STEPS, MICRO, MICRO_SIZE, "64-true")
+    got, strategy = run_snake(SMALL_GPT, STEPS, MICRO, MICRO_SIZE, "64-true", schedule_kind="auto")
+    _close(got, ref)
+    plan = strategy.plan
+    s = plan.schedule
+    assert not s.unset() and not plan.storage.unset()
+    # GPT blocks keep samples apart: batched passes; 4 units: alpha = 3 / (3 + 12).
+    assert (s.kind, s.batched_forward, s.batched_backward, s.split_backward) == ("vertical", True, True, False)
+    assert s.alpha == pytest.approx(0.2) and s.prefetch_depth == 1
+    assert all(getattr(plan.storage, state) == TierSplit() for state in ("weights", "optimizer", "checkpoints"))
+    assert "independent samples" in plan.reasons["batched_backward"]
+    assert plan.prediction is not None and plan.prediction.roofline_s > 0  # filled at the first step
+    assert "predicted floor" in plan.describe() and plan.as_dict()["schedule"]["kind"] == "vertical"
+    assert strategy.schedule is s and strategy.storage is plan.storage  # the run's concrete settings
+
+
+def test_explicit_settings_are_kept():
+    plan = _resolve(schedule=ScheduleConfig(num_micro_batches=MICRO, alpha=0.1, batched_forward=False,
+                                            prefetch_depth=3),
+                    storage=StorageConfig(placement="auto", weights="ssd"))
+    s = plan.schedule
+    assert (s.alpha, s.batched_forward, s.batched_backward, s.prefetch_depth) == (0.1, False, False, 3)
+    assert plan.storage.weights == TierSplit(host=0.0, ssd=1.0)  # given
+    assert plan.storage.optimizer == TierSplit()  # placed: the rest fits the host
+    assert plan.reasons["alpha"] == plan.reasons["weights"] == "given"
+    assert plan.reasons["optimizer"].startswith("host")
+    # An explicit kind keeps the fixed defaults for what is unset: no planner.
+    fixed = ScheduleConfig(kind="vertical")
+    assert (fixed.alpha, fixed.batched_backward, fixed.prefetch_depth) == (0.25, False, 1)
+
+
+def test_blocks_that_may_mix_samples_run_unbatched():
+    s = _resolve(MixedSamplesGPT).schedule
+    assert (s.batched_forward, s.batched_backward, s.split_backward) == (False, False, autoplan.SPLIT_BACKWARD_WINS)
+    # Asking for one batched pass gets both (a random block needs the same grouping in the recompute).
+    s = _resolve(MixedSamplesGPT, schedule=ScheduleConfig(num_micro_batches=MICRO, batched_backward=True)).schedule
+    assert (s.batched_forward, s.batched_backward) == (True, True)
+
+
+def test_a_tight_budget_moves_state_to_the_ssd_and_stays_within_it(tmp_path):
+    # Wide enough that the activations (sized at the first step) fit the planner's reserve.
+    wide = dataclasses.replace(SMALL_GPT, d_model=128)
+    needed = _resolve(storage=StorageConfig(placement="auto", host_budget_bytes=2**30), config=wide).host_bytes
+    budget = needed  # all on the host would leave nothing for the activations
+    tight = _resolve(storage=StorageConfig(placement="auto", host_budget_bytes=budget, ssd_dir=str(tmp_path)),
+                     config=wide)
+    assert tight.storage.weights.ssd > 0 or tight.storage.optimizer.ssd > 0
+    assert tight.host_bytes <= budget * (1 - autoplan.ACTIVATION_RESERVE_SHARE)
+    assert tight.schedule.prefetch_depth == (2 if tight.storage.weights.ssd > 0 else 1)
+    assert "exceeds" in tight.reasons["weights"]
+    # The run itself: exact, inside the budget (checked again with the activations at the first step).
+    ref = run_reference(wide, STEPS, MICRO, MICRO_SIZE, "64-true")
+    ssd_dir = str(tmp_path / "run")
+    got, strategy = run_snake(wide, STEPS, MICRO, MICRO_SIZE, "64-true", schedule_kind="auto",
+                              storage={"placement": "auto", "host_budget_bytes": budget, "ssd_dir": ssd_dir})
+    _close(got, ref)
+    assert strategy.plan.storage == dataclasses.replace(tight.storage, ssd_dir=ssd_dir)
+
+
+def test_the_engine_refuses_settings_left_to_the_planner():
+    module = GPTModule(SMALL_GPT)
+    module.configure_model()
+    optimizer = torch.optim.AdamW(module.parameters())
+    with pytest.raises(ValueError, match=r"left to the planner.*autoplan.resolve"):
+        SnakeEngine(module, optimizer, StorageConfig(), ScheduleConfig(), GreedySnakePrecision().dtypes,
+                    torch.device("cpu"))
+
+
+def test_bad_placement_is_refused():
+    with pytest.raises(ValueError, match=r"storage.placement='magic'"):
+        StorageConfig(placement="magic")
