@@ -28,7 +28,8 @@ from snake_strategy.config import ScheduleConfig, StorageConfig, coerce_config
 from snake_strategy.contract import check_contract
 from snake_strategy.distributed import DataParallelMixin, check_rank_loader, rank_storage, sync_initial_state
 from snake_strategy.engine import EngineHooks, SnakeEngine
-from snake_strategy.engine.evaluation import EvalEngine, traffic_delta
+from snake_strategy.engine.evaluation import EvalEngine
+from snake_strategy.storage.counters import traffic_delta
 from snake_strategy.module import LayeredModule
 from snake_strategy.planner import HardwareProfile, StepPrediction
 from snake_strategy.precision import GreedySnakePrecision

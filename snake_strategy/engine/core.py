@@ -37,6 +37,7 @@ from snake_strategy.precision import DtypePolicy, LossScaler
 from snake_strategy.progress import Progress, or_quiet
 from snake_strategy.schedule import build_tasks
 from snake_strategy.storage import IOEngine, SsdDirectory, TrafficCounters
+from snake_strategy.storage.counters import traffic_delta
 from snake_strategy.storage.aligned import return_large_frees_to_os
 from snake_strategy.storage.pool import BufferPool
 from snake_strategy.units import build_layouts
@@ -282,7 +283,7 @@ class SnakeEngine:
             "io_wait_s": io_wait_s + self.activations.wait_s,
             "backpressure_wait_s": weight_backpressure_s + self.activations.backpressure_s,
             "weight_grad_products": state.weight_grad_products,  # split backward: one per Linear call site
-            "traffic": _delta(before, self._train_end_snapshot),
+            "traffic": traffic_delta(before, self._train_end_snapshot),
         }
         return torch.stack(state.losses).mean()
 
@@ -310,7 +311,7 @@ class SnakeEngine:
         stats["optimizer_wait_s"] = wait_s
         stats["optimizer_busy_s"] = self.overlap.take_busy_s()
         stats["backpressure_wait_s"] = stats.get("backpressure_wait_s", 0.0) + self.grad_pool.take_wait_s()
-        stats["optimizer_traffic"] = _delta(before, self.counters.snapshot())
+        stats["optimizer_traffic"] = traffic_delta(before, self.counters.snapshot())
         self._train_end_snapshot = None
         self.trace.end_step()
 
@@ -497,7 +498,3 @@ def _read(t, lo: int, hi: int) -> Tensor:
 
 def _crc(value: Tensor) -> int:
     return zlib.crc32(memoryview(value.contiguous().view(torch.uint8).numpy()))
-
-
-def _delta(before: dict, after: dict) -> dict[str, int]:
-    return {"/".join(k): v - before.get(k, 0) for k, v in sorted(after.items()) if v - before.get(k, 0)}

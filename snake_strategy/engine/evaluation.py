@@ -247,8 +247,3 @@ class EvalEngine:
         self.units = []
         if first_error is not None:
             raise first_error
-
-
-def traffic_delta(before: dict, after: dict) -> dict[str, int]:
-    """``"tier/state/direction" -> bytes`` moved between two ``TrafficCounters.snapshot()``s."""
-    return {"/".join(k): v - before.get(k, 0) for k, v in sorted(after.items()) if v - before.get(k, 0)}

@@ -38,3 +38,8 @@ class TrafficCounters:
     def reset(self) -> None:
         with self._lock:
             self._bytes.clear()
+
+
+def traffic_delta(before: dict, after: dict) -> dict[str, int]:
+    """``"tier/state/direction" -> bytes`` moved between two ``TrafficCounters.snapshot()``s."""
+    return {"/".join(k): v - before.get(k, 0) for k, v in sorted(after.items()) if v - before.get(k, 0)}
