@@ -23,6 +23,7 @@ from snake_strategy.config import ScheduleConfig, StorageConfig
 from snake_strategy.contract import batch_size, batch_tensors, check_contract, slice_batch, split_micro_batches, unpack_pre_stage
 from snake_strategy.engine.build import build_model, check_trainable
 from snake_strategy.engine.gradients import GradientPath, defers_whole_units
+from snake_strategy.engine.half_weights import WeightFormat
 from snake_strategy.engine.overlap import OptimizerOverlap
 from snake_strategy.engine.runner import StepRunner, StepState
 from snake_strategy.engine.trace import TaskTrace
@@ -95,6 +96,10 @@ class SnakeEngine:
         layouts = build_layouts(self.module.blocks, s.blocks_per_unit, check_trainable(self.module, self.optimizer))
         self._unit_params = tuple(layout.numel for layout in layouts)
         self._unit_trainable = tuple(layout.train_end for layout in layouts)  # the rest is frozen
+        half = self.dtypes.half_weights
+        fmts = [WeightFormat.for_layout(layout, half, self.dtypes.master) for layout in layouts] if half else []
+        self._weight_elems = tuple(f.main_numel for f in fmts)  # stored weight vectors (half-precision storage)
+        self._weight_tails = tuple(f.tail_bytes for f in fmts)
         block_ids = {id(p) for p in self.module.blocks.parameters()}
         nonlayer = [p for p in self.module.parameters() if id(p) not in block_ids]
         self._nonlayer_numel = sum(p.numel() for p in nonlayer if p.requires_grad)
@@ -107,11 +112,11 @@ class SnakeEngine:
                             self.device, self.counters, self.io, self.ssd, pretrained, self.progress)
         self.blocks_prefix, self.units, self.nonlayer = built.blocks_prefix, built.units, built.nonlayer
         pools = pool_sizes(self.memory_inputs())
-        self.overlap = OptimizerOverlap(self.units, self.dtypes.compute, self.dtypes.master, self.device,
+        self.overlap = OptimizerOverlap(self.units, self.dtypes.weights, self.dtypes.master, self.device,
                                         self.storage.optimizer_chunk_elems, self.hooks.before_optimizer_chunk,
                                         trace=self.trace)
         self._parts.append(self.overlap)
-        self.weights = WeightStreamer(self.units, self.overlap, self.trace, s.prefetch_depth, self.dtypes.compute,
+        self.weights = WeightStreamer(self.units, self.overlap, self.trace, s.prefetch_depth, self.dtypes.weights,
                                       self.device)
         self._parts.append(self.weights)
         self.activations = ActivationStore(self.storage, s.num_micro_batches, len(self.units),
@@ -142,6 +147,8 @@ class SnakeEngine:
             unit_params=self._unit_params, nonlayer_params=self._nonlayer_numel,
             unit_trainable=self._unit_trainable, nonlayer_frozen=self._nonlayer_frozen,
             compute_bytes=self.dtypes.bytes_per("compute"), master_bytes=self.dtypes.bytes_per("master"),
+            unit_weight_elems=self._weight_elems, weight_bytes=self.dtypes.bytes_per("weights"),
+            unit_weight_tail_bytes=self._weight_tails,
             device_is_cpu=self.device.type == "cpu", storage=self.storage, kind=s.kind,
             num_micro=s.num_micro_batches, alpha=self.alpha, prefetch_depth=s.prefetch_depth,
             blocks_per_unit=s.blocks_per_unit,
@@ -176,7 +183,9 @@ class SnakeEngine:
         return ModelShape(
             num_units=len(self.units), params_per_unit=max(self._unit_params), nonlayer_params=self._nonlayer_numel,
             head_params=sum(head.values()), tokens_per_micro=tokens, num_micro=self.schedule.num_micro_batches,
-            checkpoint_bytes=self.checkpoint_bytes, weight_bytes=self.dtypes.bytes_per("compute"),
+            checkpoint_bytes=self.checkpoint_bytes, weight_bytes=self.dtypes.bytes_per("weights"),
+            weight_elems_per_unit=max(self._weight_elems, default=0),
+            weight_tail_bytes_per_unit=max(self._weight_tails, default=0),
             master_bytes=self.dtypes.bytes_per("master"), trainable_per_unit=self._unit_trainable,
             first_backward_unit=self.runner.first_backward, nonlayer_frozen_params=self._nonlayer_frozen)
 
@@ -305,7 +314,7 @@ class SnakeEngine:
                 hidden, side = unpack_pre_stage(self.module.pre_stage(batch))
                 for u in range(len(self.units)):
                     self.weights.prefetch_after(tasks, u)
-                    hidden = self.runner.unit_forward(u, self.weights.flat(u), hidden, side)
+                    hidden = self.runner.unit_forward(u, self.weights.leaves(u), hidden, side)
                 return self.module.post_stage(hidden)
         finally:
             self.weights.drain()
@@ -340,7 +349,7 @@ class SnakeEngine:
         for name in ("master", "exp_avg", "exp_avg_sq"):
             getattr(unit, name).evict(state[name].to(self.dtypes.master), 0, t)
         if unit.weights is not unit.master:
-            unit.weights.evict(state["master"].to(self.dtypes.compute), 0, t)
+            unit.load_trainable_weights(state["master"].to(self.dtypes.master))
 
     def nonlayer_state(self) -> dict[str, Any]:
         """The non-layer parameters' master weights and moments, the step counter and the loss scaler."""
@@ -369,8 +378,7 @@ class SnakeEngine:
         the compute weights (their only copy)."""
         unit = self.units[u]
         out = {}
-        for flat, trainable in ((_read(unit.master, 0, unit.train_end), True),
-                                (_read(unit.weights, unit.train_end, unit.layout.numel), False)):
+        for flat, trainable in ((_read(unit.master, 0, unit.train_end), True), (unit.read_frozen(), False)):
             base = 0 if trainable else unit.train_end
             out.update({name: flat[offset - base:offset - base + numel].view(shape).clone()
                         for name, shape, offset, numel in self.unit_slots(u, trainable)})
@@ -380,7 +388,7 @@ class SnakeEngine:
         """CRC-32 of every frozen parameter's stored bytes, per unit and for the non-layer ones: what a
         checkpoint records instead of a copy of the base weights. Computed once (they never change)."""
         if self._frozen_crc is None:
-            units = [_crc(_read(unit.weights, unit.train_end, unit.layout.numel)) for unit in self.units]
+            units = [_crc(unit.read_frozen()) for unit in self.units]
             nonlayer = {name: _crc(p.detach().cpu().reshape(-1)) for name, p in
                         zip(self.nonlayer.frozen_names, self.nonlayer.frozen)}
             self._frozen_crc = {"units": units, "nonlayer": nonlayer}

@@ -220,9 +220,7 @@ class OptimizerOverlap:
                            ((unit.master, master), (unit.exp_avg, exp_avg), (unit.exp_avg_sq, exp_avg_sq))
                            if not t.resident]
                 if unit.weights is not unit.master:
-                    compute = scratch["compute"][:hi - lo]
-                    compute.copy_(master)
-                    tickets.append(unit.weights.start_evict(compute, lo, hi))
+                    tickets += unit.start_refresh(master, lo, hi, scratch["compute"])
                 for ticket in tickets:
                     ticket.wait()  # the scratch is reused by the next chunk: the writes must be done
         finally:
