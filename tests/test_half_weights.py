@@ -180,3 +180,30 @@ def test_frozen_weights_stay_full_precision(tmp_path):
     for name, value in initial.items():
         assert half[-1][name].dtype == torch.float32
         assert torch.equal(half[-1][name], value), name  # exported exactly as they came in
+
+
+def test_resume_with_half_storage_is_bitwise_identical(tmp_path):
+    # A resume loads the master and refreshes the half vector and the fp32 tail from it.
+    from tests.test_checkpoint import MICRO, _loader
+
+    def fit(max_steps, ssd_dir, ckpt_dir=None, ckpt_path=None):
+        torch.manual_seed(0)
+        module = GPTModule(SMALL_GPT, learning_rate=1e-2, warmup_steps=1, max_steps=6)
+        strategy = snake_strategy.GreedySnakeStrategy(
+            storage={"ssd_dir": str(ssd_dir), **SSD}, schedule={"num_micro_batches": MICRO, "alpha": 0.25},
+            precision_plugin=GreedySnakePrecision("bf16-mixed"))
+        rec = ParamRecorder(only_last=True)
+        callbacks = [rec]
+        if ckpt_dir is not None:
+            callbacks.append(L.pytorch.callbacks.ModelCheckpoint(dirpath=str(ckpt_dir), every_n_train_steps=3,
+                                                                 save_top_k=-1))
+        trainer = L.Trainer(strategy=strategy, max_steps=max_steps, callbacks=callbacks,
+                            **trainer_kwargs(enable_checkpointing=ckpt_dir is not None))
+        trainer.fit(module, train_dataloaders=_loader(), ckpt_path=ckpt_path)
+        return rec.states[-1]
+
+    straight = fit(6, tmp_path / "a")
+    fit(3, tmp_path / "b", ckpt_dir=tmp_path / "ckpts")
+    resumed = fit(6, tmp_path / "c", ckpt_path=str(tmp_path / "ckpts" / "epoch=0-step=3.ckpt"))
+    for name in straight:
+        assert torch.equal(straight[name], resumed[name]), name
