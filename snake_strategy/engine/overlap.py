@@ -31,6 +31,7 @@ import torch
 from snake_strategy.engine.state import UnitStore
 from snake_strategy.engine.trace import OPTIMIZER, WAIT, TaskTrace
 from snake_strategy.optim import AdamHyperParams, adam_step
+from snake_strategy.storage.io_engine import BACKGROUND, set_thread_priority
 from snake_strategy.storage.pool import BufferPool
 
 
@@ -57,8 +58,7 @@ class OptimizerOverlap:
         self._before_chunk = before_chunk
         self._trace = trace if trace is not None else TaskTrace()  # spans of the worker's parts and chunks
         # One intra-op thread: AdamW is memory-bound, and the compute thread's matmuls own the cores.
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="snake-optim",
-                                        initializer=torch.set_num_threads, initargs=(1,))
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="snake-optim", initializer=_worker_init)
         self._chunk_elems = chunk_elems
         chunk = min(chunk_elems, max([u.train_end for u in units] + [1]))  # frozen elements are never stepped
         # The worker's scratch: master, two moments and a parked gradient chunk (+ the compute copy).
@@ -241,6 +241,12 @@ class OptimizerOverlap:
         self._backward_jobs, self._deferred = {}, None
         for pool in self._scratch.values():
             pool.clear()
+
+
+def _worker_init() -> None:
+    torch.set_num_threads(1)
+    # Compute never waits for the optimizer's SSD traffic directly: reads of weights and checkpoints go first.
+    set_thread_priority(BACKGROUND)
 
 
 def _acquire(t, scratch: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
