@@ -59,7 +59,9 @@ class WeightStreamer:
         started_s = time.perf_counter()
         self._overlap.wait_forward_part(u)  # the deferred update of this unit must land first
         unit = self._units[u]
-        weights, tail = unit.weights, unit.tail
+        weights = unit.weights
+        # evaluation's units (EvalUnit) keep one vector in one dtype: no half-precision format, no tail
+        fmt, tail = (unit.fmt, unit.tail) if isinstance(unit, UnitStore) else (None, None)
         if self.pool is None:  # in place: nothing copied
             parts = (weights.device_tensor(), tail.device_tensor() if tail is not None else None)
             return None, parts, started_s, time.perf_counter(), DONE
@@ -72,10 +74,10 @@ class WeightStreamer:
         batch = None
         try:
             with self._copies.issuing(after=reusable) as batch:  # the H2D copies run on the copy stream
-                if unit.fmt is None:
+                if fmt is None:
                     parts = (weights.fetch(buffer[:weights.numel], staging=staging), None)
                 else:
-                    main, tail_out = unit.fmt.split_buffer(buffer)
+                    main, tail_out = fmt.split_buffer(buffer)
                     parts = (weights.fetch(main, staging=staging), tail.fetch(tail_out))
         except BaseException:
             self._copies.synchronize()  # nothing may still be copying into or out of the buffers
