@@ -31,7 +31,7 @@ import torch
 from snake_strategy.engine.state import UnitStore
 from snake_strategy.engine.trace import OPTIMIZER, WAIT, TaskTrace
 from snake_strategy.optim import AdamHyperParams, adam_step
-from snake_strategy.storage.io_engine import BACKGROUND, set_thread_priority
+from snake_strategy.storage.io_engine import BACKGROUND, URGENT, set_thread_priority
 from snake_strategy.storage.pool import BufferPool
 
 
@@ -138,6 +138,8 @@ class OptimizerOverlap:
                      unused: list[tuple[int, int]]) -> None:
         unit = self._units[u]
         start_s = time.perf_counter()
+        # The unit's weights are fetched only after this update: its reads are what compute waits for.
+        set_thread_priority(URGENT)
         grad_pool = self._scratch["grad"]
         buffer = grad_pool.acquire()
 
@@ -149,6 +151,7 @@ class OptimizerOverlap:
             self._step_range(unit, 0, unit.split, parked_grad, hps, step_before, grad_scale, unused)
         finally:
             grad_pool.release(buffer)
+            set_thread_priority(BACKGROUND)
         self._add_busy(time.perf_counter() - start_s)
         if self._trace.enabled:
             self._trace.span(OPTIMIZER, f"forward part u{u}", start_s, unit=u, part="forward", elements=unit.split)
@@ -245,7 +248,7 @@ class OptimizerOverlap:
 
 def _worker_init() -> None:
     torch.set_num_threads(1)
-    # Compute never waits for the optimizer's SSD traffic directly: reads of weights and checkpoints go first.
+    # Backward parts are waited for only at the end of the step: reads of weights and checkpoints go first.
     set_thread_priority(BACKGROUND)
 
 

@@ -9,7 +9,9 @@ Priorities: the chunks wait in one priority queue, so a read that compute waits 
 optimizer-state traffic instead of queueing behind a unit's worth of it. A transfer's priority is the
 submitting thread's (``set_thread_priority``): reads of the main and prefetch threads (the next unit's
 weights, the next activation checkpoints) are ``URGENT``; their writes (checkpoints) ``NORMAL``; the
-optimizer worker's reads and writes (master, moments, parked gradients, refreshed weights) ``BACKGROUND``.
+optimizer worker's reads and writes (master, moments, parked gradients, refreshed weights) ``BACKGROUND``,
+except while it steps a unit's deferred forward part, which the fetch of that unit's weights waits for
+(reads ``URGENT``, writes ``NORMAL``).
 A chunk already on the disk is not interrupted: an urgent read waits for at most ``num_threads`` chunks.
 """
 from __future__ import annotations
