@@ -261,8 +261,7 @@ def _host_plan(inputs: MemoryInputs) -> dict[str, int]:
 
 def ssd_plan(inputs: MemoryInputs) -> dict[str, int]:
     """SSD bytes of the run, item by item (files are page-rounded per unit)."""
-    s = inputs.storage
-    e_c, e_m = inputs.compute_bytes, inputs.master_bytes
+    s, e_m = inputs.storage, inputs.master_bytes
 
     def per_unit(fraction: float, elem_bytes: int, numels) -> int:
         return sum(round_up(int(n * fraction) * elem_bytes) for n in numels) if fraction else 0
