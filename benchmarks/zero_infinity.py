@@ -49,14 +49,21 @@ INSTALL_HINT = (
     "CPU torch instead of pulling another one)"
 )
 AIO_BLOCK_BYTES = 2**20
-# Offload knobs (anchors.md): how many parameter elements may stay fetched, and the ZeRO-3 default size
-# at or below which a parameter is never partitioned (it stays resident, like a LayerNorm gain).
-MAX_LIVE_PARAMETERS = 10**8
+# Offload knobs, tuned on r1 (docs/LOG.md, 2026-12-01 sweep; back to back with the previous defaults of
+# 1e8 live / 1e8 reuse / DeepSpeed's 5e7 prefetch bucket / 16 buffers, 5-6% faster): how many parameter
+# elements may stay fetched and how far ahead a released one may be reused (3e7: blocks are released
+# promptly instead of filling the buffers with the embedding and the head), how many elements the NVMe
+# prefetch reads ahead, and the ZeRO-3 default size at or below which a parameter is never partitioned
+# (it stays resident, like a LayerNorm gain).
+MAX_LIVE_PARAMETERS = 3 * 10**7
+MAX_REUSE_DISTANCE = 3 * 10**7
+PREFETCH_BUCKET_NUMEL = 2 * 10**8
 PERSISTENCE_THRESHOLD_NUMEL = 10**5
-# Every swap buffer holds the largest parameter and is page-locked; anchors' r1 run used 16 of them
-# (16 x 155 MB): that is the memory the buffer pool may take when a model needs more than 16.
-MIN_PARAM_BUFFERS = 16
-PARAM_BUFFER_BUDGET_BYTES = int(2.5e9)
+# Every swap buffer holds the largest parameter (r1: 155 MB, the embedding) and is page-locked; 24 of
+# them on r1 (anchors' run used 16; 24 let the larger prefetch bucket read ahead): that is the memory the
+# buffer pool may take when a model needs more.
+MIN_PARAM_BUFFERS = 24
+PARAM_BUFFER_BUDGET_BYTES = int(4e9)
 
 
 class GPTLoss(nn.Module):
@@ -247,7 +254,8 @@ def deepspeed_config(config: GPTConfig, micro_batch_size: int, num_micro_batches
             },
             # 1e9 reuse distance (or too few buffers) crashes with "Not enough buffers".
             "stage3_max_live_parameters": MAX_LIVE_PARAMETERS,
-            "stage3_max_reuse_distance": MAX_LIVE_PARAMETERS,
+            "stage3_max_reuse_distance": MAX_REUSE_DISTANCE,
+            "stage3_prefetch_bucket_size": PREFETCH_BUCKET_NUMEL,
             "stage3_param_persistence_threshold": PERSISTENCE_THRESHOLD_NUMEL,
         },
         # intra_op_parallelism: older DeepSpeed releases called it thread_count.
@@ -289,7 +297,7 @@ def run_zero_infinity(config: GPTConfig, micro_batch_size: int, num_micro_batche
     the steps after the first (warm-up); SSD bytes come from /proc/self/io. ``grad_clip_norm``: clip
     the global gradient norm (None: no clipping, like Lightning's default). ``num_param_buffers``:
     offload_param.buffer_count (None: ``param_buffer_count``'s rule). ``prefetch_bucket_numel``:
-    stage3_prefetch_bucket_size (None: DeepSpeed's 5e7; 0 turns NVMe prefetch off, the workaround for
+    stage3_prefetch_bucket_size (None: PREFETCH_BUCKET_NUMEL; 0 turns NVMe prefetch off, the workaround for
     "param N already assigned swap buffer id M", which the ``small`` preset hits). One call per process.
     """
     config = GPTConfig.from_any(config)
@@ -425,7 +433,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--param-buffers", type=int, default=None,
                         help="offload_param.buffer_count (default: enough for the live set, see param_buffer_count)")
     parser.add_argument("--prefetch-bucket-numel", type=int, default=None,
-                        help="stage3_prefetch_bucket_size (default: DeepSpeed's; 0 disables NVMe prefetch, "
+                        help="stage3_prefetch_bucket_size (default: PREFETCH_BUCKET_NUMEL, 2e8; 0 disables NVMe prefetch, "
                              "needed for the 'small' preset)")
     parser.add_argument("--ds-overrides", default=None,
                         help="JSON merged into the DeepSpeed config, nested key by key (a sweep point), e.g. "
