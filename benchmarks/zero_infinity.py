@@ -49,14 +49,21 @@ INSTALL_HINT = (
     "CPU torch instead of pulling another one)"
 )
 AIO_BLOCK_BYTES = 2**20
-# Offload knobs (anchors.md): how many parameter elements may stay fetched, and the ZeRO-3 default size
-# at or below which a parameter is never partitioned (it stays resident, like a LayerNorm gain).
-MAX_LIVE_PARAMETERS = 10**8
+# Offload knobs, tuned on r1 (docs/LOG.md, 2026-12-01 sweep; back to back with the previous defaults of
+# 1e8 live / 1e8 reuse / DeepSpeed's 5e7 prefetch bucket / 16 buffers, 5-6% faster): how many parameter
+# elements may stay fetched and how far ahead a released one may be reused (3e7: blocks are released
+# promptly instead of filling the buffers with the embedding and the head), how many elements the NVMe
+# prefetch reads ahead, and the ZeRO-3 default size at or below which a parameter is never partitioned
+# (it stays resident, like a LayerNorm gain).
+MAX_LIVE_PARAMETERS = 3 * 10**7
+MAX_REUSE_DISTANCE = 3 * 10**7
+PREFETCH_BUCKET_NUMEL = 2 * 10**8
 PERSISTENCE_THRESHOLD_NUMEL = 10**5
-# Every swap buffer holds the largest parameter and is page-locked; anchors' r1 run used 16 of them
-# (16 x 155 MB): that is the memory the buffer pool may take when a model needs more than 16.
-MIN_PARAM_BUFFERS = 16
-PARAM_BUFFER_BUDGET_BYTES = int(2.5e9)
+# Every swap buffer holds the largest parameter (r1: 155 MB, the embedding) and is page-locked; 24 of
+# them on r1 (anchors' run used 16; 24 let the larger prefetch bucket read ahead): that is the memory the
+# buffer pool may take when a model needs more.
+MIN_PARAM_BUFFERS = 24
+PARAM_BUFFER_BUDGET_BYTES = int(4e9)
 
 
 class GPTLoss(nn.Module):
@@ -192,9 +199,18 @@ def param_buffer_count(config: GPTConfig, buffer_numel: int) -> int:
     return max(MIN_PARAM_BUFFERS, min(live + 2, affordable))
 
 
+def merge_settings(base: dict, overrides: dict) -> dict:
+    """``base`` with ``overrides`` merged in, nested dicts key by key (a sweep point over the config)."""
+    out = dict(base)
+    for key, value in overrides.items():
+        out[key] = merge_settings(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
+
+
 def deepspeed_config(config: GPTConfig, micro_batch_size: int, num_micro_batches: int, nvme_path: str,
                      gpt_hparams: dict, grad_clip_norm: float | None = None,
-                     num_param_buffers: int | None = None, prefetch_bucket_numel: int | None = None) -> dict:
+                     num_param_buffers: int | None = None, prefetch_bucket_numel: int | None = None,
+                     overrides: dict | None = None) -> dict:
     """The ZeRO-Infinity config that works on this CPU-only machine (anchors.md), fp32 throughout."""
     # offload_param.buffer_size counts elements and must hold the largest parameter; round it up to
     # whole aio blocks (fp32: 4 bytes per element).
@@ -238,7 +254,8 @@ def deepspeed_config(config: GPTConfig, micro_batch_size: int, num_micro_batches
             },
             # 1e9 reuse distance (or too few buffers) crashes with "Not enough buffers".
             "stage3_max_live_parameters": MAX_LIVE_PARAMETERS,
-            "stage3_max_reuse_distance": MAX_LIVE_PARAMETERS,
+            "stage3_max_reuse_distance": MAX_REUSE_DISTANCE,
+            "stage3_prefetch_bucket_size": PREFETCH_BUCKET_NUMEL,
             "stage3_param_persistence_threshold": PERSISTENCE_THRESHOLD_NUMEL,
         },
         # intra_op_parallelism: older DeepSpeed releases called it thread_count.
@@ -247,7 +264,7 @@ def deepspeed_config(config: GPTConfig, micro_batch_size: int, num_micro_batches
     }
     if prefetch_bucket_numel is not None:
         ds_config["zero_optimization"]["stage3_prefetch_bucket_size"] = prefetch_bucket_numel
-    return ds_config
+    return merge_settings(ds_config, overrides or {})
 
 
 def _param_groups(gpt: GPTModule) -> list[dict]:
@@ -269,7 +286,7 @@ def _param_groups(gpt: GPTModule) -> list[dict]:
 def run_zero_infinity(config: GPTConfig, micro_batch_size: int, num_micro_batches: int, steps: int,
                       nvme_dir: str, seed: int = 0, lr: float = 3e-4,
                       grad_clip_norm: float | None = None, num_param_buffers: int | None = None,
-                      prefetch_bucket_numel: int | None = None) -> dict:
+                      prefetch_bucket_numel: int | None = None, overrides: dict | None = None) -> dict:
     """Train ``steps`` optimizer steps of the GPT under ZeRO-Infinity and return the measurements.
 
     Each step is ``num_micro_batches`` micro-batches of ``micro_batch_size`` windows of
@@ -280,7 +297,7 @@ def run_zero_infinity(config: GPTConfig, micro_batch_size: int, num_micro_batche
     the steps after the first (warm-up); SSD bytes come from /proc/self/io. ``grad_clip_norm``: clip
     the global gradient norm (None: no clipping, like Lightning's default). ``num_param_buffers``:
     offload_param.buffer_count (None: ``param_buffer_count``'s rule). ``prefetch_bucket_numel``:
-    stage3_prefetch_bucket_size (None: DeepSpeed's 5e7; 0 turns NVMe prefetch off, the workaround for
+    stage3_prefetch_bucket_size (None: PREFETCH_BUCKET_NUMEL; 0 turns NVMe prefetch off, the workaround for
     "param N already assigned swap buffer id M", which the ``small`` preset hits). One call per process.
     """
     config = GPTConfig.from_any(config)
@@ -309,7 +326,7 @@ def run_zero_infinity(config: GPTConfig, micro_batch_size: int, num_micro_batche
 
         gpt_hparams = {"learning_rate": lr, "weight_decay": 0.1, "betas": (0.9, 0.95), "eps": 1e-8}
         ds_config = deepspeed_config(config, micro_batch_size, num_micro_batches, swap_dir, gpt_hparams,
-                                     grad_clip_norm, num_param_buffers, prefetch_bucket_numel)
+                                     grad_clip_norm, num_param_buffers, prefetch_bucket_numel, overrides)
         # dtype=None: passing torch.float32 silently turns into bf16 on this CPU.
         with deepspeed.zero.Init(config_dict_or_path=ds_config, remote_device="nvme", dtype=None):
             gpt = GPTModule(config, learning_rate=lr, weight_decay=gpt_hparams["weight_decay"],
@@ -394,6 +411,9 @@ def run_zero_infinity(config: GPTConfig, micro_batch_size: int, num_micro_batche
         "torch_version": torch.__version__,
         "torch_threads": torch.get_num_threads(),
         "zero_config": ds_config["zero_optimization"] | {"aio": ds_config["aio"]},
+        # every DeepSpeed setting this run used (the swap paths are this run's temporary directory)
+        "deepspeed_settings": {k: v for k, v in ds_config.items() if k != "optimizer"},
+        "deepspeed_overrides": overrides or {},
     }
 
 
@@ -413,8 +433,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--param-buffers", type=int, default=None,
                         help="offload_param.buffer_count (default: enough for the live set, see param_buffer_count)")
     parser.add_argument("--prefetch-bucket-numel", type=int, default=None,
-                        help="stage3_prefetch_bucket_size (default: DeepSpeed's; 0 disables NVMe prefetch, "
+                        help="stage3_prefetch_bucket_size (default: PREFETCH_BUCKET_NUMEL, 2e8; 0 disables NVMe prefetch, "
                              "needed for the 'small' preset)")
+    parser.add_argument("--ds-overrides", default=None,
+                        help="JSON merged into the DeepSpeed config, nested key by key (a sweep point), e.g. "
+                             "'{\"zero_optimization\": {\"stage3_max_live_parameters\": 3e8}}'")
     parser.add_argument("--json-out", default=None, help="write the result dict here as JSON")
     args = parser.parse_args(argv)
 
@@ -424,7 +447,8 @@ def main(argv: list[str] | None = None) -> int:
     nvme_dir = args.nvme_dir or tempfile.gettempdir()
     result = run_zero_infinity(config, args.micro_batch_size, args.num_micro, args.steps, nvme_dir,
                                seed=args.seed, lr=args.lr, grad_clip_norm=args.grad_clip,
-                               num_param_buffers=args.param_buffers, prefetch_bucket_numel=args.prefetch_bucket_numel)
+                               num_param_buffers=args.param_buffers, prefetch_bucket_numel=args.prefetch_bucket_numel,
+                               overrides=json.loads(args.ds_overrides) if args.ds_overrides else None)
     result["preset"] = args.preset
     print(f"zero_infinity {args.preset}: {result['s_per_step']:.2f} s/step (median of {args.steps - 1}), "
           f"{result['tokens_per_s']:.0f} tokens/s, SSD read {result['ssd_read_bytes_per_step'] / 1e9:.2f} GB/step, "

@@ -69,6 +69,12 @@ class MemoryInputs:
     # moments and gradients (the trainable part, page-padded); empty: every element is trainable.
     unit_trainable: tuple[int, ...] = ()
     nonlayer_frozen: int = 0  # frozen embedding/head parameters: the compute copy only
+    # Half-precision weight storage (mixed precision, engine/half_weights.py): per unit, the elements of
+    # the stored weight vector, of ``weight_bytes`` each (frozen parts count two), and the bytes of the
+    # full-precision tail kept in memory. Empty / 0: unit_params elements of compute_bytes, no tail.
+    unit_weight_elems: tuple[int, ...] = ()
+    weight_bytes: int = 0
+    unit_weight_tail_bytes: tuple[int, ...] = ()
 
     @property
     def trainable(self) -> tuple[int, ...]:
@@ -91,8 +97,27 @@ class MemoryInputs:
         return max(self.unit_params)
 
     @property
+    def e_w(self) -> int:
+        """Bytes per element of the stored block weights."""
+        return self.weight_bytes or self.compute_bytes
+
+    @property
+    def weight_elems(self) -> tuple[int, ...]:
+        return self.unit_weight_elems or self.unit_params
+
+    @property
+    def weight_tail_bytes(self) -> tuple[int, ...]:
+        return self.unit_weight_tail_bytes or (0,) * len(self.unit_params)
+
+    @property
+    def weight_buffer_bytes(self) -> int:
+        """One working buffer of unit weights: the largest stored vector (+ its tail, 64-byte aligned)."""
+        return max(round_up(n * self.e_w, 64) + tail if tail else n * self.e_w
+                   for n, tail in zip(self.weight_elems, self.weight_tail_bytes))
+
+    @property
     def separate_master(self) -> bool:
-        return self.compute_bytes != self.master_bytes
+        return self.e_w != self.master_bytes
 
 
 def pool_sizes(inputs: MemoryInputs) -> PoolSizes:
@@ -168,18 +193,21 @@ def host_plan(inputs: MemoryInputs) -> dict[str, int]:
 def _pinned_items(inputs: MemoryInputs) -> dict[str, int]:
     """The CUDA device's host items: pinned allocations at their real size (they replace the nominal
     sizes of ``_host_plan``, which on CUDA are what the items would take if pageable)."""
-    s, units, e_c, e_m = inputs.storage, inputs.unit_params, inputs.compute_bytes, inputs.master_bytes
+    s, units, e_m = inputs.storage, inputs.unit_params, inputs.master_bytes
+    tails = [t for t in inputs.weight_tail_bytes if t] if s.weights.device < 1.0 else []
     items = {
-        "weights": pinned_host_shares(units, s.weights, e_c),
+        "weights": (pinned_host_shares(inputs.weight_elems, s.weights, inputs.e_w)
+                    + sum(pinned_allocation_bytes(round_up(t)) for t in tails)),
         "optimizer_moments": 2 * pinned_host_shares(units, s.optimizer, e_m),
         # the gradient store's host segment is allocated for the whole unit share, pinned
         "gradients": pinned_host_shares(units, s.gradients, e_m),
     }
     if inputs.separate_master:
         items["master"] = pinned_host_shares(units, s.master, e_m)
-    staging = weight_staging_elems(units, s.weights)
+    staging = weight_staging_elems(inputs.weight_elems, s.weights)
     if staging:
-        items["weight_staging"] = WEIGHT_STAGING_BUFFERS * aligned_allocation_bytes(staging, e_c, pin_memory=True)
+        items["weight_staging"] = WEIGHT_STAGING_BUFFERS * aligned_allocation_bytes(staging, inputs.e_w,
+                                                                                      pin_memory=True)
     if inputs.checkpoint_bytes:
         ckpt = pinned_allocation_bytes(round_up(inputs.checkpoint_bytes))  # one pinned buffer each
         tiers = checkpoint_tiers(s, inputs.num_micro)
@@ -193,23 +221,26 @@ def _pinned_items(inputs: MemoryInputs) -> dict[str, int]:
 def _host_plan(inputs: MemoryInputs) -> dict[str, int]:
     s, cpu = inputs.storage, inputs.device_is_cpu
     e_c, e_m = inputs.compute_bytes, inputs.master_bytes
-    total, unit = inputs.total_params, inputs.max_unit_params
     trained, unit_trained = inputs.total_trainable, inputs.max_trainable
     pools = pool_sizes(inputs)
     chunk = min(unit_trained, s.optimizer_chunk_elems)
     weights_in_place = s.weights.device == 1.0  # fully device-resident weights are used in place
+    e_w = inputs.e_w
+    # the fp32 tail of half-precision storage is always in memory (host, or the device when weights are)
+    tail_in_memory = sum(inputs.weight_tail_bytes) if cpu or s.weights.device < 1.0 else 0
     plan = {
-        "weights": int(total * e_c * _in_memory(s.weights, cpu)),
+        "weights": int(sum(inputs.weight_elems) * e_w * _in_memory(s.weights, cpu)) + tail_in_memory,
         "optimizer_moments": int(2 * trained * e_m * _in_memory(s.optimizer, cpu)),
         "gradients": int(stored_gradient_elems(inputs) * e_m * _in_memory(s.gradients, cpu)),
         # compute copy, master (when separate), 2 moments, gradient, one transient gradient from autograd
-        "nonlayer_params_and_state": (inputs.nonlayer_params * (e_c + 4 * e_m + (e_m if inputs.separate_master else 0))
+        # (the non-layer master is separate only when the compute dtype differs: bf16-true)
+        "nonlayer_params_and_state": (inputs.nonlayer_params * (e_c + 4 * e_m + (e_m if e_c != e_m else 0))
                                       + inputs.nonlayer_frozen * e_c),
-        "weight_buffers": 0 if weights_in_place else pools.weight_buffers * unit * e_c,
+        "weight_buffers": 0 if weights_in_place else pools.weight_buffers * inputs.weight_buffer_bytes,
         # + the horizontal schedule's partial sum, read back to be added (one unit, transient)
         "gradient_buffers": (pools.grad_buffers + (inputs.kind == "horizontal")) * unit_trained * e_m,
         # the worker's chunk of master + 2 moments + parked gradient (+ the refreshed compute copy)
-        "optimizer_scratch": 4 * chunk * e_m + (chunk * e_c if inputs.separate_master else 0),
+        "optimizer_scratch": 4 * chunk * e_m + (chunk * e_w if inputs.separate_master else 0),
     }
     if inputs.separate_master:
         plan["master"] = int(trained * e_m * _in_memory(s.master, cpu))
@@ -230,15 +261,14 @@ def _host_plan(inputs: MemoryInputs) -> dict[str, int]:
 
 def ssd_plan(inputs: MemoryInputs) -> dict[str, int]:
     """SSD bytes of the run, item by item (files are page-rounded per unit)."""
-    s = inputs.storage
-    e_c, e_m = inputs.compute_bytes, inputs.master_bytes
+    s, e_m = inputs.storage, inputs.master_bytes
 
     def per_unit(fraction: float, elem_bytes: int, numels) -> int:
         return sum(round_up(int(n * fraction) * elem_bytes) for n in numels) if fraction else 0
 
     units, trained = inputs.unit_params, inputs.trainable  # frozen elements: weights only
     plan = {
-        "weights": per_unit(s.weights.ssd, e_c, units),
+        "weights": per_unit(s.weights.ssd, inputs.e_w, inputs.weight_elems),
         "optimizer_moments": 2 * per_unit(s.optimizer.ssd, e_m, trained),
         "gradients": int(stored_gradient_elems(inputs) * e_m * s.gradients.ssd),
     }

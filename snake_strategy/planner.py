@@ -55,6 +55,10 @@ class ModelShape:
     trainable_per_unit: tuple[int, ...] = ()
     first_backward_unit: int = 0
     nonlayer_frozen_params: int = 0
+    # Half-precision weight storage (mixed precision): elements of a unit's stored weight vector (0: all
+    # its parameters) and the bytes of its full-precision tail, which stays in memory.
+    weight_elems_per_unit: int = 0
+    weight_tail_bytes_per_unit: int = 0
 
     @property
     def trainable(self) -> tuple[int, ...]:
@@ -119,9 +123,11 @@ def predict(shape: ModelShape, hw: HardwareProfile, storage: StorageConfig, kind
     e_w, e_m = shape.weight_bytes, shape.master_bytes
     separate_master = e_w != e_m
     fetches = weight_fetches_per_step(kind, L, M, shape.backward_from)
-    weights = tier_bytes(u, storage.weights, e_w)
+    weights = tier_bytes(shape.weight_elems_per_unit or u, storage.weights, e_w)
+    # the tail: read by every fetch, rewritten by every step, kept in host memory (or on the device)
+    tail = shape.weight_tail_bytes_per_unit if storage.weights.device < 1.0 else 0
     read, write = fetches * weights["ssd"], 0
-    host_bytes = fetches * weights["host"]
+    host_bytes = fetches * (weights["host"] + tail)
     partials = M - 1 if kind == "horizontal" else 0
     # Only a unit's trainable part [0, t) has a master copy, moments and gradients; frozen weights are read
     # by the fetches above and never written.
@@ -136,9 +142,9 @@ def predict(shape: ModelShape, hw: HardwareProfile, storage: StorageConfig, kind
         write += moved
         host_bytes += 2 * master["host"] + 4 * moments["host"]
         if separate_master:
-            refresh = tier_bytes(u, storage.weights, e_w, 0, t)
+            refresh = tier_bytes(shape.weight_elems_per_unit or u, storage.weights, e_w, 0, t)
             write += refresh["ssd"]
-            host_bytes += refresh["host"]
+            host_bytes += refresh["host"] + tail
     if L > 1:
         # Each SSD checkpoint (a unit's input) is written once and read by the unit's forward and by its
         # recompute; the last unit's input only once (its backward is fused with its forward), and units
@@ -183,6 +189,8 @@ def memory_inputs(shape: ModelShape, hw: HardwareProfile, storage: StorageConfig
     return MemoryInputs(
         unit_params=(shape.params_per_unit,) * shape.num_units, nonlayer_params=shape.nonlayer_params,
         compute_bytes=shape.weight_bytes, master_bytes=shape.master_bytes, device_is_cpu=hw.device_is_cpu,
+        unit_weight_elems=(shape.weight_elems_per_unit,) * shape.num_units if shape.weight_elems_per_unit else (),
+        unit_weight_tail_bytes=(shape.weight_tail_bytes_per_unit,) * shape.num_units,
         unit_trainable=shape.trainable_per_unit, nonlayer_frozen=shape.nonlayer_frozen_params,
         storage=storage, kind=kind, num_micro=shape.num_micro, alpha=alpha, prefetch_depth=prefetch_depth,
         checkpoint_bytes=shape.checkpoint_bytes)

@@ -4,9 +4,14 @@
 |--------------|-----------------|------------------------|-------------------|
 | "32-true"    | fp32 (= master) | fp32                   | fp32              |
 | "64-true"    | fp64 (= master) | fp64                   | fp64              |
-| "bf16-mixed" | fp32 (= master) | fp32                   | autocast(bf16)    |
+| "bf16-mixed" | matmul weights bf16, the rest fp32 | fp32 (separate copy) | autocast(bf16) |
 | "bf16-true"  | bf16            | fp32 (separate copy)   | bf16              |
-| "16-mixed"   | fp32 (= master) | fp32                   | autocast(fp16), dynamic loss scale |
+| "16-mixed"   | matmul weights fp16, the rest fp32 | fp32 (separate copy) | autocast(fp16), dynamic loss scale |
+
+In the mixed precisions the matmul weights (Linear/conv ``weight``) are stored in the autocast dtype
+(``half_weights=True``, the default): autocast would round them to it before every product anyway, so
+the numbers are autocast's and the weight traffic halves. ``half_weights=False``: fp32 compute weights
+(= master), as before.
 
 16-mixed skips an overflowing step exactly (no weight, moment or step-counter change) and halves the
 scale; the scaler's state is part of every checkpoint. On a CPU-only machine Lightning turns
@@ -19,6 +24,7 @@ Gradients are produced by the engine's schedule, so ``backward`` does nothing; t
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Generator
 from dataclasses import dataclass
 from typing import Any
@@ -37,6 +43,14 @@ class DtypePolicy:
     master: torch.dtype  # master weights, moments and gradient accumulators
     autocast: torch.dtype | None = None  # mixed precision: run the stages under autocast
     loss_scaling: bool = False  # 16-mixed: dynamic loss scaling, overflowing steps skipped exactly
+    # Mixed precision: the blocks' matmul weights are stored and moved in this dtype (the autocast one),
+    # the rest of the block weights in ``compute``, the master copy separately (engine/half_weights.py).
+    half_weights: torch.dtype | None = None
+
+    @property
+    def weights(self) -> torch.dtype:
+        """The dtype of a unit's stored compute-weight vector."""
+        return self.half_weights or self.compute
 
     def bytes_per(self, which: str) -> int:
         return torch.empty((), dtype=getattr(self, which)).element_size()
@@ -89,9 +103,11 @@ class LossScaler:
 _POLICIES = {
     "32-true": DtypePolicy(compute=torch.float32, master=torch.float32),
     "64-true": DtypePolicy(compute=torch.float64, master=torch.float64),
-    "bf16-mixed": DtypePolicy(compute=torch.float32, master=torch.float32, autocast=torch.bfloat16),
+    "bf16-mixed": DtypePolicy(compute=torch.float32, master=torch.float32, autocast=torch.bfloat16,
+                              half_weights=torch.bfloat16),
     "bf16-true": DtypePolicy(compute=torch.bfloat16, master=torch.float32),
-    "16-mixed": DtypePolicy(compute=torch.float32, master=torch.float32, autocast=torch.float16, loss_scaling=True),
+    "16-mixed": DtypePolicy(compute=torch.float32, master=torch.float32, autocast=torch.float16, loss_scaling=True,
+                            half_weights=torch.float16),
 }
 SUPPORTED_PRECISIONS = tuple(_POLICIES)
 
@@ -101,9 +117,13 @@ class GreedySnakePrecision(Precision):
         precision: one of ``SUPPORTED_PRECISIONS``.
         init_scale, growth_interval: the 16-mixed loss scaler's start value and clean steps per doubling
             (torch.amp.GradScaler's defaults).
+        half_weights: in bf16-mixed / 16-mixed, store and move the blocks' matmul weights in the autocast
+            dtype (half the weight traffic; the same numbers as autocast, engine/half_weights.py). False
+            keeps them in fp32 (then the compute copy is the master copy, stored once).
     """
 
-    def __init__(self, precision: str = "32-true", init_scale: float = 2.0**16, growth_interval: int = 2000) -> None:
+    def __init__(self, precision: str = "32-true", init_scale: float = 2.0**16, growth_interval: int = 2000,
+                 half_weights: bool = True) -> None:
         precision = str(precision)
         if precision not in _POLICIES:
             raise ValueError(
@@ -112,6 +132,8 @@ class GreedySnakePrecision(Precision):
             )
         self.precision = precision
         self.dtypes = _POLICIES[precision]
+        if not half_weights:
+            self.dtypes = dataclasses.replace(self.dtypes, half_weights=None)
         self.init_scale, self.growth_interval = init_scale, growth_interval
         self.make_scaler()  # validates the settings now, not at the first step
 

@@ -226,3 +226,14 @@ def test_shards_cover_each_unit_once_on_whole_pages():
             per = shard_size(train_end, world)
             assert per % SHARD_ALIGN_ELEMS == 0 and per * world >= train_end
             assert all((lo % SHARD_ALIGN_ELEMS == 0 or lo == hi) and hi - lo <= per for lo, hi in bounds)
+
+
+def test_partitioned_state_refuses_half_weight_storage():
+    """The fp32 tail of half-precision weight storage is not all-gathered: refused before any collective."""
+    from snake_strategy.engine.partition import Partition
+    from snake_strategy.precision import GreedySnakePrecision
+    from snake_strategy.storage import TrafficCounters
+
+    dtypes = GreedySnakePrecision("bf16-mixed").dtypes
+    with pytest.raises(ValueError, match="half_weights=False.*shard_optimizer_state=False"):
+        Partition(2, 0, TrafficCounters(), dtypes, torch.device("cpu"))

@@ -14,6 +14,7 @@ from torch import nn
 
 from snake_strategy.adapters import adapter_initializer
 from snake_strategy.config import StorageConfig
+from snake_strategy.engine.half_weights import WeightFormat, tail_split
 from snake_strategy.engine.partition import ShardView
 from snake_strategy.engine.state import NonLayerState, UnitStore
 from snake_strategy.memory import forward_split
@@ -77,9 +78,15 @@ def build_model(module: nn.Module, optimizer: torch.optim.Optimizer, layouts: li
         layout.buffers = [{k: v.to(device) for k, v in d.items()} for d in layout.buffers]
         # Frozen elements [t, n) exist only as compute weights: no master, moments or gradient store.
         name, n, t = f"unit{layout.index:05d}", layout.numel, layout.train_end
-        weights = tiered(name, "weights", n, dtypes.compute)
-        weights.evict(flat.to(dtypes.compute))
-        if dtypes.compute == dtypes.master:
+        fmt, tail = None, None
+        if dtypes.half_weights is not None:
+            # Mixed precision: matmul weights stored in half, the rest in a full-precision tail kept in
+            # memory (engine/half_weights.py); the master copy is separate.
+            fmt = WeightFormat.for_layout(layout, dtypes.half_weights, dtypes.master)
+            tail = TieredTensor(f"{name}.tail", "weights", fmt.tail_numel, dtypes.master,
+                                tail_split(storage.weights), device, counters, io, ssd)
+        weights = tiered(name, "weights", n if fmt is None else fmt.main_numel, dtypes.weights)
+        if dtypes.weights == dtypes.master:
             master = weights  # fp32/fp64 training: the compute copy is the master copy, stored once
         else:
             master = tiered(name, "master", t, dtypes.master)
@@ -93,19 +100,27 @@ def build_model(module: nn.Module, optimizer: torch.optim.Optimizer, layouts: li
         if shard is not None:
             exp_avg, exp_avg_sq = ShardView(exp_avg, lo), ShardView(exp_avg_sq, lo)
         grads = tiered(name, "gradients", t, dtypes.master)
-        tracker.advance(1, n * dtypes.bytes_per("compute") + t * state_bytes_per_elem)
-        return UnitStore(layout, weights, master, exp_avg, exp_avg_sq, grads, forward_split(t, alpha))
+        unit = UnitStore(layout, weights, master, exp_avg, exp_avg_sq, grads, forward_split(t, alpha), fmt, tail)
+        unit.store_weights(flat)
+        tracker.advance(1, weight_bytes(layout) + t * state_bytes_per_elem)
+        return unit
+
+    def weight_bytes(layout: UnitLayout) -> int:
+        if dtypes.half_weights is None:
+            return layout.numel * dtypes.bytes_per("weights")
+        fmt = WeightFormat.for_layout(layout, dtypes.half_weights, dtypes.master)
+        return fmt.main_numel * dtypes.bytes_per("weights") + fmt.tail_bytes
 
     # Bytes put into the tiers per element: the compute weights for every element; the master copy when
     # separate and two Adam moments for the trainable ones only.
     state_bytes_per_elem = 2 * dtypes.bytes_per("master")
-    if dtypes.compute != dtypes.master:
+    if dtypes.weights != dtypes.master:
         state_bytes_per_elem += dtypes.bytes_per("master")
     progress = or_quiet(progress)
     source = PretrainedSource(pretrained) if pretrained else None
     tracker = progress.phase("load_pretrained" if source else "materialize", len(layouts),
-                             total_bytes=sum(layout.numel * dtypes.bytes_per("compute")
-                                             + layout.train_end * state_bytes_per_elem for layout in layouts))
+                             total_bytes=sum(weight_bytes(layout) + layout.train_end * state_bytes_per_elem
+                                             for layout in layouts))
     try:
         units = _materialize(module, layouts, named, device, source, dtypes, blocks_prefix, blocks_per_unit,
                              store_unit)

@@ -22,6 +22,7 @@ from snake_strategy.config import ScheduleConfig, StorageConfig
 from snake_strategy.contract import batch_size, batch_tensors, check_contract, slice_batch, split_micro_batches, unpack_pre_stage
 from snake_strategy.engine.build import build_model, check_trainable
 from snake_strategy.engine.gradients import GradientPath, defers_whole_units
+from snake_strategy.engine.half_weights import WeightFormat
 from snake_strategy.engine.hooks import EngineHooks
 from snake_strategy.engine.overlap import OptimizerOverlap
 from snake_strategy.engine.partition import Partition, shard_range
@@ -101,6 +102,10 @@ class SnakeEngine:
         layouts = build_layouts(self.module.blocks, s.blocks_per_unit, check_trainable(self.module, self.optimizer))
         self._unit_params = tuple(layout.numel for layout in layouts)
         self._unit_trainable = tuple(layout.train_end for layout in layouts)  # the rest is frozen
+        half = self.dtypes.half_weights
+        fmts = [WeightFormat.for_layout(layout, half, self.dtypes.master) for layout in layouts] if half else []
+        self._weight_elems = tuple(f.main_numel for f in fmts)  # stored weight vectors (half-precision storage)
+        self._weight_tails = tuple(f.tail_bytes for f in fmts)
         block_ids = {id(p) for p in self.module.blocks.parameters()}
         nonlayer = [p for p in self.module.parameters() if id(p) not in block_ids]
         self._nonlayer_numel = sum(p.numel() for p in nonlayer if p.requires_grad)
@@ -114,11 +119,11 @@ class SnakeEngine:
                             shard=self.partition.bounds if self.partition is not None else None)
         self.blocks_prefix, self.units, self.nonlayer = built.blocks_prefix, built.units, built.nonlayer
         pools = pool_sizes(self.memory_inputs())
-        self.overlap = OptimizerOverlap(self.units, self.dtypes.compute, self.dtypes.master, self.device,
+        self.overlap = OptimizerOverlap(self.units, self.dtypes.weights, self.dtypes.master, self.device,
                                         self.storage.optimizer_chunk_elems, self.hooks.before_optimizer_chunk,
                                         trace=self.trace)
         self._parts.append(self.overlap)
-        self.weights = WeightStreamer(self.units, self.overlap, self.trace, s.prefetch_depth, self.dtypes.compute,
+        self.weights = WeightStreamer(self.units, self.overlap, self.trace, s.prefetch_depth, self.dtypes.weights,
                                       self.device)
         self._parts.append(self.weights)
         self.activations = ActivationStore(self.storage, s.num_micro_batches, len(self.units),
@@ -154,6 +159,8 @@ class SnakeEngine:
             unit_params=self._unit_params, nonlayer_params=self._nonlayer_numel,
             unit_trainable=self._unit_trainable, nonlayer_frozen=self._nonlayer_frozen,
             compute_bytes=self.dtypes.bytes_per("compute"), master_bytes=self.dtypes.bytes_per("master"),
+            unit_weight_elems=self._weight_elems, weight_bytes=self.dtypes.bytes_per("weights"),
+            unit_weight_tail_bytes=self._weight_tails,
             device_is_cpu=self.device.type == "cpu", storage=self.storage, kind=s.kind,
             num_micro=s.num_micro_batches, alpha=self.alpha, prefetch_depth=s.prefetch_depth,
             blocks_per_unit=s.blocks_per_unit,
@@ -194,7 +201,9 @@ class SnakeEngine:
         return ModelShape(
             num_units=len(self.units), params_per_unit=max(self._unit_params), nonlayer_params=self._nonlayer_numel,
             head_params=sum(head.values()), tokens_per_micro=tokens, num_micro=self.schedule.num_micro_batches,
-            checkpoint_bytes=self.checkpoint_bytes, weight_bytes=self.dtypes.bytes_per("compute"),
+            checkpoint_bytes=self.checkpoint_bytes, weight_bytes=self.dtypes.bytes_per("weights"),
+            weight_elems_per_unit=max(self._weight_elems, default=0),
+            weight_tail_bytes_per_unit=max(self._weight_tails, default=0),
             master_bytes=self.dtypes.bytes_per("master"), trainable_per_unit=self._unit_trainable,
             first_backward_unit=self.runner.first_backward, nonlayer_frozen_params=self._nonlayer_frozen)
 
@@ -356,7 +365,7 @@ class SnakeEngine:
         # Partitioned: the moments are gathered, a collective every rank runs for the same units in order.
         moments = self.partition.gather_moments(unit) if self.partition is not None else \
             {"exp_avg": unit.exp_avg.read_full(), "exp_avg_sq": unit.exp_avg_sq.read_full()}
-        return {"master": _read(unit.master, 0, unit.train_end), **moments}
+        return {"master": unit.master.read_copy(0, unit.train_end), **moments}
 
     @torch.no_grad()
     def load_unit_state(self, u: int, state: dict[str, Tensor]) -> None:
@@ -368,7 +377,7 @@ class SnakeEngine:
         for name in ("exp_avg", "exp_avg_sq"):
             getattr(unit, name).evict(state[name][lo:hi].to(self.dtypes.master), lo, hi)
         if unit.weights is not unit.master:
-            unit.weights.evict(state["master"].to(self.dtypes.compute), 0, t)
+            unit.load_trainable_weights(state["master"].to(self.dtypes.master))
 
     def nonlayer_state(self) -> dict[str, Any]:
         """The non-layer parameters' master weights and moments, the step counter and the loss scaler."""
@@ -397,8 +406,7 @@ class SnakeEngine:
         the compute weights (their only copy)."""
         unit = self.units[u]
         out = {}
-        for flat, trainable in ((_read(unit.master, 0, unit.train_end), True),
-                                (_read(unit.weights, unit.train_end, unit.layout.numel), False)):
+        for flat, trainable in ((unit.master.read_copy(0, unit.train_end), True), (unit.read_frozen(), False)):
             base = 0 if trainable else unit.train_end
             out.update({name: flat[offset - base:offset - base + numel].view(shape).clone()
                         for name, shape, offset, numel in self.unit_slots(u, trainable)})
@@ -407,8 +415,11 @@ class SnakeEngine:
     def frozen_checksums(self) -> dict[str, Any]:
         """CRC-32 of every frozen parameter's stored bytes, per unit and for the non-layer ones: what a
         checkpoint records instead of a copy of the base weights. Computed once (they never change)."""
+        def _crc(value: Tensor) -> int:
+            return zlib.crc32(memoryview(value.contiguous().view(torch.uint8).numpy()))
+
         if self._frozen_crc is None:
-            units = [_crc(_read(unit.weights, unit.train_end, unit.layout.numel)) for unit in self.units]
+            units = [_crc(unit.read_frozen()) for unit in self.units]
             nonlayer = {name: _crc(p.detach().cpu().reshape(-1)) for name, p in
                         zip(self.nonlayer.frozen_names, self.nonlayer.frozen)}
             self._frozen_crc = {"units": units, "nonlayer": nonlayer}
@@ -487,14 +498,3 @@ class SnakeEngine:
         finally:
             if ssd is not None:
                 ssd.close()
-
-
-def _read(t, lo: int, hi: int) -> Tensor:
-    """Elements [lo, hi) of a tiered tensor, as a fresh CPU copy."""
-    if hi == lo:
-        return torch.empty(0, dtype=t.dtype)
-    return t.fetch(t.new_buffer(hi - lo), lo, hi).cpu()
-
-
-def _crc(value: Tensor) -> int:
-    return zlib.crc32(memoryview(value.contiguous().view(torch.uint8).numpy()))

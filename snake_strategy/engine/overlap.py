@@ -32,6 +32,7 @@ from snake_strategy.engine.partition import shard_range
 from snake_strategy.engine.state import UnitStore
 from snake_strategy.engine.trace import OPTIMIZER, WAIT, TaskTrace
 from snake_strategy.optim import AdamHyperParams, adam_step
+from snake_strategy.storage.io_engine import BACKGROUND, URGENT, set_thread_priority
 from snake_strategy.storage.pool import BufferPool
 
 
@@ -58,8 +59,7 @@ class OptimizerOverlap:
         self._before_chunk = before_chunk
         self._trace = trace if trace is not None else TaskTrace()  # spans of the worker's parts and chunks
         # One intra-op thread: AdamW is memory-bound, and the compute thread's matmuls own the cores.
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="snake-optim",
-                                        initializer=torch.set_num_threads, initargs=(1,))
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="snake-optim", initializer=_worker_init)
         self._chunk_elems = chunk_elems
         chunk = min(chunk_elems, max([u.train_end for u in units] + [1]))  # frozen elements are never stepped
         # The worker's scratch: master, two moments and a parked gradient chunk (+ the compute copy).
@@ -153,6 +153,8 @@ class OptimizerOverlap:
                      unused: list[tuple[int, int]]) -> None:
         unit = self._units[u]
         start_s = time.perf_counter()
+        # The unit's weights are fetched only after this update: its reads are what compute waits for.
+        set_thread_priority(URGENT)
         grad_pool = self._scratch["grad"]
         buffer = grad_pool.acquire()
 
@@ -162,11 +164,14 @@ class OptimizerOverlap:
 
         lo, hi = shard_range(unit)
         try:
-            self._step_range(unit, lo, min(unit.split, hi), parked_grad, hps, step_before, grad_scale, unused)
+            try:
+                self._step_range(unit, lo, min(unit.split, hi), parked_grad, hps, step_before, grad_scale, unused)
+            finally:
+                grad_pool.release(buffer)
+            if self.gather is not None:
+                self.gather(u)  # partitioned: every rank's updated shard of the unit, before anyone reads it
         finally:
-            grad_pool.release(buffer)
-        if self.gather is not None:
-            self.gather(u)  # partitioned: every rank's updated shard of the unit, before anyone reads it
+            set_thread_priority(BACKGROUND)
         self._add_busy(time.perf_counter() - start_s)
         if self._trace.enabled:
             self._trace.span(OPTIMIZER, f"forward part u{u}", start_s, unit=u, part="forward", elements=unit.split)
@@ -239,9 +244,7 @@ class OptimizerOverlap:
                            ((unit.master, master), (unit.exp_avg, exp_avg), (unit.exp_avg_sq, exp_avg_sq))
                            if not t.resident]
                 if unit.weights is not unit.master:
-                    compute = scratch["compute"][:hi - lo]
-                    compute.copy_(master)
-                    tickets.append(unit.weights.start_evict(compute, lo, hi))
+                    tickets += unit.start_refresh(master, lo, hi, scratch["compute"])
                 for ticket in tickets:
                     ticket.wait()  # the scratch is reused by the next chunk: the writes must be done
         finally:
@@ -262,6 +265,12 @@ class OptimizerOverlap:
         self._backward_jobs, self._deferred = {}, None
         for pool in self._scratch.values():
             pool.clear()
+
+
+def _worker_init() -> None:
+    torch.set_num_threads(1)
+    # Backward parts are waited for only at the end of the step: reads of weights and checkpoints go first.
+    set_thread_priority(BACKGROUND)
 
 
 def _acquire(t, scratch: torch.Tensor, lo: int, hi: int) -> torch.Tensor:

@@ -91,6 +91,10 @@ class Partition:
             raise ValueError("shard_optimizer_state=True needs the compute weights to be the master weights "
                              "(precision 32-true, 64-true or bf16-mixed); with bf16-true pass "
                              "GreedySnakeStrategy(shard_optimizer_state=False)")
+        if dtypes.half_weights is not None:  # the fp32 tail of each unit is not all-gathered (yet)
+            raise ValueError("shard_optimizer_state=True does not combine with half-precision weight storage: pass "
+                             "plugins=[GreedySnakePrecision(<precision>, half_weights=False)] or "
+                             "GreedySnakeStrategy(shard_optimizer_state=False)")
         self.world_size, self.rank, self._counters = world_size, rank, counters
         self._dtype, self._device = dtypes.compute, device
         # The optimizer worker's own group: its gathers never interleave with the main thread's reductions.

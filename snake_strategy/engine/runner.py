@@ -108,7 +108,7 @@ class StepRunner:
         return hidden
 
     def unit_forward(self, u: int, params, hidden: Tensor, side: dict[str, Any]) -> Tensor:
-        return self.units[u].layout.forward(params, hidden, side, check_block_output)
+        return self.units[u].forward(params, hidden, side, check_block_output)
 
     def _side(self, state: StepState, order: tuple[int, ...]) -> dict[str, Any]:
         return stack_side_inputs([state.side[m] for m in order], [state.sizes[m] for m in order])

@@ -6,14 +6,16 @@ optimizer overlap only call these methods.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import Tensor, nn
 
+from snake_strategy.engine.half_weights import WeightFormat, checked
 from snake_strategy.optim import AdamHyperParams, adam_step
 from snake_strategy.precision import DtypePolicy
 from snake_strategy.storage import TieredTensor
+from snake_strategy.storage.io_engine import Ticket
 from snake_strategy.units import UnitLayout
 
 
@@ -28,11 +30,78 @@ class UnitStore:
     exp_avg_sq: TieredTensor
     grads: TieredTensor
     split: int  # forward part = [0, split), backward part = [split, train_end)
+    # Half-precision weight storage (mixed precision, engine/half_weights.py): the layout of ``weights``
+    # and the full-precision tail; None when ``weights`` holds the layout's elements in one dtype.
+    fmt: WeightFormat | None = None
+    tail: TieredTensor | None = None
+    checked: bool = False  # the half-stored weights' first forward has been checked
 
     @property
     def train_end(self) -> int:
         """[0, train_end): the elements with a master copy, moments and gradients; the rest is frozen."""
         return self.layout.train_end
+
+    @property
+    def buffer_numel(self) -> int:
+        """Elements (of ``weights.dtype``) of a working buffer that holds this unit's compute weights."""
+        return self.fmt.buffer_numel if self.fmt is not None else self.weights.numel
+
+    def leaves(self, main: Tensor, tail: Tensor | None) -> list[Tensor]:
+        """One grad-ready leaf per parameter, views into the fetched main vector (and tail)."""
+        if self.fmt is None:
+            return self.layout.leaves(main)
+        return self.fmt.leaves(self.layout, main, tail)
+
+    def forward(self, params: list[Tensor] | Tensor, hidden: Tensor, side: dict | None,
+                check: Callable[[object, int], Tensor] | None = None) -> Tensor:
+        """The unit's blocks on ``hidden``. The first run of half-stored weights is watched (UseCheck): a
+        weight reaching an op autocast keeps in full precision is refused before any update."""
+        if self.fmt is None or self.checked:
+            return self.layout.forward(params, hidden, side, check)
+        assert isinstance(params, list), "half-stored weights come as leaves"
+        names = [(f"blocks.{self.layout.first_block + s.block}.{s.name}", p)
+                 for s, half, p in zip(self.layout.slots, self.fmt.half, params) if half]
+        with checked(names, self.fmt.dtype, hidden.device.type):
+            out = self.layout.forward(params, hidden, side, check)
+        self.checked = True
+        return out
+
+    def start_refresh(self, master: Tensor, lo: int, hi: int, scratch: Tensor) -> list[Ticket]:
+        """Write the compute copy of elements [lo, hi) from their updated master values (separate master
+        only): rounded into ``scratch`` (the main vector's dtype), plus the tail's full-precision pieces."""
+        compute = scratch[:hi - lo]
+        compute.copy_(master)
+        tickets = [self.weights.start_evict(compute, lo, hi)]
+        if self.fmt is not None:
+            for offset, numel, t in self.fmt.tail_pieces:
+                a, b = max(lo, offset), min(hi, offset + numel)
+                if a < b:
+                    tickets.append(self.tail.start_evict(master[a - lo:b - lo], t + a - offset, t + b - offset))
+        return tickets
+
+    def store_weights(self, flat: Tensor) -> None:
+        """Put a unit's full-precision flat vector into the compute-weight stores (materialization)."""
+        if self.fmt is None:
+            self.weights.evict(flat.to(self.weights.dtype))
+            return
+        main, tail = self.fmt.store(flat)
+        self.weights.evict(main)
+        self.tail.evict(tail)
+
+    def load_trainable_weights(self, values: Tensor) -> None:
+        """Refresh the compute copy of [0, train_end) from full-precision values (a separate master only)."""
+        t = self.train_end
+        self.weights.evict(values.to(self.weights.dtype), 0, t)
+        if self.fmt is not None:
+            self.tail.evict(self.fmt.tail_values(values))
+
+    def read_frozen(self) -> Tensor:
+        """The frozen elements [train_end, numel) as stored (the compute dtype), a fresh CPU copy."""
+        lo, hi = (self.train_end, self.layout.numel) if self.fmt is None else self.fmt.frozen_range()
+        if hi == lo:
+            return torch.empty(0, dtype=self.weights.dtype if self.fmt is None else self.fmt.full)
+        flat = self.weights.fetch(self.weights.new_buffer(hi - lo), lo, hi).cpu()
+        return flat if self.fmt is None else flat.view(self.fmt.full)
 
     def named_slots(self, blocks_prefix: str, trainable: bool | None = None):
         """(module name, slot) of each parameter of the unit (only the trainable or only the frozen ones

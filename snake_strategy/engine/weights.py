@@ -33,11 +33,13 @@ from snake_strategy.storage.streams import DONE, CopyStream, Event, copy_stream
 class WeightStreamer:
     def __init__(self, units: list[UnitStore], overlap: OptimizerOverlap, trace: TaskTrace, prefetch_depth: int,
                  compute_dtype: torch.dtype, device: torch.device, copies: CopyStream | None = None) -> None:
+        """``compute_dtype``: the dtype of the units' stored weight vectors (half under mixed precision)."""
         self._units, self._overlap, self._trace, self._depth = units, overlap, trace, prefetch_depth
         self._copies = copy_stream(device) if copies is None else copies
         in_place = all(u.weights.resident for u in units)
+        # A buffer holds a unit's main weight vector and, with half-precision storage, its fp32 tail.
         self.pool = None if in_place else BufferPool(
-            "weights", 1 + prefetch_depth, max(u.layout.numel for u in units), compute_dtype, device, trace=trace)
+            "weights", 1 + prefetch_depth, max(_buffer_numel(u) for u in units), compute_dtype, device, trace=trace)
         ssd_elems = max((u.weights.numel - u.weights.host_end for u in units), default=0)
         self.staging = None  # pinned SSD->device bounce buffers (CUDA only: on CPU the SSD reads land in place)
         if device.type == "cuda" and ssd_elems:
@@ -50,14 +52,19 @@ class WeightStreamer:
         self.wait_s = 0.0  # main-thread time blocked on weight fetches, since the last take
 
     # ------------------------------------------------------------------ fetching
-    def _fetch(self, u: int) -> tuple[Tensor | None, Tensor, float, float, Event]:
-        """(pool buffer or None, the unit's flat weights, start time, issue-complete time, the copy's event).
-        Runs on either thread. On CUDA the done time is when the copies were issued, not when they land."""
+    def _fetch(self, u: int) -> tuple[Tensor | None, tuple[Tensor, Tensor | None], float, float, Event]:
+        """(pool buffer or None, the unit's (main weight vector, fp32 tail or None), start time,
+        issue-complete time, the copy's event). Runs on either thread. On CUDA the done time is when the
+        copies were issued, not when they land."""
         started_s = time.perf_counter()
         self._overlap.wait_forward_part(u)  # the deferred update of this unit must land first
-        weights = self._units[u].weights
-        if self.pool is None:
-            return None, weights.device_tensor(), started_s, time.perf_counter(), DONE  # in place: nothing copied
+        unit = self._units[u]
+        weights = unit.weights
+        # evaluation's units (EvalUnit) keep one vector in one dtype: no half-precision format, no tail
+        fmt, tail = (unit.fmt, unit.tail) if isinstance(unit, UnitStore) else (None, None)
+        if self.pool is None:  # in place: nothing copied
+            parts = (weights.device_tensor(), tail.device_tensor() if tail is not None else None)
+            return None, parts, started_s, time.perf_counter(), DONE
         # backpressure: blocks while resident + prefetched fill the pool
         buffer, reusable = self.pool.acquire_ordered()
         if weights.device_end:
@@ -67,7 +74,11 @@ class WeightStreamer:
         batch = None
         try:
             with self._copies.issuing(after=reusable) as batch:  # the H2D copies run on the copy stream
-                flat = weights.fetch(buffer[:weights.numel], staging=staging)
+                if fmt is None:
+                    parts = (weights.fetch(buffer[:weights.numel], staging=staging), None)
+                else:
+                    main, tail_out = fmt.split_buffer(buffer)
+                    parts = (weights.fetch(main, staging=staging), tail.fetch(tail_out))
         except BaseException:
             self._copies.synchronize()  # nothing may still be copying into or out of the buffers
             self.pool.release(buffer)
@@ -76,7 +87,7 @@ class WeightStreamer:
             raise
         if staging is not None:
             self.staging.release(staging, batch.event)  # rewritten by the next SSD read once the copy is over
-        return buffer, flat, started_s, time.perf_counter(), batch.event
+        return buffer, parts, started_s, time.perf_counter(), batch.event
 
     def prefetch_after(self, tasks: list[Task], index: int) -> None:
         """Make sure the weights of the next ``prefetch_depth`` units after task ``index`` are on their way."""
@@ -93,16 +104,18 @@ class WeightStreamer:
         needed_s = time.perf_counter()
         job = self._prefetched.pop(u, None)
         if job is not None:
-            buffer, flat, started_s, done_s, copied = job[0].result()  # sync point when the prefetch is late
+            buffer, parts, started_s, done_s, copied = job[0].result()  # sync point when the prefetch is late
             issued_s = job[1]
         else:
-            buffer, flat, started_s, done_s, copied = self._fetch(u)
+            buffer, parts, started_s, done_s, copied = self._fetch(u)
             issued_s = needed_s
         self._copies.wait_event(copied)  # the compute stream (not the host) waits for the copy
         self.wait_s += time.perf_counter() - needed_s
         # The timeline draws the wait for a late prefetch from this record (needed_s -> done_s).
         self._trace.fetch(FetchRecord(u, job is not None, issued_s, done_s, needed_s, started_s))
-        self._resident = (u, buffer, self._units[u].layout.leaves(flat))
+        unit = self._units[u]
+        leaves = unit.leaves(*parts) if isinstance(unit, UnitStore) else unit.layout.leaves(parts[0])
+        self._resident = (u, buffer, leaves)
         return self._resident[2]
 
     def flat(self, u: int) -> Tensor:
@@ -152,3 +165,8 @@ class WeightStreamer:
                 self.pool.clear()
             if self.staging is not None:
                 self.staging.clear()
+
+
+def _buffer_numel(unit) -> int:
+    """Elements of a working buffer for ``unit`` (a training UnitStore or evaluation's EvalUnit)."""
+    return unit.buffer_numel if isinstance(unit, UnitStore) else unit.weights.numel

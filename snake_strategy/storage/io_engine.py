@@ -4,17 +4,28 @@ Worker threads issue ``os.preadv``/``os.pwritev`` on files opened with O_DIRECT;
 the GIL, so plain threads keep the disk busy while the main thread computes. Requests are split into
 chunks so several threads work on one large transfer at once (a single O_DIRECT stream does not
 reach this class of disk's bandwidth).
+
+Priorities: the chunks wait in one priority queue, so a read that compute waits for overtakes queued
+optimizer-state traffic instead of queueing behind a unit's worth of it. A transfer's priority is the
+submitting thread's (``set_thread_priority``): reads of the main and prefetch threads (the next unit's
+weights, the next activation checkpoints) are ``URGENT``; their writes (checkpoints) ``NORMAL``; the
+optimizer worker's reads and writes (master, moments, parked gradients, refreshed weights) ``BACKGROUND``,
+except while it steps a unit's deferred forward part, which the fetch of that unit's weights waits for
+(reads ``URGENT``, writes ``NORMAL``).
+A chunk already on the disk is not interrupted: an urgent read waits for at most ``num_threads`` chunks.
 """
 from __future__ import annotations
 
 import errno
+import itertools
 import logging
 import os
+import queue
 import shutil
 import tempfile
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 
 import torch
 
@@ -24,6 +35,19 @@ log = logging.getLogger(__name__)
 
 CHUNK_BYTES = 4 * 2**20
 LOCK_NAME = ".snake.lock"
+# Transfer priorities, lowest first (see the module docstring).
+URGENT, NORMAL, BACKGROUND = 0, 1, 2
+_thread_state = threading.local()
+
+
+def set_thread_priority(priority: int) -> None:
+    """The priority of the SSD transfers this thread submits from now on (``URGENT`` by default; reads of
+    an ``URGENT`` thread stay urgent, its writes are ``NORMAL``)."""
+    _thread_state.priority = priority
+
+
+def thread_priority() -> int:
+    return getattr(_thread_state, "priority", URGENT)
 
 
 class Ticket:
@@ -55,30 +79,59 @@ class IOEngine:
         enabled, every chunk is recorded as a span on the I/O thread that moved it."""
         if chunk_bytes % PAGE_BYTES:
             raise ValueError(f"chunk_bytes={chunk_bytes} must be a multiple of {PAGE_BYTES}")
-        self._pool = ThreadPoolExecutor(max_workers=num_threads, thread_name_prefix="snake-io")
         self._chunk_bytes = chunk_bytes
         self._before_transfer = before_transfer
         self._trace = trace
+        # (priority, submission order, job): FIFO within a priority; None as the job stops a worker.
+        self._queue: queue.PriorityQueue = queue.PriorityQueue()
+        self._order = itertools.count()
+        self._threads = [threading.Thread(target=self._work, name=f"snake-io_{i}", daemon=True)
+                         for i in range(num_threads)]
+        for thread in self._threads:
+            thread.start()
+        self._closed = False
 
     def submit_read(self, fd: int, offset: int, buffer: torch.Tensor, what: str = "") -> Ticket:
         """Fill the uint8 CPU tensor ``buffer`` from ``fd`` at byte ``offset`` (``what``: the state, for
         the timeline)."""
-        return self._submit(_read_exact, fd, offset, buffer, "read", what)
+        return self._submit(_read_exact, fd, offset, buffer, "read", what, thread_priority())
 
     def submit_write(self, fd: int, offset: int, buffer: torch.Tensor, what: str = "") -> Ticket:
         """Write the uint8 CPU tensor ``buffer`` to ``fd`` at byte ``offset``."""
-        return self._submit(_write_exact, fd, offset, buffer, "write", what)
+        return self._submit(_write_exact, fd, offset, buffer, "write", what, max(NORMAL, thread_priority()))
 
-    def _submit(self, fn, fd: int, offset: int, buffer: torch.Tensor, direction: str, what: str) -> Ticket:
+    def _submit(self, fn, fd: int, offset: int, buffer: torch.Tensor, direction: str, what: str,
+                priority: int) -> Ticket:
         if buffer.dtype != torch.uint8 or buffer.dim() != 1:
             raise AssertionError("I/O buffers are 1-D uint8 views")
+        if self._closed:
+            raise RuntimeError("the I/O engine is closed")
         futures = []
         for start in range(0, buffer.numel(), self._chunk_bytes):
             piece = buffer[start:start + self._chunk_bytes]
-            futures.append(self._pool.submit(self._transfer, fn, direction, fd, offset + start, piece, what))
+            future: Future = Future()
+            self._queue.put((priority, next(self._order),
+                             (future, fn, direction, fd, offset + start, piece, what, priority)))
+            futures.append(future)
         return Ticket(futures)
 
-    def _transfer(self, fn, direction: str, fd: int, offset: int, piece: torch.Tensor, what: str) -> None:
+    def _work(self) -> None:
+        while True:
+            _, _, job = self._queue.get()
+            if job is None:
+                return
+            future, *transfer = job
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                self._transfer(*transfer)
+            except BaseException as err:  # handed to whoever waits on the ticket
+                future.set_exception(err)
+            else:
+                future.set_result(None)
+
+    def _transfer(self, fn, direction: str, fd: int, offset: int, piece: torch.Tensor, what: str,
+                  priority: int) -> None:
         trace = self._trace
         start_s = time.perf_counter() if trace is not None and trace.enabled else None
         if self._before_transfer is not None:
@@ -86,10 +139,17 @@ class IOEngine:
         fn(fd, offset, piece)
         if start_s is not None:
             trace.span("io", f"ssd {direction} {what}".rstrip(), start_s, direction=direction, state=what,
-                       bytes=piece.numel())
+                       bytes=piece.numel(), priority=priority)
 
     def close(self) -> None:
-        self._pool.shutdown(wait=True)
+        """Finish every queued transfer, then stop the workers (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        for _ in self._threads:
+            self._queue.put((BACKGROUND + 1, next(self._order), None))  # after every queued transfer
+        for thread in self._threads:
+            thread.join()
 
 
 class ShortReadError(OSError):

@@ -104,6 +104,12 @@ class TieredTensor:
             return aligned_empty(numel, self.dtype)
         return torch.empty(numel, dtype=self.dtype, device=self.device)
 
+    def read_copy(self, lo: int, hi: int) -> torch.Tensor:
+        """Elements [lo, hi) as a fresh CPU copy (blocking; for checkpoints and export)."""
+        if hi == lo:
+            return torch.empty(0, dtype=self.dtype)
+        return self.fetch(self.new_buffer(hi - lo), lo, hi).cpu()
+
     def acquire(self, lo: int = 0, hi: int | None = None) -> torch.Tensor:
         """Elements [lo, hi) on the device: the resident storage itself when fully device-resident
         (in place, no copy), else a fresh buffer fetched from the tiers (blocking)."""
