@@ -268,7 +268,9 @@ class OptimizerOverlap:
 
 
 def _worker_init() -> None:
-    torch.set_num_threads(1)
+    # No torch.set_num_threads(1) here: it sets process-wide state (MKL's thread count, the default every
+    # thread picks up at its first parallel op), so whether the main thread computed with 1 or all cores
+    # depended on a start-up race, and matmul results with it: resumes were not bitwise (docs/LOG.md).
     # Backward parts are waited for only at the end of the step: reads of weights and checkpoints go first.
     set_thread_priority(BACKGROUND)
 

@@ -45,8 +45,8 @@ class WeightStreamer:
         if device.type == "cuda" and ssd_elems:
             self.staging = BufferPool("weight-staging", WEIGHT_STAGING_BUFFERS, ssd_elems, compute_dtype,
                                       torch.device("cpu"), pin_memory=True)
-        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="snake-prefetch",
-                                          initializer=torch.set_num_threads, initargs=(1,))
+        # No torch.set_num_threads(1) initializer: it is process-wide state (see overlap._worker_init).
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="snake-prefetch")
         self._prefetched: dict[int, tuple[Future, float]] = {}  # unit -> (job, issue time)
         self._resident: tuple[int, Tensor | None, list[Tensor]] | None = None  # (unit, pool buffer, leaves)
         self.wait_s = 0.0  # main-thread time blocked on weight fetches, since the last take
