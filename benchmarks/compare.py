@@ -61,6 +61,7 @@ def run_worker(system: str, preset: dict, ssd_dir: str, alpha: float, batched_ba
 
     import snake_strategy
     from snake_strategy.gpt import GPTModule, preset as gpt_preset
+    from snake_strategy.telemetry import step_traffic
 
     cfg = dataclasses.replace(gpt_preset(preset["model"]), **preset.get("overrides", {}))
     cfg.context_len = preset["context_len"]
@@ -120,7 +121,7 @@ def run_worker(system: str, preset: dict, ssd_dir: str, alpha: float, batched_ba
                   ssd_write_bytes_per_step=int(statistics.median(writes)) if writes else 0)
     if strategy is not None:
         timed = stats[1:]
-        counted = [{**s.get("traffic", {}), **{k: v + s.get("traffic", {}).get(k, 0) for k, v in s.get("optimizer_traffic", {}).items()}} for s in timed]
+        counted = [step_traffic(s) for s in timed]
         result["engine_ssd_read_bytes_per_step"] = int(statistics.median(sum(v for k, v in c.items() if k.startswith("ssd/") and k.endswith("/read")) for c in counted))
         result["engine_ssd_write_bytes_per_step"] = int(statistics.median(sum(v for k, v in c.items() if k.startswith("ssd/") and k.endswith("/write")) for c in counted))
         result["io_wait_s"] = statistics.median(s.get("io_wait_s", 0.0) for s in timed)

@@ -42,6 +42,7 @@ def run_worker(args) -> None:
     import snake_strategy
     from snake_strategy.data import ByteWindows, load_corpus
     from snake_strategy.gpt import GPTModule, preset as gpt_preset
+    from snake_strategy.telemetry import step_traffic
 
     preset = PRESETS[args.preset]
     cfg = gpt_preset(preset["model"])
@@ -85,8 +86,7 @@ def run_worker(args) -> None:
     def per_step(values):
         return int(statistics.median(values[1:])) if len(values) > 1 else int(values[0])
 
-    traffic = [{k: s.get("traffic", {}).get(k, 0) + s.get("optimizer_traffic", {}).get(k, 0)
-                for k in set(s.get("traffic", {})) | set(s.get("optimizer_traffic", {}))} for s in stats]
+    traffic = [step_traffic(s) for s in stats]
 
     def total(pred):
         return per_step([sum(v for k, v in t.items() if pred(k)) for t in traffic])

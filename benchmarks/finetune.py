@@ -72,6 +72,7 @@ def worker(args) -> dict:
 
     import snake_strategy
     from snake_strategy.hf import HFCausalLM
+    from snake_strategy.telemetry import step_traffic
 
     module = HFCausalLM(args.dir, learning_rate=1e-4)
     if args.worker == "lora":
@@ -101,10 +102,7 @@ def worker(args) -> dict:
             steps_s.append(time.perf_counter() - marks["step"])
             losses.append(float(outputs["loss"]))
             stats = trainer.strategy.engine.last_step_stats
-            merged = dict(stats.get("traffic", {}))
-            for k, v in stats.get("optimizer_traffic", {}).items():
-                merged[k] = merged.get(k, 0) + v
-            traffic.append(merged)
+            traffic.append(step_traffic(stats))
             print(f"{args.worker} step {len(steps_s)}: loss {losses[-1]:.4f}, {steps_s[-1]:.1f} s", flush=True)
 
         def on_train_end(self, trainer, pl_module):

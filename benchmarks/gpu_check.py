@@ -93,6 +93,7 @@ def _fit(shape: dict, system: str, storage: dict | None, precision: str, micro: 
 
     import snake_strategy
     from snake_strategy.gpt import GPTConfig, GPTModule
+    from snake_strategy.telemetry import step_traffic
 
     cfg = GPTConfig(**shape)
     torch.manual_seed(0)
@@ -140,8 +141,7 @@ def _fit(shape: dict, system: str, storage: dict | None, precision: str, micro: 
                params=cfg.num_params())
     if stats[1:]:
         timed = stats[1:]
-        traffic = [{**s.get("traffic", {}), **{k: v + s.get("traffic", {}).get(k, 0)
-                                                for k, v in s.get("optimizer_traffic", {}).items()}} for s in timed]
+        traffic = [step_traffic(s) for s in timed]
         # Every host or SSD byte the engine moves crosses PCIe once (compute and optimizer are on the GPU).
         pcie = statistics.median(sum(v for k, v in t.items() if k.split("/")[0] in ("host", "ssd")) for t in traffic)
         io_wait = statistics.median(s.get("io_wait_s", 0.0) for s in timed)

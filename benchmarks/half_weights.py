@@ -28,6 +28,7 @@ def worker(preset_name: str, half: bool, steps: int, ssd_root: str | None) -> di
     import snake_strategy
     from snake_strategy import GreedySnakePrecision
     from snake_strategy.gpt import GPTModule, preset
+    from snake_strategy.telemetry import step_traffic
 
     sys.path.insert(0, str(HERE))
     from compare import PRESETS, _loader
@@ -47,10 +48,7 @@ def worker(preset_name: str, half: bool, steps: int, ssd_root: str | None) -> di
         def on_train_batch_end(self, trainer, *args):
             marks.append(time.perf_counter())
             s = trainer.strategy.engine.last_step_stats
-            traffic = dict(s["traffic"])
-            for key, value in s["optimizer_traffic"].items():
-                traffic[key] = traffic.get(key, 0) + value
-            stats.append({"io_wait_s": s["io_wait_s"], "traffic": traffic})
+            stats.append({"io_wait_s": s["io_wait_s"], "traffic": step_traffic(s)})
 
     with tempfile.TemporaryDirectory(dir=ssd_root) as ssd_dir:
         storage = snake_strategy.StorageConfig(ssd_dir=ssd_dir, weights="ssd", master="ssd", optimizer="ssd",

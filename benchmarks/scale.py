@@ -34,6 +34,7 @@ def run_scale(preset_name: str, steps: int, context_len: int, micro_batch_size: 
     import snake_strategy
     from snake_strategy.data import ByteWindows, load_corpus
     from snake_strategy.gpt import GPTModule, preset
+    from snake_strategy.telemetry import step_traffic
 
     cfg = preset(preset_name)
     cfg.context_len = context_len
@@ -71,10 +72,7 @@ def run_scale(preset_name: str, steps: int, context_len: int, micro_batch_size: 
             steps_s.append(time.perf_counter() - marks["step"])
             losses.append(float(outputs["loss"]))
             stats = trainer.strategy.engine.last_step_stats
-            merged = dict(stats.get("traffic", {}))
-            for k, v in stats.get("optimizer_traffic", {}).items():
-                merged[k] = merged.get(k, 0) + v
-            traffic.append(merged)
+            traffic.append(step_traffic(stats))
             backpressure_s.append(float(stats.get("backpressure_wait_s", 0.0)))
             if not plan:
                 plan.update(trainer.strategy.engine.host_bytes_plan(trainer.strategy.engine.checkpoint_bytes))

@@ -51,6 +51,12 @@ def _merge(*traffic: dict[str, int] | None) -> dict[str, int]:
     return dict(out)
 
 
+def step_traffic(stats: dict) -> dict[str, int]:
+    """One step's bytes per ``tier/state/direction`` from ``engine.last_step_stats``: the step's own traffic
+    plus the optimizer worker's (counted separately because the worker overlaps the next step)."""
+    return _merge(stats.get("traffic"), stats.get("optimizer_traffic"))
+
+
 def bytes_per_tier(flat: dict[str, int]) -> dict[str, int]:
     """``{"ssd/weights/read": n, ...}`` -> ``{"device": n, "host": n, "ssd": n}`` (reads + writes)."""
     out = {tier: 0 for tier in TIERS}
@@ -123,7 +129,7 @@ class StepReport(pl.Callback):
             self.losses.append(float(loss.detach()))
         engine = getattr(trainer.strategy, "engine", None)
         stats = getattr(engine, "last_step_stats", None) or {}
-        traffic = _merge(stats.get("traffic"), stats.get("optimizer_traffic"))
+        traffic = step_traffic(stats)
         self.step_seconds.append(seconds)
         self.step_tokens.append(tokens)
         self.step_traffic.append(traffic)
