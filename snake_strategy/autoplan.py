@@ -61,14 +61,16 @@ class RunPlan:
     host_budget_bytes: int
     host_bytes: int  # memory.host_plan of the chosen settings (checkpoints not yet counted)
     prediction: StepPrediction | None = None  # the floor of one step, from the first batch's shapes
+    kept_units: list[int] | None = None  # units whose forward graph is kept (known after the first step)
 
     def describe(self) -> str:
         s, st = self.schedule, self.storage
         batching = ("split backward" if s.split_backward else
                     f"batched forward={s.batched_forward} backward={s.batched_backward}")
         places = ", ".join(f"{state} {_split_text(getattr(st, state))}" for state in STATES)
+        kept = s.keep_activations if self.kept_units is None else f"{len(self.kept_units)} units"
         text = (f"{s.kind}, {s.num_micro_batches} micro-batches, {batching}, alpha {s.alpha}, prefetch "
-                f"{s.prefetch_depth}; {places}; host {self.host_bytes / 2**30:.2f} of "
+                f"{s.prefetch_depth}, keep activations {kept}; {places}; host {self.host_bytes / 2**30:.2f} of "
                 f"{self.host_budget_bytes / 2**30:.2f} GiB")
         if self.prediction is not None:
             text += f"; predicted floor {self.prediction.roofline_s:.3f} s/step ({self.prediction.bound}-bound)"
@@ -79,7 +81,7 @@ class RunPlan:
                 "storage": {k: (dataclasses.asdict(v) if isinstance(v, TierSplit) else v)
                             for k, v in dataclasses.asdict(self.storage).items()},
                 "reasons": dict(self.reasons), "host_budget_bytes": self.host_budget_bytes,
-                "host_bytes": self.host_bytes,
+                "host_bytes": self.host_bytes, "kept_units": self.kept_units,
                 "prediction": self.prediction.as_dict() if self.prediction is not None else None}
 
 
@@ -132,6 +134,8 @@ def resolve(module: nn.Module, optimizer: torch.optim.Optimizer | None, storage:
         depth, reasons["prefetch_depth"] = schedule.prefetch_depth, "given"
     batching, why = _batching(module, schedule, kind)
     reasons.update(why)
+    reasons["keep_activations"] = "given (0 is an explicit kind's default)" if schedule.keep_activations != "auto" else (
+        "auto: the top units whose forward graph fits the host budget left by the plan, measured at the first step")
     concrete = dataclasses.replace(schedule, kind=kind, alpha=alpha, prefetch_depth=depth, **batching)
     if schedule.split_backward:
         log.info("schedule.split_backward=true: LayerPipe's split backward (input gradients per micro-batch, Linear "

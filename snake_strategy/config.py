@@ -175,6 +175,11 @@ class ScheduleConfig:
     split_backward: bool | None = None
     # How many upcoming units' weights are fetched ahead of use (0 = fetch on demand, no overlap).
     prefetch_depth: int | None = None
+    # Units (counted down from the top) whose forward autograd graph is kept in memory until their
+    # backward instead of being recomputed from the checkpoint (engine/kept.py): saves a forward per unit,
+    # costs the saved activations. "auto": as many as the host budget holds, measured at the first step.
+    # None: "auto" with kind "auto", else 0 (recompute every unit, the classic schedule).
+    keep_activations: int | str | None = None
 
     def __post_init__(self) -> None:
         for name in ("num_micro_batches", "blocks_per_unit"):
@@ -196,12 +201,34 @@ class ScheduleConfig:
         if self.split_backward and self.batched_backward:
             raise ValueError("schedule.split_backward=true and schedule.batched_backward=true are two ways to run a "
                              "unit's backward: set one of them")
+        self._check_keep_activations()
         if self.prefetch_depth is not None and self.prefetch_depth < 0:
             raise ValueError(f"schedule.prefetch_depth={self.prefetch_depth} must be >= 0")
         if self.num_micro_batches < 1:
             raise ValueError(f"schedule.num_micro_batches={self.num_micro_batches} must be >= 1")
         if self.blocks_per_unit < 1:
             raise ValueError(f"schedule.blocks_per_unit={self.blocks_per_unit} must be >= 1")
+
+    def _check_keep_activations(self) -> None:
+        keep = self.keep_activations
+        if keep is None:
+            keep = self.keep_activations = "auto" if self.kind == "auto" else 0
+        if isinstance(keep, str):
+            if keep != "auto":
+                raise ValueError(f"schedule.keep_activations='{keep}' must be 'auto' or a number of units")
+            return
+        keep = self.keep_activations = whole_number(keep, "schedule.keep_activations")
+        if keep < 0:
+            raise ValueError(f"schedule.keep_activations={keep} must be >= 0 (a number of units) or 'auto'")
+        if keep and self.split_backward:
+            raise ValueError("schedule.keep_activations>0 and schedule.split_backward=true: the split backward "
+                             "defers the weight gradients of a recompute; set keep_activations=0 or "
+                             "split_backward=false")
+        if keep and self.kind == "vertical" and self.batched_forward is not None \
+                and self.batched_backward is not None and self.batched_forward != self.batched_backward:
+            raise ValueError(f"schedule.keep_activations={keep} needs the forward and the backward to group "
+                             f"micro-batches alike, but batched_forward={self.batched_forward} and "
+                             f"batched_backward={self.batched_backward}: set both flags to the same value")
 
     @property
     def is_auto(self) -> bool:

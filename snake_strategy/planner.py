@@ -59,6 +59,8 @@ class ModelShape:
     # its parameters) and the bytes of its full-precision tail, which stays in memory.
     weight_elems_per_unit: int = 0
     weight_tail_bytes_per_unit: int = 0
+    # Units (the top ones below the last) whose forward graph is kept: their backward has no recompute.
+    kept_units: int = 0
 
     @property
     def trainable(self) -> tuple[int, ...]:
@@ -103,11 +105,12 @@ def step_flops(shape: ModelShape) -> float:
     unit with a backward needs no input gradient when it is above unit 0."""
     fwd_unit = (2 * shape.params_per_unit + shape.attention_flops_per_token_per_unit) * shape.tokens_per_micro
     b0, last = shape.backward_from, shape.num_units - 1
+    first_kept = last - shape.kept_units  # units [first_kept, last) keep their graph: no recompute
     passes = 0.0
     for u, trained in enumerate(shape.trainable):
         passes += 1  # forward
         if u >= b0:
-            passes += (u < last) + (u > b0 or b0 == 0) + trained / max(1, shape.params_per_unit)
+            passes += (u < first_kept) + (u > b0 or b0 == 0) + trained / max(1, shape.params_per_unit)
     per_micro = fwd_unit * passes
     head = 6 * shape.head_params * shape.tokens_per_micro
     return shape.num_micro * (per_micro + head)
@@ -148,10 +151,10 @@ def predict(shape: ModelShape, hw: HardwareProfile, storage: StorageConfig, kind
     if L > 1:
         # Each SSD checkpoint (a unit's input) is written once and read by the unit's forward and by its
         # recompute; the last unit's input only once (its backward is fused with its forward), and units
-        # without a backward (below backward_from) are not recomputed.
+        # without a backward (below backward_from) or with a kept graph are not recomputed.
         ckpt_ssd = checkpoint_tiers(storage, M).count("ssd") * shape.checkpoint_bytes
         write += L * ckpt_ssd
-        read += (2 * L - 1 - shape.backward_from) * ckpt_ssd
+        read += (2 * L - 1 - shape.backward_from - shape.kept_units) * ckpt_ssd
     ssd_s = read / (hw.ssd_read_gb_per_s * 1e9) + write / (hw.ssd_write_gb_per_s * 1e9)
     host_copy_s = host_bytes / (hw.host_copy_gb_per_s * 1e9)
     compute_s = step_flops(shape) / hw.flops_per_s

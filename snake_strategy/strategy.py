@@ -181,7 +181,8 @@ class GreedySnakeStrategy(DataParallelMixin, ParallelStrategy):
                                   self.precision_plugin.dtypes, self.root_device, clip=clip,
                                   pretrained=pretrained, scaler=self.precision_plugin.make_scaler(),
                                   hooks=self.hooks, progress=self.progress, world_size=self.world_size,
-                                  rank=self.global_rank, shard_optimizer=self.shard_optimizer_state)
+                                  rank=self.global_rank, shard_optimizer=self.shard_optimizer_state,
+                                  planned_budget_bytes=self.plan.host_budget_bytes)
         if self.world_size > 1:
             sync_initial_state(self.engine, self.root_device)  # every rank starts from rank 0's weights
         self.engine.trace.enabled = self.trace_path is not None
@@ -332,6 +333,7 @@ class GreedySnakeStrategy(DataParallelMixin, ParallelStrategy):
             self.engine, self.hardware, self.root_device, batch, self.hardware_at_model_shape)
         if self.plan is not None:
             self.plan.prediction = prediction
+            self.plan.kept_units = sorted(self.engine.runner.kept.units or ())  # "auto" decides at the first step
         return prediction
 
     def _resolve_plan(self, optimizer: Any) -> None:

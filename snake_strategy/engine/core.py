@@ -24,6 +24,7 @@ from snake_strategy.engine.build import build_model, check_trainable
 from snake_strategy.engine.gradients import GradientPath, defers_whole_units
 from snake_strategy.engine.half_weights import WeightFormat
 from snake_strategy.engine.hooks import EngineHooks
+from snake_strategy.engine.kept import KeptGraphs
 from snake_strategy.engine.overlap import OptimizerOverlap
 from snake_strategy.engine.partition import Partition, shard_range
 from snake_strategy.engine.reduce import GradientReducer
@@ -50,7 +51,7 @@ class SnakeEngine:
                  clip: tuple[str, float] | None = None, pretrained: str | None = None,
                  scaler: LossScaler | None = None, hooks: EngineHooks | None = None,
                  progress: Progress | None = None, world_size: int = 1, rank: int = 0,
-                 shard_optimizer: bool = False) -> None:
+                 shard_optimizer: bool = False, planned_budget_bytes: int | None = None) -> None:
         if clip is not None and clip[0] not in ("norm", "value"):
             raise ValueError(f"gradient_clip_algorithm='{clip[0]}' is not supported; use 'norm' or 'value'")
         check_contract(module)
@@ -62,6 +63,8 @@ class SnakeEngine:
         self.module, self.optimizer, self.storage, self.schedule = module, optimizer, storage, schedule
         self.dtypes, self.device, self.clip = dtypes, device, clip
         self.scaler = scaler if scaler is not None else LossScaler(dtypes.loss_scaling)
+        # What keep_activations="auto" may fill: the hard budget, else the one the planner placed within.
+        self.planned_budget_bytes = storage.host_budget_bytes or planned_budget_bytes
         self.hooks = hooks or EngineHooks()
         self.progress = or_quiet(progress)  # setup, long steps and export report here
         # Norm clipping and loss scaling defer each unit's whole update to the next forward.
@@ -138,7 +141,9 @@ class SnakeEngine:
         if self.partition is not None:
             self.overlap.gather = lambda u: self.partition.gather_weights(self.units[u])
         self.runner = StepRunner(self.module, self.units, self.nonlayer, self.weights, self.activations,
-                                 self.gradients, self.trace, self.device, self.dtypes.autocast)
+                                 self.gradients, self.trace, self.device, self.dtypes.autocast,
+                                 KeptGraphs.for_schedule(s, self.device), lambda ckpt: None if self.planned_budget_bytes
+                                 is None else self.planned_budget_bytes - sum(self.host_bytes_plan(ckpt).values()))
         self._tasks: dict[int, list] = {}
         self._frozen_crc: dict[str, Any] | None = None
         self._backward_planned = False
@@ -175,6 +180,8 @@ class SnakeEngine:
             plan["partition_buffers"] = partition_host_bytes(
                 max(self.partition.padded(t) for t in self._unit_trainable), self.world_size,
                 self.dtypes.bytes_per("compute"), self.dtypes.bytes_per("master"), self.device.type == "cpu")
+        if getattr(self, "runner", None) is not None and self.runner.kept.planned_bytes:
+            plan["kept_graphs"] = self.runner.kept.planned_bytes  # measured at the first step
         return plan
 
     def check_host_budget(self, checkpoint_bytes: int = 0) -> None:
@@ -205,7 +212,8 @@ class SnakeEngine:
             weight_elems_per_unit=max(self._weight_elems, default=0),
             weight_tail_bytes_per_unit=max(self._weight_tails, default=0),
             master_bytes=self.dtypes.bytes_per("master"), trainable_per_unit=self._unit_trainable,
-            first_backward_unit=self.runner.first_backward, nonlayer_frozen_params=self._nonlayer_frozen)
+            first_backward_unit=self.runner.first_backward, nonlayer_frozen_params=self._nonlayer_frozen,
+            kept_units=len(self.runner.kept.units or ()))
 
     def largest_block_matrix(self) -> tuple[int, int]:
         """(out, in) of the largest 2-D block parameter: the matmul shape the compute roof is probed at."""
@@ -292,6 +300,8 @@ class SnakeEngine:
             "io_wait_s": io_wait_s + self.activations.wait_s,
             "backpressure_wait_s": weight_backpressure_s + self.activations.backpressure_s,
             "weight_grad_products": state.weight_grad_products,  # split backward: one per Linear call site
+            # kept graphs (schedule.keep_activations): backward tasks without / with a recompute
+            "kept_tasks": state.kept_tasks, "recomputed_tasks": state.recomputed_tasks,
             "traffic": traffic_delta(before, self._train_end_snapshot),
         }
         return torch.stack(state.losses).mean()
@@ -426,18 +436,8 @@ class SnakeEngine:
         return self._frozen_crc
 
     def storage_layout(self) -> list[dict[str, int]]:
-        """Per unit: elements, the forward-part split, and the bytes each state keeps on the SSD (and the
-        weights on the host): what the traffic model is computed from (tests, telemetry)."""
-        out = []
-        for unit in self.units:
-            w = unit.weights
-            out.append({"numel": unit.layout.numel, "train_end": unit.train_end, "split": unit.split,
-                        "weights_ssd": w.ssd_bytes,
-                        "weights_host": (w.host_end - w.device_end) * w.elem_bytes,
-                        "weights_is_master": unit.weights is unit.master, "master_ssd": unit.master.ssd_bytes,
-                        "grads_ssd": unit.grads.ssd_bytes, "exp_avg_ssd": unit.exp_avg.ssd_bytes,
-                        "exp_avg_sq_ssd": unit.exp_avg_sq.ssd_bytes})
-        return out
+        """Per unit: UnitStore.storage_bytes (what the traffic model is computed from; tests, telemetry)."""
+        return [unit.storage_bytes() for unit in self.units]
 
     def master_bytes(self) -> int:
         """Bytes of the weights given back to the module after fit (frozen ones in the compute dtype)."""

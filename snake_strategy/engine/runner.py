@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import time
 from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -23,6 +24,7 @@ from torch import Tensor, nn
 from snake_strategy.activations import ActivationStore
 from snake_strategy.contract import check_block_output, stack_side_inputs, unpack_pre_stage
 from snake_strategy.engine.gradients import GradientPath
+from snake_strategy.engine.kept import KeptGraph, KeptGraphs
 from snake_strategy.engine.split import DeferLinearWeights, WeightGradStash
 from snake_strategy.engine.state import NonLayerState, UnitStore
 from snake_strategy.engine.trace import TASK, TaskTrace
@@ -44,15 +46,20 @@ class StepState:
     stashes: dict[int, WeightGradStash] = field(default_factory=dict)  # split backward: deferred (X, dY) per unit
     weight_grad_products: int = 0  # split backward: deferred Linear weight gradients computed (one product each)
     checkpoint_bytes: int = 0  # one unit input of one full micro-batch
+    recomputed_tasks: int = 0  # backward tasks that ran their unit's forward again (the last unit's fused one excluded)
+    kept_tasks: int = 0  # backward tasks that started from the forward's kept graph
 
 
 class StepRunner:
     def __init__(self, module: nn.Module, units: list[UnitStore], nonlayer: NonLayerState, weights: WeightStreamer,
                  activations: ActivationStore, gradients: GradientPath, trace: TaskTrace, device: torch.device,
-                 autocast: torch.dtype | None) -> None:
+                 autocast: torch.dtype | None, kept: KeptGraphs, free_host_bytes: Callable[[int], int]) -> None:
         self.module, self.units, self.nonlayer = module, units, nonlayer
         self.weights, self.activations, self.gradients, self.trace = weights, activations, gradients, trace
         self.device, self._autocast_dtype = device, autocast
+        # Kept forward graphs (engine/kept.py); ``free_host_bytes(checkpoint_bytes)``: what the host budget
+        # leaves once the plan with checkpoints of that size is placed (the "auto" choice).
+        self.kept, self._free_host_bytes = kept, free_host_bytes
         # Frozen parameters (docs/design.md, "Frozen parameters"): units below ``first_backward`` get no
         # backward at all; ``pre_trains`` says whether pre_stage's output depends on a trainable parameter.
         self.first_backward, self.pre_trains = 0, True
@@ -72,6 +79,7 @@ class StepRunner:
             self.pre_trains = hidden.requires_grad
         first = next((u for u, unit in enumerate(self.units) if unit.train_end), len(self.units))
         self.first_backward = 0 if self.pre_trains else first
+        self.kept.begin(self.first_backward, len(self.units))
 
     def autocast(self):
         if self._autocast_dtype is None:
@@ -79,6 +87,12 @@ class StepRunner:
         return torch.autocast(self.device.type, dtype=self._autocast_dtype)
 
     def run(self, tasks: list[Task], state: StepState, watch: StepProgress | None = None) -> None:
+        try:
+            self._run(tasks, state, watch)
+        finally:
+            self.kept.clear()  # normally empty by now; after a failed task the graphs must not outlive the step
+
+    def _run(self, tasks: list[Task], state: StepState, watch: StepProgress | None) -> None:
         trace = self.trace
         for index, task in enumerate(tasks):
             start_s = time.perf_counter() if trace.enabled else 0.0  # the task's span covers its prefetch issue
@@ -114,8 +128,14 @@ class StepRunner:
         return stack_side_inputs([state.side[m] for m in order], [state.sizes[m] for m in order])
 
     # ------------------------------------------------------------------ tasks
+    def _needs_dx(self, u: int) -> bool:
+        """Whether unit ``u``'s backward must give its input gradient: the unit below (or the embedding)
+        needs it, except for the lowest unit with a backward when nothing under it trains."""
+        return self.pre_trains or u > self.first_backward
+
     def _forward(self, task: Task, state: StepState) -> None:
         u, order = task.unit, task.micro_batches
+        recording = None
         with torch.no_grad(), self.autocast():
             if u == 0:
                 for m in order:
@@ -126,14 +146,25 @@ class StepRunner:
             before = _rng_state(self.device)
             state.rng[(u, order)] = before
             # One product per Linear over all micro-batches when batched (larger matmuls run faster).
-            y = self.unit_forward(u, w, torch.cat(xs) if len(xs) > 1 else xs[0], self._side(state, order))
+            x = torch.cat(xs) if len(xs) > 1 else xs[0]
+            if self.kept.wants(u):
+                with self.kept.recording(w) as recording:  # under grad: the graph may be kept for the backward
+                    x = x.detach().requires_grad_(self._needs_dx(u))
+                    y = self.unit_forward(u, w, x, self._side(state, order))
+            else:
+                y = self.unit_forward(u, w, x, self._side(state, order))
             if not _same_rng(before, _rng_state(self.device)):
                 state.random_units.add(u)
-        for m, y_m in zip(order, y.split([state.sizes[m] for m in order])):
+        for m, y_m in zip(order, y.detach().split([state.sizes[m] for m in order])):
             self.activations.put(u + 1, m, y_m)
             state.checkpoint_bytes = max(state.checkpoint_bytes, y_m.numel() * y_m.element_size())
             if u < self.first_backward:
                 self.activations.drop(u, m)  # no backward below the first trainable unit: no recompute
+        if recording is not None:
+            graph = KeptGraph(x, w, y, recording.num_bytes)
+            if self.kept.keep((u, order), graph, lambda: self._free_host_bytes(state.checkpoint_bytes)):
+                for m in order:
+                    self.activations.drop(u, m)  # the graph holds the input: the checkpoint is not read again
 
     def _defer(self, task: Task, state: StepState, wt: list[Tensor]):
         """Split backward: the Linear weight gradients of this task's recompute wait for W(u); others run now."""
@@ -184,25 +215,22 @@ class StepRunner:
                     self._accumulate(task, grads[:len(wt)])
                 state.losses += [loss.detach() for loss in losses]
                 return
-            x = torch.cat([self.activations.get(u, m) for m in order]) if len(order) > 1 else self.activations.get(u, order[0])
-            # The input gradient is needed by the unit below (or the embedding); not by the lowest unit
-            # that needs a backward at all when nothing under it trains.
-            needs_dx = self.pre_trains or u > self.first_backward
-            x = x.detach().requires_grad_(needs_dx)
-            xs = [x] if needs_dx else []
-            if last:
-                with self.autocast():
-                    with self._defer(task, state, wt):
-                        y = self.unit_forward(u, w, x, self._side(state, order))
-                    losses = self._post_losses(y, batches, sizes)
-                grads = _grad(sum(losses) * state.loss_factor, xs + wt + self.nonlayer.params)
-                self.nonlayer.accumulate(grads[len(xs) + len(wt):])
-                state.losses += [loss.detach() for loss in losses]
+            needs_dx = self._needs_dx(u)
+            graph = None if last else self.kept.take((u, order))
+            g = None if last else (torch.cat([state.act_grads.pop(m) for m in order]) if len(order) > 1
+                                   else state.act_grads.pop(order[0]))
+            if graph is not None:  # no recompute: the forward's graph, its weight references read from ``w``
+                state.rng.pop((u, order), None)
+                state.kept_tasks += 1
+                xs = [graph.x] if needs_dx else []
+                with self.kept.unpacking(w):
+                    grads = _grad(graph.y, xs + graph.leaves[:len(wt)], g)
             else:
-                with self._replay(state, u, order), self.autocast(), self._defer(task, state, wt):
-                    y = self.unit_forward(u, w, x, self._side(state, order))
-                g = torch.cat([state.act_grads.pop(m) for m in order]) if len(order) > 1 else state.act_grads.pop(order[0])
-                grads = _grad(y, xs + wt, g)
+                x = torch.cat([self.activations.get(u, m) for m in order]) if len(order) > 1 \
+                    else self.activations.get(u, order[0])
+                x = x.detach().requires_grad_(needs_dx)
+                xs = [x] if needs_dx else []
+                grads = self._recompute_grads(task, state, w, wt, x, xs, g)
             if wt:
                 self._accumulate(task, grads[len(xs):len(xs) + len(wt)])
             for m, dx in zip(order, grads[0].split(sizes) if needs_dx else [None] * len(order)):
@@ -218,6 +246,26 @@ class StepRunner:
                         hidden.append(self.pre_stage(state, m))
                 h = torch.cat(hidden) if len(hidden) > 1 else hidden[0]
                 self.nonlayer.accumulate(torch.autograd.grad(h, self.nonlayer.params, grads[0], allow_unused=True))
+
+    def _recompute_grads(self, task: Task, state: StepState, w: list[Tensor], wt: list[Tensor], x: Tensor,
+                         xs: list[Tensor], g: Tensor | None) -> tuple[Tensor | None, ...]:
+        """The unit's forward again from its checkpoint ``x`` (the fused loss on the last unit, seed ``g``
+        elsewhere), then its gradients with respect to ``xs + wt`` (and the non-layer parameters, last unit)."""
+        u, order = task.unit, task.micro_batches
+        if u == len(self.units) - 1:
+            batches = [state.micro_batches[m] for m in order]
+            with self.autocast():
+                with self._defer(task, state, wt):
+                    y = self.unit_forward(u, w, x, self._side(state, order))
+                losses = self._post_losses(y, batches, [state.sizes[m] for m in order])
+            grads = _grad(sum(losses) * state.loss_factor, xs + wt + self.nonlayer.params)
+            self.nonlayer.accumulate(grads[len(xs) + len(wt):])
+            state.losses += [loss.detach() for loss in losses]
+            return grads
+        state.recomputed_tasks += 1
+        with self._replay(state, u, order), self.autocast(), self._defer(task, state, wt):
+            y = self.unit_forward(u, w, x, self._side(state, order))
+        return _grad(y, xs + wt, g)
 
     def _replay(self, state: StepState, u: int, order: tuple[int, ...]):
         """The RNG stream the forward of (u, order) saw, or nothing to replay when it drew no numbers."""

@@ -103,6 +103,16 @@ class UnitStore:
         flat = self.weights.fetch(self.weights.new_buffer(hi - lo), lo, hi).cpu()
         return flat if self.fmt is None else flat.view(self.fmt.full)
 
+    def storage_bytes(self) -> dict[str, int]:
+        """Elements, the forward-part split, and the bytes each state keeps on the SSD (and the weights on
+        the host)."""
+        w = self.weights
+        return {"numel": self.layout.numel, "train_end": self.train_end, "split": self.split,
+                "weights_ssd": w.ssd_bytes, "weights_host": (w.host_end - w.device_end) * w.elem_bytes,
+                "weights_is_master": self.weights is self.master, "master_ssd": self.master.ssd_bytes,
+                "grads_ssd": self.grads.ssd_bytes, "exp_avg_ssd": self.exp_avg.ssd_bytes,
+                "exp_avg_sq_ssd": self.exp_avg_sq.ssd_bytes}
+
     def named_slots(self, blocks_prefix: str, trainable: bool | None = None):
         """(module name, slot) of each parameter of the unit (only the trainable or only the frozen ones
         when ``trainable`` says so), in flat-vector order."""
