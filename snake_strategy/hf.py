@@ -166,6 +166,10 @@ class HFCausalLM(LayeredModule):
     micro-batches hold different numbers of valid tokens (HF Trainer's ``num_items_in_batch``).
     """
 
+    # Every supported family's decoder layer computes a sample from that sample alone (attention within the
+    # sequence, per-token norms and MLPs; the masks are per sample): auto may batch the micro-batches.
+    independent_samples = True
+
     def __init__(self, config: PretrainedConfig | Mapping[str, Any] | str | os.PathLike | None = None,
                  learning_rate: float = 1e-4, weight_decay: float = 0.0, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, attn_implementation: str = "sdpa", path: str | os.PathLike | None = None) -> None:

@@ -237,9 +237,10 @@ def test_export_from_state_dict_single_file(tmp_path):
 # ---------------------------------------------------------------------- greedysnake
 @pytest.mark.skipif(not getattr(snake_strategy, "SUPPORTS_SIDE_INPUTS", False),
                     reason="the engine does not pass side inputs to blocks yet (snake_strategy.SUPPORTS_SIDE_INPUTS)")
-@pytest.mark.parametrize("kind", ["vertical", "horizontal"])
+@pytest.mark.parametrize("kind", ["vertical", "horizontal", "auto"])
 @pytest.mark.parametrize("family", FAMILIES)
 def test_greedysnake_equals_plain_lightning(family, kind, tmp_path):
+    """auto: batched passes (HFCausalLM.independent_samples) and kept forward graphs."""
     hf = hf_model(family)
     hf.save_pretrained(tmp_path / "start", max_shard_size="20KB")
     micro_batches = batches(STEPS * MICRO, MICRO_SIZE)
@@ -257,6 +258,10 @@ def test_greedysnake_equals_plain_lightning(family, kind, tmp_path):
         storage={"weights": "ssd", "optimizer": "ssd", "gradients": "host", "ssd_dir": str(tmp_path / "ssd")},
         schedule={"kind": kind, "num_micro_batches": MICRO, "alpha": 0.25})
     got = fit(strategy, MICRO_SIZE * MICRO, 1)
+    if kind == "auto":
+        assert strategy.schedule.batched_forward and strategy.schedule.batched_backward
+        assert strategy.plan.kept_units == list(range(hf.config.num_hidden_layers - 1 if family != "gpt2"
+                                                       else hf.config.n_layer - 1))
     assert got.keys() == expected.keys()
     for name in got:
         torch.testing.assert_close(got[name], expected[name], rtol=0, atol=1e-10, msg=name)
