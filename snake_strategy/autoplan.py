@@ -19,7 +19,8 @@ Choices (docs/design.md, "The planner drives the run"; the measurements behind t
 - **prefetch depth**: 2 when the weights are partly on the SSD (a unit's read then takes longer than a
   unit's compute on the measured machines), else 1.
 
-The step-time prediction needs the tokens per micro-batch, known at the first step: ``first_prediction``.
+The step-time prediction needs the tokens per micro-batch: at setup from ``example_batch`` when the loader
+allows it, and again after the first step (``first_prediction``), with the kept graphs decided.
 """
 from __future__ import annotations
 
@@ -201,6 +202,25 @@ def _batching(module: nn.Module, schedule: ScheduleConfig, kind: str) -> tuple[d
     chosen.update(given)
     reasons.update({n: why for n in names if n not in given})
     return chosen, reasons
+
+
+def example_batch(trainer: Any) -> Any | None:
+    """A global batch for the prediction at setup, collated from the first samples of the train loader
+    when ``fit`` was given a map-style DataLoader (nothing is iterated: no worker starts, no sampler
+    advances). None otherwise (a DataModule, an iterable dataset): the prediction then waits for step 1."""
+    from torch.utils.data import DataLoader, IterableDataset  # only here: the planner itself needs no loader
+
+    source = getattr(getattr(trainer, "fit_loop", None), "_data_source", None)  # Lightning's (private) handle
+    loader = getattr(source, "instance", None)
+    if not isinstance(loader, DataLoader) or loader.batch_size is None or isinstance(loader.dataset, IterableDataset):
+        return None
+    try:
+        if len(loader.dataset) < loader.batch_size:
+            return None
+        return loader.collate_fn([loader.dataset[i] for i in range(loader.batch_size)])
+    except Exception as err:  # a dataset that cannot be indexed cheaply: predict at the first step instead
+        log.debug("no example batch at setup (%s): the prediction comes at the first step", err)
+        return None
 
 
 def first_prediction(engine: Any, hardware: HardwareProfile | str | None, device: torch.device, batch: Any,

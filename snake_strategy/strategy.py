@@ -23,7 +23,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from torch import Tensor
 from typing_extensions import override
 
-from snake_strategy.autoplan import RunPlan, first_prediction, resolve
+from snake_strategy.autoplan import RunPlan, example_batch, first_prediction, resolve
 from snake_strategy.config import ScheduleConfig, StorageConfig, coerce_config
 from snake_strategy.contract import check_contract
 from snake_strategy.distributed import DataParallelMixin, check_rank_loader, rank_storage, sync_initial_state
@@ -99,6 +99,7 @@ class GreedySnakeStrategy(DataParallelMixin, ParallelStrategy):
         self.hardware_at_model_shape = hardware == "probe"
         self.pretrained = pretrained  # a state dict / .ckpt file streamed in unit by unit at setup
         self.prediction: StepPrediction | None = None  # the planner's floor for this run's step
+        self._predicted_at_step_one = False
         self.engine: SnakeEngine | EvalEngine | None = None
         self.hooks = hooks
         self.eval_traffic: dict[str, int] = {}  # bytes moved by the last validate/test/predict loop, per tier/state/direction
@@ -186,6 +187,10 @@ class GreedySnakeStrategy(DataParallelMixin, ParallelStrategy):
         if self.world_size > 1:
             sync_initial_state(self.engine, self.root_device)  # every rank starts from rank 0's weights
         self.engine.trace.enabled = self.trace_path is not None
+        batch = example_batch(trainer)
+        self._predicted_at_step_one = False
+        if batch is not None:  # the floor at setup; refined at the first step (kept graphs, checkpoint sizes)
+            self.prediction = self._predict(batch, at_setup=True)
         # Lightning's strategies set the device through module.to(); the blocks must not move, so set the
         # attribute LightningModule.device reads, as model_to_device would have.
         module._device = self.root_device
@@ -321,19 +326,22 @@ class GreedySnakeStrategy(DataParallelMixin, ParallelStrategy):
     def training_step(self, *args: Any, **kwargs: Any) -> Tensor:
         batch = args[0] if args else kwargs["batch"]
         loss = self.engine.train_step(batch)
-        if self.prediction is None:
+        if not self._predicted_at_step_one:  # with what the first step measured (kept graphs, checkpoints)
+            self._predicted_at_step_one = True
             self.prediction = self._predict(batch)
             self.progress.predictions["step"] = self.prediction.roofline_s  # the ETA of long steps
         self.lightning_module.log("train_loss", loss, prog_bar=True, sync_dist=self.world_size > 1)  # the global mean
         return loss
 
-    def _predict(self, batch: Any) -> StepPrediction:
-        """The planner's roofline for this run, from the shapes seen in the first step."""
+    def _predict(self, batch: Any, at_setup: bool = False) -> StepPrediction:
+        """The planner's roofline for this run, from ``batch``'s shapes (at setup, before kept graphs and
+        checkpoint sizes are measured; again after the first step)."""
         prediction, self.hardware_profile, self.model_shape = first_prediction(
             self.engine, self.hardware, self.root_device, batch, self.hardware_at_model_shape)
         if self.plan is not None:
             self.plan.prediction = prediction
-            self.plan.kept_units = sorted(self.engine.runner.kept.units or ())  # "auto" decides at the first step
+            if not at_setup:  # "auto" decides at the first step
+                self.plan.kept_units = sorted(self.engine.runner.kept.units or ())
         return prediction
 
     def _resolve_plan(self, optimizer: Any) -> None:

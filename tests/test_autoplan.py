@@ -119,3 +119,40 @@ def test_the_engine_refuses_settings_left_to_the_planner():
 def test_bad_placement_is_refused():
     with pytest.raises(ValueError, match=r"storage.placement='magic'"):
         StorageConfig(placement="magic")
+
+
+def test_the_prediction_is_made_at_setup_and_refined_at_the_first_step():
+    """A map-style DataLoader given to fit: the floor is known before the first step (from a batch collated
+    from its first samples), then recomputed with what the first step measured (kept graphs: no recompute)."""
+    import lightning as L
+
+    seen = {}
+
+    class Watch(L.Callback):
+        def on_train_start(self, trainer, pl_module) -> None:
+            seen["setup"] = trainer.strategy.prediction
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+            seen.setdefault("step1", trainer.strategy.prediction)
+
+    run_snake(SMALL_GPT, 1, MICRO, MICRO_SIZE, "64-true", schedule_kind="auto", callbacks=[Watch()])
+    assert seen["setup"] is not None and seen["setup"].roofline_s > 0
+    # every unit below the last keeps its graph here: the refined compute has no recompute
+    assert seen["step1"].compute_s < seen["setup"].compute_s
+
+
+def test_no_example_batch_from_an_iterable_dataset():
+    from torch.utils.data import DataLoader, IterableDataset
+
+    class Stream(IterableDataset):
+        def __iter__(self):
+            yield from range(8)
+
+    class Trainer:  # only what example_batch reads
+        class fit_loop:
+            class _data_source:
+                instance = DataLoader(Stream(), batch_size=4)
+
+    assert autoplan.example_batch(Trainer) is None
+    Trainer.fit_loop._data_source.instance = DataLoader(list(range(8)), batch_size=4)
+    assert autoplan.example_batch(Trainer).tolist() == [0, 1, 2, 3]
