@@ -18,6 +18,8 @@ Choices (docs/design.md, "The planner drives the run"; the measurements behind t
 - **alpha**: ``planner.choose_alpha`` (the forward's share of the block compute).
 - **prefetch depth**: 2 when the weights are partly on the SSD (a unit's read then takes longer than a
   unit's compute on the measured machines), else 1.
+- **kept activations** (``keep_activations="auto"``): decided by the engine at the first step, once a unit's
+  graph has been measured: the top units whose graphs fit the budget left after the plan (engine/kept.py).
 
 The step-time prediction needs the tokens per micro-batch: at setup from ``example_batch`` when the loader
 allows it, and again after the first step (``first_prediction``), with the kept graphs decided.
