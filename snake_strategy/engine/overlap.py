@@ -31,6 +31,7 @@ import torch
 from snake_strategy.engine.partition import shard_range
 from snake_strategy.engine.state import UnitStore
 from snake_strategy.engine.trace import OPTIMIZER, WAIT, TaskTrace
+from snake_strategy.engine.worker_threads import single_threaded_ops
 from snake_strategy.optim import AdamHyperParams, adam_step
 from snake_strategy.storage.io_engine import BACKGROUND, URGENT, set_thread_priority
 from snake_strategy.storage.pool import BufferPool
@@ -268,9 +269,8 @@ class OptimizerOverlap:
 
 
 def _worker_init() -> None:
-    # No torch.set_num_threads(1) here: it sets process-wide state (MKL's thread count, the default every
-    # thread picks up at its first parallel op), so whether the main thread computed with 1 or all cores
-    # depended on a start-up race, and matmul results with it: resumes were not bitwise (docs/LOG.md).
+    # One intra-op thread for the worker's chunks, set for this thread only (engine/worker_threads.py).
+    single_threaded_ops()
     # Backward parts are waited for only at the end of the step: reads of weights and checkpoints go first.
     set_thread_priority(BACKGROUND)
 

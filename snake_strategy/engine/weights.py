@@ -24,6 +24,7 @@ from torch import Tensor
 from snake_strategy.engine.overlap import OptimizerOverlap
 from snake_strategy.engine.state import UnitStore
 from snake_strategy.engine.trace import FetchRecord, TaskTrace
+from snake_strategy.engine.worker_threads import single_threaded_ops
 from snake_strategy.schedule import Task, unit_run_ahead
 from snake_strategy.memory import WEIGHT_STAGING_BUFFERS
 from snake_strategy.storage.pool import BufferPool
@@ -45,8 +46,9 @@ class WeightStreamer:
         if device.type == "cuda" and ssd_elems:
             self.staging = BufferPool("weight-staging", WEIGHT_STAGING_BUFFERS, ssd_elems, compute_dtype,
                                       torch.device("cpu"), pin_memory=True)
-        # No torch.set_num_threads(1) initializer: it is process-wide state (see overlap._worker_init).
-        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="snake-prefetch")
+        # Its copies run on one intra-op thread, set for this thread only (engine/worker_threads.py).
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="snake-prefetch",
+                                          initializer=single_threaded_ops)
         self._prefetched: dict[int, tuple[Future, float]] = {}  # unit -> (job, issue time)
         self._resident: tuple[int, Tensor | None, list[Tensor]] | None = None  # (unit, pool buffer, leaves)
         self.wait_s = 0.0  # main-thread time blocked on weight fetches, since the last take
