@@ -189,3 +189,28 @@ def fresh_adapter_values(block: nn.Module, init: Callable[[nn.Module], None]) ->
             for sub, p in getattr(real, name).named_parameters():
                 values[f"{path + '.' if path else ''}{name}.{sub}"] = p.detach()
     return values
+
+
+def nonlayer_adapter_values(module: nn.Module, init: Callable[[nn.Module], None] | None,
+                            missing: Callable[[str], bool]) -> dict[str, Tensor]:
+    """Initial values of the peft adapters outside ``module.blocks`` (a LoRA ``lm_head``, say) for which
+    ``missing(name)`` holds (a base model's pretrained source has none), by parameter name in ``module``:
+    initialised as ``get_peft_model`` does (``init`` from ``adapter_initializer``). Blocks are not visited
+    (their adapters come with their unit), so no random number is drawn for them here."""
+    values: dict[str, Tensor] = {}
+    if init is None:
+        return values
+
+    def walk(mod: nn.Module, path: str) -> None:
+        if mod is module.blocks:
+            return
+        if _is_lora_layer(mod):
+            fresh = {f"{path}.{name}": value for name, value in fresh_adapter_values(mod, init).items()}
+            values.update({name: value for name, value in fresh.items() if missing(name)})
+            return
+        for name, child in mod.named_children():
+            walk(child, f"{path}.{name}" if path else name)
+
+    walk(module, "")
+    return values
+

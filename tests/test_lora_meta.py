@@ -43,16 +43,20 @@ def assert_peft_init(values):
             assert 0 < value.abs().max() <= 1 / math.sqrt(value.shape[1]), name
 
 
-def lora_on_meta(module):
+def lora_on_meta(module, lora=LORA):
     with torch.device("meta"):
         module.configure_model()
     assert all(p.is_meta for p in module.parameters())  # nothing of the base is in memory
     torch.manual_seed(5)
-    peft.get_peft_model(module, peft.LoraConfig(**LORA))
+    peft.get_peft_model(module, peft.LoraConfig(**lora))
     return module
 
 
-def test_lora_on_meta_hf_model_streams_the_base_from_its_directory(tmp_path):
+@pytest.mark.parametrize("targets", [LORA["target_modules"], LORA["target_modules"] + ["lm_head"]])
+def test_lora_on_meta_hf_model_streams_the_base_from_its_directory(targets, tmp_path):
+    """With ``lm_head`` targeted too, its adapters (outside the blocks, absent from the base directory) are
+    initialised as peft does."""
+    lora = {**LORA, "target_modules": targets}
     hf_model("llama").save_pretrained(tmp_path / "start")
     micro_batches = batches(STEPS * MICRO, MICRO_SIZE)
     initial, rec = InitialAdapters(), ParamRecorder(only_last=True)
@@ -61,15 +65,16 @@ def test_lora_on_meta_hf_model_streams_the_base_from_its_directory(tmp_path):
         schedule={"kind": "vertical", "num_micro_batches": MICRO, "alpha": 0.25})
     trainer = L.Trainer(strategy=strategy, precision="64-true", max_steps=STEPS, callbacks=[initial, rec],
                         **trainer_kwargs())
-    module = lora_on_meta(HFCausalLM(tmp_path / "start", learning_rate=1e-2))
+    module = lora_on_meta(HFCausalLM(tmp_path / "start", learning_rate=1e-2), lora)
     trainer.fit(module, DataLoader(Samples(micro_batches), batch_size=MICRO * MICRO_SIZE))
     assert strategy.pretrained == str(tmp_path / "start")  # handed over by the meta-built module
     assert_peft_init(initial.values)
+    assert any(n.startswith("lm_head") for n in initial.values) == ("lm_head" in targets)
 
     # The reference: the same base built for real, the same initial adapters, plain Lightning.
     reference = HFCausalLM(tmp_path / "start", learning_rate=1e-2)
     reference.configure_model()
-    peft.get_peft_model(reference, peft.LoraConfig(**LORA))
+    peft.get_peft_model(reference, peft.LoraConfig(**lora))
     reference.load_state_dict(initial.values, strict=False)
     expected = ParamRecorder(only_last=True)
     L.Trainer(strategy="auto", precision="64-true", max_steps=STEPS, accumulate_grad_batches=MICRO,

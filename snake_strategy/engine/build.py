@@ -12,7 +12,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from snake_strategy.adapters import adapter_initializer
+from snake_strategy.adapters import adapter_initializer, nonlayer_adapter_values
 from snake_strategy.config import StorageConfig
 from snake_strategy.engine.half_weights import WeightFormat, tail_split
 from snake_strategy.engine.partition import ShardView
@@ -147,6 +147,10 @@ def _materialize(module: nn.Module, layouts: list[UnitLayout], named: list[tuple
         raise ValueError("the embedding/head parameters are partly on the meta device; build them all in "
                          "configure_model() or all in __init__()")
     init_nonlayer = any(meta) and source is None
+    # Adapters outside the blocks (a LoRA lm_head) are not in a base model's source: peft's init, computed
+    # while they are still on the meta device (materialized ones keep their values).
+    fresh = nonlayer_adapter_values(module, adapter_init, lambda name: name not in source) \
+        if source is not None else {}
     for p in params:
         # swap_tensors keeps the Parameter object the optimizer and tied modules refer to.
         real = torch.empty_like(p, device=device) if p.is_meta else p.detach().to(device)
@@ -178,7 +182,7 @@ def _materialize(module: nn.Module, layouts: list[UnitLayout], named: list[tuple
         walk(module)
         if source is not None:
             for name, p in named:
-                p.copy_(source.tensor(name, p.shape))
+                p.copy_(fresh[name] if name in fresh else source.tensor(name, p.shape))
     return units
 
 
