@@ -210,8 +210,9 @@ def merge_settings(base: dict, overrides: dict) -> dict:
 def deepspeed_config(config: GPTConfig, micro_batch_size: int, num_micro_batches: int, nvme_path: str,
                      gpt_hparams: dict, grad_clip_norm: float | None = None,
                      num_param_buffers: int | None = None, prefetch_bucket_numel: int | None = None,
-                     overrides: dict | None = None) -> dict:
-    """The ZeRO-Infinity config that works on this CPU-only machine (anchors.md), fp32 throughout."""
+                     overrides: dict | None = None, world_size: int = 1) -> dict:
+    """The ZeRO-Infinity config that works on this CPU-only machine (anchors.md), fp32 throughout.
+    ``world_size``: data-parallel ranks (DeepSpeed checks train_batch_size = micro x accumulation x ranks)."""
     # offload_param.buffer_size counts elements and must hold the largest parameter; round it up to
     # whole aio blocks (fp32: 4 bytes per element).
     block_numel = AIO_BLOCK_BYTES // 4
@@ -220,7 +221,7 @@ def deepspeed_config(config: GPTConfig, micro_batch_size: int, num_micro_batches
     ds_config = {
         "train_micro_batch_size_per_gpu": micro_batch_size,
         "gradient_accumulation_steps": num_micro_batches,
-        "train_batch_size": micro_batch_size * num_micro_batches,
+        "train_batch_size": micro_batch_size * num_micro_batches * world_size,
         "steps_per_print": 2**31 - 1,
         "wall_clock_breakdown": False,
         # Explicit: DeepSpeed 0.19.8 defaults to clipping the gradient norm at 1.0, which silently
@@ -286,7 +287,8 @@ def _param_groups(gpt: GPTModule) -> list[dict]:
 def run_zero_infinity(config: GPTConfig, micro_batch_size: int, num_micro_batches: int, steps: int,
                       nvme_dir: str, seed: int = 0, lr: float = 3e-4,
                       grad_clip_norm: float | None = None, num_param_buffers: int | None = None,
-                      prefetch_bucket_numel: int | None = None, overrides: dict | None = None) -> dict:
+                      prefetch_bucket_numel: int | None = None, overrides: dict | None = None,
+                      data=None, counters=None) -> dict:
     """Train ``steps`` optimizer steps of the GPT under ZeRO-Infinity and return the measurements.
 
     Each step is ``num_micro_batches`` micro-batches of ``micro_batch_size`` windows of
@@ -299,6 +301,11 @@ def run_zero_infinity(config: GPTConfig, micro_batch_size: int, num_micro_batche
     offload_param.buffer_count (None: ``param_buffer_count``'s rule). ``prefetch_bucket_numel``:
     stage3_prefetch_bucket_size (None: PREFETCH_BUCKET_NUMEL; 0 turns NVMe prefetch off, the workaround for
     "param N already assigned swap buffer id M", which the ``small`` preset hits). One call per process.
+
+    Data parallel (``zero_infinity_ranks.py``): the caller initialises torch.distributed first (its
+    ranks run this each with its own ``nvme_dir``) and passes ``data``, an object whose
+    ``train_dataloader()`` yields this rank's ``(inputs, targets)`` per step; ``counters``, a callable
+    returning cumulative byte counters, adds their per-step differences as ``counters_per_step``.
     """
     config = GPTConfig.from_any(config)
     for name, value in (("micro_batch_size", micro_batch_size), ("num_micro_batches", num_micro_batches),
@@ -320,13 +327,15 @@ def run_zero_infinity(config: GPTConfig, micro_batch_size: int, num_micro_batche
     engine = None
     try:
         # Build the data first: the corpus read must not land in the SSD counters.
-        data = TextDataModule(source="stdlib", context_len=config.context_len, micro_batch_size=micro_batch_size,
-                              num_micro_batches=num_micro_batches, seed=seed)
+        if data is None:
+            data = TextDataModule(source="stdlib", context_len=config.context_len, micro_batch_size=micro_batch_size,
+                                  num_micro_batches=num_micro_batches, seed=seed)
+        world_size = torch.distributed.get_world_size()
         batches = iter(data.train_dataloader())
 
         gpt_hparams = {"learning_rate": lr, "weight_decay": 0.1, "betas": (0.9, 0.95), "eps": 1e-8}
         ds_config = deepspeed_config(config, micro_batch_size, num_micro_batches, swap_dir, gpt_hparams,
-                                     grad_clip_norm, num_param_buffers, prefetch_bucket_numel, overrides)
+                                     grad_clip_norm, num_param_buffers, prefetch_bucket_numel, overrides, world_size)
         # dtype=None: passing torch.float32 silently turns into bf16 on this CPU.
         with deepspeed.zero.Init(config_dict_or_path=ds_config, remote_device="nvme", dtype=None):
             gpt = GPTModule(config, learning_rate=lr, weight_decay=gpt_hparams["weight_decay"],
@@ -347,6 +356,7 @@ def run_zero_infinity(config: GPTConfig, micro_batch_size: int, num_micro_batche
         read_bytes: list[int] = []
         write_bytes: list[int] = []
         losses: list[float] = []
+        counter_steps: list[dict] = []
         engine.train()
         with _RssSampler() as sampler:
             for _ in range(steps):
@@ -356,6 +366,7 @@ def run_zero_infinity(config: GPTConfig, micro_batch_size: int, num_micro_batche
                     batches = iter(data.train_dataloader())
                     inputs, targets = next(batches)
                 read_before, write_before = _proc_io()
+                counters_before = counters() if counters else {}
                 start = time.perf_counter()
                 micro_losses = []
                 for micro_inputs, micro_targets in zip(inputs.chunk(num_micro_batches), targets.chunk(num_micro_batches)):
@@ -365,6 +376,8 @@ def run_zero_infinity(config: GPTConfig, micro_batch_size: int, num_micro_batche
                     micro_losses.append(loss.item())
                 step_s.append(time.perf_counter() - start)
                 read_after, write_after = _proc_io()
+                counters_after = counters() if counters else {}
+                counter_steps.append({k: v - counters_before.get(k, 0) for k, v in counters_after.items()})
                 read_bytes.append(read_after - read_before)
                 write_bytes.append(write_after - write_before)
                 losses.append(sum(micro_losses) / len(micro_losses))
@@ -373,6 +386,8 @@ def run_zero_infinity(config: GPTConfig, micro_batch_size: int, num_micro_batche
         if engine.global_steps != steps:
             raise RuntimeError(f"DeepSpeed took {engine.global_steps} optimizer steps, expected {steps}")
         swap_apparent_bytes, swap_allocated_bytes = _dir_bytes(swap_dir)
+        swap_by_dir = {os.path.relpath(root, swap_dir): _dir_bytes(root)[0] for root, dirs, _ in os.walk(swap_dir)
+                       if not dirs}  # the leaf directories: parameters and optimizer state apart
     finally:
         if engine is not None:
             engine.destroy()
@@ -383,7 +398,7 @@ def run_zero_infinity(config: GPTConfig, micro_batch_size: int, num_micro_batche
     timed = slice(1, None)  # the first step warms up (buffer allocation, op loading, first swaps)
     s_per_step = statistics.median(step_s[timed])
     tokens_per_step = micro_batch_size * num_micro_batches * config.context_len
-    return {
+    result = {
         "system": "zero_infinity",
         "s_per_step": s_per_step,
         "tokens_per_s": tokens_per_step / s_per_step,
@@ -414,7 +429,12 @@ def run_zero_infinity(config: GPTConfig, micro_batch_size: int, num_micro_batche
         # every DeepSpeed setting this run used (the swap paths are this run's temporary directory)
         "deepspeed_settings": {k: v for k, v in ds_config.items() if k != "optimizer"},
         "deepspeed_overrides": overrides or {},
+        "world_size": world_size,
+        "swap_files_apparent_bytes_by_dir": swap_by_dir,
     }
+    if counters:
+        result["counters_per_step"] = counter_steps
+    return result
 
 
 def main(argv: list[str] | None = None) -> int:
