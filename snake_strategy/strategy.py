@@ -396,9 +396,12 @@ class GreedySnakeStrategy(DataParallelMixin, ParallelStrategy):
             if self.is_global_zero:  # as DDPStrategy: one writer
                 self.checkpoint_io.save_checkpoint(checkpoint, filepath)
             return
-        # Rank 0 writes (the other ranks' partitioned moments are gathered to it unit by unit); Lightning barriers.
-        if self.is_global_zero or self.engine.partition is not None:
-            _checkpoint_module().save(self.engine, checkpoint, filepath, self.progress, write=self.is_global_zero)
+        if self.engine.partition is not None:  # every rank writes its shard, rank 0 the manifest last
+            from snake_strategy import checkpoint_shards  # on use: see _checkpoint_module
+
+            checkpoint_shards.save(self.engine, checkpoint, filepath, self.progress)
+        elif self.is_global_zero:  # one writer, as DDPStrategy (replicated state); Lightning barriers
+            _checkpoint_module().save(self.engine, checkpoint, filepath, self.progress)
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:

@@ -100,7 +100,7 @@ def main() -> None:
                     "world_size": trainer.world_size, "global_rank": trainer.global_rank,
                     "sampler": type(trainer.train_dataloader.sampler).__name__,
                     "metrics": {k: float(v) for k, v in trainer.callback_metrics.items()},
-                    "ssd_dir": getattr(strategy, "_last_ssd_dir", None)},
+                    "ssd_dir": getattr(strategy, "_last_ssd_dir", None), "pid": os.getpid()},
                    os.path.join(out, f"rank{trainer.global_rank}.pt"))
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -177,18 +178,81 @@ def test_rank_storage_gives_each_rank_its_directory(tmp_path):
 
 
 # ---------------------------------------------------------------------- checkpoints
-def _checkpointed_run(tmp_path: Path) -> tuple[dict, Path]:
-    """2 ranks, 4 steps, 2 steps per epoch (a resume after step 2 starts a fresh epoch: same data order)."""
-    cfg = dict(world=2, micro=2, steps=4, samples=16, kind="vertical", alpha=0.25, storage=SSD, save_every=2,
+def _checkpointed_run(tmp_path: Path, steps: int = 4) -> tuple[dict, Path]:
+    """2 ranks, 2 steps per epoch (a resume after step 2 starts a fresh epoch: same data order)."""
+    cfg = dict(world=2, micro=2, steps=steps, samples=16, kind="vertical", alpha=0.25, storage=SSD, save_every=2,
                ckpt_dir=str(tmp_path / "ckpts"))
     full = run_worker(tmp_path, "full", **cfg)
     return full, tmp_path / "ckpts" / "epoch=0-step=2.ckpt"
 
 
+def _resume_in_process(ckpt: Path, ssd_dir: Path, steps: int = 4) -> tuple[dict, Path]:
+    """One process (this one), 1 x 4 micro-batches over the worker's global batches, from ``ckpt``; saves
+    at step 4 into ssd_dir/../ckpts_one (one process's format)."""
+    import lightning as L
+
+    from snake_strategy.gpt import GPTModule
+    import snake_strategy
+
+    from .helpers import SMALL_GPT, ParamRecorder, token_data, trainer_kwargs
+
+    x, y = token_data(16, SMALL_GPT.context_len, SMALL_GPT.vocab_size)
+    strategy = snake_strategy.GreedySnakeStrategy(storage={**SSD, "ssd_dir": str(ssd_dir)},
+                                                  schedule={"kind": "vertical", "num_micro_batches": 4, "alpha": 0.25})
+    rec, out = ParamRecorder(only_last=True), ssd_dir.parent / "ckpts_one"
+    save = L.pytorch.callbacks.ModelCheckpoint(dirpath=str(out), every_n_train_steps=2, save_top_k=-1)
+    trainer = L.Trainer(strategy=strategy, precision="64-true", max_steps=steps, callbacks=[rec, save],
+                        **trainer_kwargs(enable_checkpointing=True))
+    L.seed_everything(0, verbose=False)
+    trainer.fit(GPTModule(SMALL_GPT, learning_rate=1e-3), ckpt_path=str(ckpt),
+                train_dataloaders=DataLoader(TensorDataset(x, y), batch_size=8, shuffle=False))
+    return rec.states[-1], out
+
+
+def test_sharded_checkpoint_each_rank_writes_its_shard(tmp_path):
+    """Partitioned moments: each rank writes its own shard of master weights and moments (rank 0 the
+    manifest, last); consolidation merges the shards; one process resumes it (re-sharding at load) exactly;
+    a missing shard is refused before any step, naming the file."""
+    from snake_strategy import checkpoint as snake_checkpoint
+
+    full, ckpt = _checkpointed_run(tmp_path, steps=2)
+    manifest = snake_checkpoint.read_manifest(ckpt)  # verifies every file's size and CRC-32
+    assert manifest["format"] == snake_checkpoint.SHARDED_FORMAT and not (ckpt / "units").exists()
+    shards = manifest["shards"]
+    assert shards["world_size"] == 2
+    assert [w["pid"] for w in shards["writers"]] == [full[0]["pid"], full[1]["pid"]] and full[0]["pid"] != full[1]["pid"]
+    layout = full[0]["stats"][-1]["layout"]
+    for r in (0, 1):
+        names = sorted(p.name for p in (ckpt / "shards" / f"rank{r}").iterdir())
+        assert names == sorted(f"unit{u:05d}.{s}.bin" for u in range(len(layout)) for s in snake_checkpoint.STATES)
+        for u, unit in enumerate(layout):
+            lo, hi = shard_bounds(unit["train_end"], 2, r)
+            assert shards["ranges"][u][r] == [lo, hi]
+            for s in snake_checkpoint.STATES:  # fp64: this rank's range only, ~1/2 of the unit
+                assert (ckpt / "shards" / f"rank{r}" / f"unit{u:05d}.{s}.bin").stat().st_size == 8 * (hi - lo)
+    # Each rank's shard is its own range of whole pages; together they are every unit once.
+    total = sum(p.stat().st_size for p in (ckpt / "shards").rglob("*.exp_avg.bin"))
+    assert total == 8 * sum(unit["train_end"] for unit in layout)
+    # Consolidation merges the shards: the 2-rank run's parameters after step 2, bitwise.
+    merged = snake_checkpoint.consolidate(ckpt, tmp_path / "merged.ckpt")["state_dict"]
+    for name, value in full[0]["state"].items():
+        assert torch.equal(merged[name], value), name
+    # A shard missing: refused before any step, naming the file and the fix.
+    broken = tmp_path / "broken.ckpt"
+    shutil.copytree(ckpt, broken)
+    (broken / "shards" / "rank1" / "unit00001.exp_avg_sq.bin").unlink()
+    with pytest.raises(ValueError, match=r"(?s)shards/rank1/unit00001.exp_avg_sq.bin is missing.*saved by 2 ranks"
+                                         r".*Copy or move the whole checkpoint directory"):
+        _resume_in_process(broken, tmp_path / "ssd_broken")
+
+
 @pytest.mark.slow
 def test_resume_two_ranks_bitwise_and_on_one_rank_exact(tmp_path):
-    """Partitioned moments: rank 0 gathers and writes them; the checkpoint is the same format as one
-    process's, so 2 -> 1 re-shards by reading it (and consolidation needs nothing new)."""
+    """2 -> 2 from the per-rank shards is bitwise; 2 -> 1 (re-sharded at load) equals the 2-rank run, and its
+    one-process checkpoint consolidates to what the 2-rank checkpoint of the same step consolidates to;
+    1 -> 2 re-shards a one-process checkpoint."""
+    from snake_strategy import checkpoint as snake_checkpoint
+
     full, ckpt = _checkpointed_run(tmp_path)
     _check_ranks_agree(full)
     assert sorted(p.name for p in (tmp_path / "ckpts").iterdir()) == ["epoch=0-step=2.ckpt", "epoch=1-step=4.ckpt"]
@@ -197,8 +261,31 @@ def test_resume_two_ranks_bitwise_and_on_one_rank_exact(tmp_path):
     _check_ranks_agree(again)
     for key in full[0]["state"]:
         assert torch.equal(again[0]["state"][key], full[0]["state"][key]), key
-    one = run_worker(tmp_path, "one", world=1, micro=4, **common)  # re-sharded: one rank, the same global batches
-    assert max_abs_diff(one[0]["state"], full[0]["state"]) < 1e-10
+    one, one_ckpts = _resume_in_process(ckpt, tmp_path / "ssd_one")  # re-sharded: 1 x 2M micro-batches
+    assert max_abs_diff(one, full[0]["state"]) < 1e-10
+    one_step4 = one_ckpts / "epoch=1-step=4.ckpt"
+    assert snake_checkpoint.read_manifest(one_step4)["format"] == snake_checkpoint.FORMAT  # one process's format
+    merged_two = snake_checkpoint.load_consolidated(tmp_path / "ckpts" / "epoch=1-step=4.ckpt")["state_dict"]
+    merged_one = snake_checkpoint.load_consolidated(one_step4)["state_dict"]
+    assert max_abs_diff(merged_one, merged_two) < 1e-10
+    # 1 -> 2: the one-process checkpoint of step 4 resumes on 2 ranks (each keeps its range of the moments).
+    back = run_worker(tmp_path, "back", world=2, micro=2, **{**common, "steps": 6, "samples": 16,
+                                                                "resume": str(one_step4)})
+    _check_ranks_agree(back)
+
+
+@pytest.mark.slow
+def test_two_ranks_missing_shard_stops_every_rank(tmp_path):
+    """A 2-rank resume with rank 1's shard incomplete: both ranks stop before any step with the file named
+    (rank 0 reads only its own shard, but the ranks agree on the verification first: nobody waits)."""
+    _, ckpt = _checkpointed_run(tmp_path, steps=2)
+    victim = ckpt / "shards" / "rank1" / "unit00002.master.bin"
+    victim.write_bytes(victim.read_bytes()[:-8])
+    failed = run_worker(tmp_path, "failed", expect_rc=None, world=2, micro=2, steps=4, samples=16, kind="vertical",
+                        alpha=0.25, storage=SSD, resume=str(ckpt))
+    assert failed["returncode"] != 0
+    assert "shards/rank1/unit00002.master.bin is shorter than the manifest says" in failed["stderr"]
+    assert "Traceback" in failed["stderr"] and "optimizer_step" not in failed["stderr"]
 
 
 @pytest.mark.slow

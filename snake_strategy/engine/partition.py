@@ -128,6 +128,25 @@ class Partition:
                 weights.evict(gathered[r * per:r * per + (b - a)], a, b)
         return time.perf_counter() - start_s
 
+    def local_state(self, unit) -> dict[str, Tensor]:
+        """This rank's shard ``shard_range(unit)`` of the unit's master weights and moments (CPU copies, no
+        collective): what the rank writes to its checkpoint shard (checkpoint_shards.py)."""
+        lo, hi = shard_range(unit)
+        return {"master": unit.master.read_copy(lo, hi), "exp_avg": unit.exp_avg.read_shard(),
+                "exp_avg_sq": unit.exp_avg_sq.read_shard()}
+
+    def load_local(self, unit, state: dict[str, Tensor]) -> None:
+        """Put this rank's shard of a unit's master weights and moments (elements ``shard_range(unit)``)
+        into its tiers, then all-gather the whole unit's weights from the shard owners (a collective every
+        rank runs for the same units in order; the weights are the master copy, see Partition)."""
+        assert unit.weights is unit.master, "partitioned state keeps the master copy in the compute weights"
+        lo, hi = shard_range(unit)
+        if hi > lo:
+            for name in ("master", "exp_avg", "exp_avg_sq"):
+                assert state[name].numel() == hi - lo, (name, state[name].numel(), hi - lo)
+                getattr(unit, name).evict(state[name].to(self._dtype), lo, hi)
+        self.gather_weights(unit)
+
     def gather_moments(self, unit) -> dict[str, Tensor]:
         """The unit's whole Adam moments from every rank's shard (CPU copies; a collective)."""
         return {name: self._gather_shard(getattr(unit, name).read_shard(), unit.train_end)
