@@ -241,8 +241,9 @@ def _verify_shards(root: Path, manifest: dict, ranges: list[tuple[int, int]]) ->
                 raise ValueError(f"checkpoint shard file {path} is missing")
             if name in needed:
                 ckpt._verify(path, files[name])  # size and CRC-32
-            elif path.stat().st_size != files[name]["bytes"]:
-                raise ValueError(f"checkpoint shard file {path} has {path.stat().st_size} bytes, the manifest says "
-                                 f"{files[name]['bytes']} (truncated or overwritten)")
+            elif path.stat().st_size != files[name]["bytes"]:  # another rank's: the size only (no read)
+                size, want = path.stat().st_size, files[name]["bytes"]
+                raise ValueError(f"checkpoint file {path} is {'shorter' if size < want else 'longer'} than the "
+                                 f"manifest says ({size}, not {want} bytes): truncated or overwritten")
         except ValueError as err:
             raise ValueError(f"{err}{hint}") from None

@@ -27,6 +27,7 @@ from helpers import SMALL_GPT, ParamRecorder, token_data, trainer_kwargs  # noqa
 
 import snake_strategy  # noqa: E402
 from snake_strategy.gpt import GPTModule  # noqa: E402
+from snake_strategy.memory import ssd_plan  # noqa: E402
 
 
 class StepStats(L.Callback):
@@ -40,7 +41,11 @@ class StepStats(L.Callback):
                            "reductions": [vars(r).copy() for r in reducer.records] if reducer else [],
                            "tasks": [(t.kind, t.unit, tuple(t.micro_batches)) for t in engine.trace.last.tasks],
                            "layout": engine.storage_layout(), "batch_head": batch[0][:, 0].tolist(),
-                           "ssd_dir": engine.ssd.path if engine.ssd is not None else None})
+                           "ssd_dir": engine.ssd.path if engine.ssd is not None else None,
+                           # this rank's planned SSD bytes next to the files it has there
+                           "ssd_plan": ssd_plan(engine.memory_inputs(engine.checkpoint_bytes)),
+                           "ssd_files": {os.path.relpath(f, engine.ssd.path): os.path.getsize(f)
+                                         for f in engine.ssd_files()} if engine.ssd is not None else {}})
 
 
 class KillInStep:

@@ -103,6 +103,17 @@ def test_two_ranks_equal_one_rank_vertical_ssd_alpha(tmp_path):
         shards = [shard_bounds(u["train_end"], 2, r) for u in layout]
         assert [u["exp_avg_ssd"] for u in layout] == [-(-8 * (hi - lo) // 4096) * 4096 for lo, hi in shards]
         assert [u["weights_ssd"] for u in layout] == [u["weights_ssd"] for u in one[0]["stats"][-1]["layout"]]
+    # The free-space check's plan is per rank: its moments are this rank's shards, as the files on its disk.
+    for ranks in (one, two):
+        for r, out in ranks.items():
+            stats = out["stats"][-1]
+            files, planned = stats["ssd_files"], stats["ssd_plan"]
+            moments = sum(size for name, size in files.items() if name.startswith(("exp_avg/", "exp_avg_sq/")))
+            assert planned["optimizer_moments"] == moments > 0
+            assert planned["weights"] == sum(size for name, size in files.items() if name.startswith("weights/"))
+            assert sum(planned.values()) == sum(files.values())
+    assert two[0]["stats"][-1]["ssd_plan"]["optimizer_moments"] + two[1]["stats"][-1]["ssd_plan"]["optimizer_moments"] \
+        == one[0]["stats"][-1]["ssd_plan"]["optimizer_moments"]
 
 
 @pytest.mark.slow
@@ -284,7 +295,8 @@ def test_two_ranks_missing_shard_stops_every_rank(tmp_path):
     failed = run_worker(tmp_path, "failed", expect_rc=None, world=2, micro=2, steps=4, samples=16, kind="vertical",
                         alpha=0.25, storage=SSD, resume=str(ckpt))
     assert failed["returncode"] != 0
-    assert "shards/rank1/unit00002.master.bin is shorter than the manifest says" in failed["stderr"]
+    assert "shards/rank1/unit00002.master.bin is shorter than the manifest says" in failed["stderr"], \
+        failed["stderr"][-3000:]
     assert "Traceback" in failed["stderr"] and "optimizer_step" not in failed["stderr"]
 
 
@@ -300,6 +312,33 @@ def test_rank_killed_mid_step_leaves_the_last_checkpoint_loadable(tmp_path):
                        storage=SSD, resume=str(last))
     for key in full[0]["state"]:
         assert torch.equal(again[0]["state"][key], full[0]["state"][key]), key
+
+
+def test_host_and_ssd_plans_count_this_ranks_moment_shards():
+    """With partitioned moments each rank plans its own shards: over the ranks they add up to one process's
+    moments, on the host and on the SSD (page-rounded per unit: the shards are whole pages)."""
+    from snake_strategy.memory import MemoryInputs, host_plan, ssd_plan
+
+    units = (12800, 4096 * 3 + 5, 100)
+    for optimizer in ("host", "ssd"):
+        storage = StorageConfig(weights="host", optimizer=optimizer, gradients="host")
+        plans = {}
+        for world in (1, 2, 3):
+            for rank in range(world):
+                inputs = MemoryInputs(unit_params=units, nonlayer_params=10, compute_bytes=8, master_bytes=8,
+                                      device_is_cpu=True, storage=storage, shard_world_size=world, shard_rank=rank)
+                plans[world, rank] = (host_plan(inputs), ssd_plan(inputs))
+        for world in (2, 3):
+            for which in (0, 1):
+                whole = plans[1, 0][which]["optimizer_moments"]
+                assert sum(plans[world, r][which]["optimizer_moments"] for r in range(world)) == whole
+            assert plans[world, 0][0]["optimizer_moments" if optimizer == "host" else "weights"] > 0
+            assert "partition_buffers" in plans[world, 0][0] and "partition_buffers" not in plans[1, 0][0]
+        shard = [8 * (hi - lo) for lo, hi in (shard_bounds(n, 2, 1) for n in units)]
+        if optimizer == "host":
+            assert plans[2, 1][0]["optimizer_moments"] == 2 * sum(shard)
+        else:  # one file per unit and moment, page-rounded
+            assert plans[2, 1][1]["optimizer_moments"] == 2 * sum(-(-b // 4096) * 4096 for b in shard)
 
 
 def test_shards_cover_each_unit_once_on_whole_pages():

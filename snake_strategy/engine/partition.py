@@ -26,22 +26,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-SHARD_ALIGN_ELEMS = 4096  # a page for every dtype up to 1 byte; optimizer chunks are multiples of it
-
-
-def shard_size(train_end: int, world_size: int) -> int:
-    """Elements per shard (the padded length every rank contributes to a collective)."""
-    if train_end == 0:
-        return 0
-    per = -(-train_end // world_size)
-    return -(-per // SHARD_ALIGN_ELEMS) * SHARD_ALIGN_ELEMS
-
-
-def shard_bounds(train_end: int, world_size: int, rank: int) -> tuple[int, int]:
-    """[lo, hi) of ``rank``'s shard of a unit with ``train_end`` trainable elements (may be empty)."""
-    per = shard_size(train_end, world_size)
-    lo = min(rank * per, train_end)
-    return lo, min(lo + per, train_end)
+# The shard geometry is a sizing rule: it lives with the memory model, which plans each rank's bytes.
+from snake_strategy.memory import SHARD_ALIGN_ELEMS, shard_bounds, shard_size  # noqa: F401
 
 
 class ShardView:
