@@ -26,7 +26,8 @@ from typing_extensions import override
 from snake_strategy.autoplan import RunPlan, first_prediction, resolve
 from snake_strategy.config import ScheduleConfig, StorageConfig, coerce_config
 from snake_strategy.contract import check_contract
-from snake_strategy.distributed import DataParallelMixin, check_rank_loader, rank_storage, sync_initial_state
+from snake_strategy.distributed import (DataParallelMixin, build_together, check_rank_loader, check_rank_storage,
+                                        rank_storage, sync_initial_state)
 from snake_strategy.engine import EngineHooks, SnakeEngine
 from snake_strategy.engine.evaluation import EvalEngine
 from snake_strategy.storage.counters import traffic_delta
@@ -177,11 +178,17 @@ class GreedySnakeStrategy(DataParallelMixin, ParallelStrategy):
         self._resolve_plan(self.optimizers[0])
         # Once a run gave its weights back, they are the module's weights: pretrained= was the starting point.
         pretrained = None if self._gave_back_weights else self.pretrained
-        self.engine = SnakeEngine(module, self.optimizers[0], self._rank_storage(), self.schedule,
-                                  self.precision_plugin.dtypes, self.root_device, clip=clip,
-                                  pretrained=pretrained, scaler=self.precision_plugin.make_scaler(),
-                                  hooks=self.hooks, progress=self.progress, world_size=self.world_size,
-                                  rank=self.global_rank, shard_optimizer=self.shard_optimizer_state)
+        if self.world_size > 1:  # one directory per rank, none in use: refused on every rank, before any lock
+            check_rank_storage(self.storage, self.global_rank, self.world_size)
+
+        def build() -> SnakeEngine:
+            return SnakeEngine(module, self.optimizers[0], self._rank_storage(), self.schedule,
+                               self.precision_plugin.dtypes, self.root_device, clip=clip,
+                               pretrained=pretrained, scaler=self.precision_plugin.make_scaler(),
+                               hooks=self.hooks, progress=self.progress, world_size=self.world_size,
+                               rank=self.global_rank, shard_optimizer=self.shard_optimizer_state)
+        # Several ranks: a rank whose setup fails (full disk, a lock) stops every rank, not only itself.
+        self.engine = build_together(build) if self.world_size > 1 else build()
         if self.world_size > 1:
             sync_initial_state(self.engine, self.root_device)  # every rank starts from rank 0's weights
         self.engine.trace.enabled = self.trace_path is not None

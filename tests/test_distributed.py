@@ -188,6 +188,85 @@ def test_rank_storage_gives_each_rank_its_directory(tmp_path):
     assert rank_storage(StorageConfig(), 1, 2).ssd_dir is None  # each process makes its own temporary directory
 
 
+def _storage_checks(rank: int, world: int, port: int, tmp: str, results) -> None:
+    """One of two gloo processes (no Lightning): run each layout case through check_rank_storage, and a
+    setup that fails on rank 1 only through build_together; report every rank's error (or None)."""
+    import torch.distributed as dist
+
+    from snake_strategy.distributed import build_together, check_rank_storage
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    root = Path(tmp)
+    cases = {"same": (root / "same", root / "same"), "roots": (root / "a", root / "b"),
+             "link": (root / "link", root / "link"), "locked": (root / "locked", root / "locked"),
+             "one_process": (root / "one", root / "one"), "unset": (root / "u", "$SNAKE_NO_SUCH_VAR/run")}
+    out = {}
+    for name, dirs in cases.items():
+        try:
+            check_rank_storage(StorageConfig(ssd_dir=str(dirs[rank]), weights="ssd"), rank, world)
+            out[name] = None
+        except ValueError as err:
+            out[name] = str(err)
+
+    class Built:
+        closed = False
+
+        def close(self):
+            Built.closed = True
+
+    def build():
+        if rank == 1:
+            raise ValueError("storage.ssd_dir='/x/rank1' has 0 GiB free")
+        return Built()
+
+    try:
+        build_together(build)
+        out["build"] = None
+    except ValueError as err:
+        out["build"] = str(err)
+    out["closed"] = Built.closed
+    results[rank] = out
+    dist.destroy_process_group()
+
+
+def test_mismatched_ssd_dir_layouts_stop_every_rank_before_setup(tmp_path):
+    """Two real gloo processes: ranks of one machine with different ssd_dir roots, rank directories linked
+    to one another, a rank directory (or the root) in use by a live run, an unexpanded variable: each is a
+    ValueError on both ranks, before any lock is taken; a setup failure on one rank stops both."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    (tmp_path / "link" / "rank0").mkdir(parents=True)
+    (tmp_path / "link" / "rank1").symlink_to(tmp_path / "link" / "rank0")
+    (tmp_path / "locked" / "rank1").mkdir(parents=True)
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    try:
+        (tmp_path / "locked" / "rank1" / ".snake.lock").write_text(str(sleeper.pid))
+        (tmp_path / "one").mkdir()
+        (tmp_path / "one" / ".snake.lock").write_text(str(sleeper.pid))
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        results = mp.Manager().dict()
+        mp.spawn(_storage_checks, args=(2, port, str(tmp_path), results), nprocs=2, join=True)
+    finally:
+        sleeper.kill()
+    results = dict(results)
+    for r in (0, 1):
+        got = results[r]
+        assert got["same"] is None
+        assert "were given different storage.ssd_dir roots" in got["roots"] and "ranks 0 and 1" in got["roots"]
+        assert "would share the SSD directory" in got["link"]
+        assert got["locked"].startswith("rank 1 ") and f"in use by a running process (pid {sleeper.pid}" in got["locked"]
+        assert got["one_process"].startswith("rank 0 ") and "one-process run on storage.ssd_dir itself" in got["one_process"]
+        assert "SNAKE_NO_SUCH_VAR" in got["unset"] and "environment variable that is not set" in got["unset"]
+    assert results[0]["build"] == ("the setup failed on rank 1, so every rank stops: ValueError: "
+                                   "storage.ssd_dir='/x/rank1' has 0 GiB free")
+    assert results[1]["build"] == "storage.ssd_dir='/x/rank1' has 0 GiB free"  # its own error
+    assert results[0]["closed"] and not results[1]["closed"]  # rank 0 releases what it built
+
+
 # ---------------------------------------------------------------------- checkpoints
 def _checkpointed_run(tmp_path: Path, steps: int = 4) -> tuple[dict, Path]:
     """2 ranks, 2 steps per epoch (a resume after step 2 starts a fresh epoch: same data order)."""
