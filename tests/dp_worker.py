@@ -8,6 +8,7 @@ half_weights (False: full-precision weight storage), tied_head, poison ({step, r
 as_ranks (one process ordering the samples so that its micro-batches are those N ranks would see),
 record_every (parameters after every step), kind, alpha, storage (a StorageConfig mapping; ssd_dir may be set), clip (gradient_clip_val, norm),
 resume (a checkpoint directory), save_every (ModelCheckpoint every n steps into ckpt_dir), ckpt_dir,
+kill_in_save ({rank, save}: that rank exits hard inside its n-th checkpoint save, after its first file),
 kill_rank/kill_step (that rank exits hard in that step's optimizer work), out (a directory: each rank
 writes rank{r}.pt with its final parameters, step stats and reduction records).
 The dataset is ``steps x world x nodes x micro x micro_size`` samples in order: N ranks x M micro-batches
@@ -78,6 +79,25 @@ class KillInStep:
             os._exit(17)
 
 
+class SaveWatch:
+    """A progress listener: the bytes each checkpoint save wrote in this process (its END events), and,
+    with ``kill_at`` (the n-th save, 1-based), a hard exit right after that save wrote its first file."""
+
+    def __init__(self, kill_at: int | None) -> None:
+        self.saved_bytes: list[int] = []
+        self.kill_at, self.saves = kill_at, 0
+
+    def __call__(self, event) -> None:
+        if event.phase != "checkpoint_save":
+            return
+        if event.stage == "start":
+            self.saves += 1
+        elif event.stage == "end":
+            self.saved_bytes.append(event.done_bytes)
+        elif self.saves == self.kill_at and event.done >= 1:
+            os._exit(17)
+
+
 def main() -> None:
     cfg = json.load(open(sys.argv[1]))
     world, nodes = cfg.get("world", 1), cfg.get("nodes", 1)
@@ -105,6 +125,9 @@ def main() -> None:
     if cfg.get("kill_rank") is not None and rank == cfg["kill_rank"]:
         hooks = snake_strategy.EngineHooks(before_optimizer_chunk=KillInStep(strategy, cfg["kill_step"]))
         strategy.hooks = hooks
+    kill_save = cfg.get("kill_in_save")  # {rank, save}: that rank dies inside its n-th checkpoint save
+    watch = SaveWatch(kill_save["save"] if kill_save and rank == kill_save["rank"] else None)
+    strategy.progress.listeners.append(watch)
     rec, stats = ParamRecorder(only_last=not cfg.get("record_every")), StepStats()
     callbacks = [rec, stats]
     extra = {}
@@ -132,6 +155,7 @@ def main() -> None:
     if out:
         os.makedirs(out, exist_ok=True)
         torch.save({"state": rec.states[-1] if rec.states else None, "stats": stats.stats, "states": rec.states,
+                    "saved_bytes": watch.saved_bytes,
                     "world_size": trainer.world_size, "global_rank": trainer.global_rank,
                     "sampler": type(trainer.train_dataloader.sampler).__name__,
                     "metrics": {k: float(v) for k, v in trainer.callback_metrics.items()},

@@ -354,9 +354,22 @@ def test_sharded_checkpoint_each_rank_writes_its_shard(tmp_path):
             assert shards["ranges"][u][r] == [lo, hi]
             for s in snake_checkpoint.STATES:  # fp64: this rank's range only, ~1/2 of the unit
                 assert (ckpt / "shards" / f"rank{r}" / f"unit{u:05d}.{s}.bin").stat().st_size == 8 * (hi - lo)
-    # Each rank's shard is its own range of whole pages; together they are every unit once.
+    # Each rank's shard is its own range of whole pages; together they are every unit once. Each rank's save
+    # wrote its shard only (its progress events count the bytes: 3 states x its range, fp64).
     total = sum(p.stat().st_size for p in (ckpt / "shards").rglob("*.exp_avg.bin"))
     assert total == 8 * sum(unit["train_end"] for unit in layout)
+    for r in (0, 1):
+        mine = sum(hi - lo for lo, hi in (shard_bounds(unit["train_end"], 2, r) for unit in layout))
+        assert full[r]["saved_bytes"] == [3 * 8 * mine]
+    # Evaluation and the HF export read the master weights through the same merge.
+    from snake_strategy.checkpoint_weights import CheckpointWeights
+
+    weights = CheckpointWeights(ckpt)
+    try:
+        for name, value in full[0]["state"].items():
+            assert torch.equal(weights.tensor(name), value), name
+    finally:
+        weights.close()
     # Consolidation merges the shards: the 2-rank run's parameters after step 2, bitwise.
     merged = snake_checkpoint.consolidate(ckpt, tmp_path / "merged.ckpt")["state_dict"]
     for name, value in full[0]["state"].items():
@@ -411,6 +424,32 @@ def test_two_ranks_missing_shard_stops_every_rank(tmp_path):
     assert "shards/rank1/unit00002.master.bin is shorter than the manifest says" in failed["stderr"], \
         failed["stderr"][-3000:]
     assert "Traceback" in failed["stderr"] and "optimizer_step" not in failed["stderr"]
+
+
+@pytest.mark.slow
+def test_rank_killed_inside_a_sharded_save_keeps_the_previous_checkpoint(tmp_path):
+    """Rank 1 dies right after writing the first file of its shard of the step-4 checkpoint: no checkpoint
+    of step 4 appears under its name (the manifest comes last, after every shard), the step-2 one stays
+    complete and resumes bitwise, and the run saves step 4 under that name afterwards."""
+    from snake_strategy import checkpoint as snake_checkpoint
+
+    full, _ = _checkpointed_run(tmp_path)
+    cfg = dict(world=2, micro=2, steps=4, samples=16, kind="vertical", alpha=0.25, storage=SSD, save_every=2,
+               ckpt_dir=str(tmp_path / "ckpts_killed"), kill_in_save={"rank": 1, "save": 2})
+    killed = run_worker(tmp_path, "killed", expect_rc=None, **cfg)
+    assert killed["returncode"] != 0
+    names = sorted(p.name for p in (tmp_path / "ckpts_killed").iterdir())
+    assert "epoch=1-step=4.ckpt" not in names and "epoch=0-step=2.ckpt" in names
+    # (Rank 0 sees its gather fail when rank 1 dies and removes the partial directory itself; had it died
+    # too, the next save or load of the name would: checkpoint._recover.)
+    last = tmp_path / "ckpts_killed" / "epoch=0-step=2.ckpt"
+    snake_checkpoint.read_manifest(last)  # complete: every file's size and CRC-32
+    again = run_worker(tmp_path, "again", world=2, micro=2, steps=4, samples=16, kind="vertical", alpha=0.25,
+                       storage=SSD, resume=str(last), save_every=2, ckpt_dir=str(tmp_path / "ckpts_killed"))
+    for key in full[0]["state"]:
+        assert torch.equal(again[0]["state"][key], full[0]["state"][key]), key
+    assert sorted(p.name for p in (tmp_path / "ckpts_killed").iterdir()) == ["epoch=0-step=2.ckpt",
+                                                                           "epoch=1-step=4.ckpt"]
 
 
 @pytest.mark.slow
