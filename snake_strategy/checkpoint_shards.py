@@ -134,12 +134,12 @@ def _write_shard(engine: SnakeEngine, tmp: Path, rank: int, progress: Progress |
     # Not parents=True: where rank 0's directory is not visible (no shared filesystem) this fails here.
     shard_dir.mkdir()
     partition, files = engine.partition, {}
-    numels = [partition.bounds(engine.unit_numel(u)) for u in range(engine.num_units)]
+    ranges = [partition.bounds(engine.unit_numel(u)) for u in range(engine.num_units)]
     tracker = or_quiet(progress).phase("checkpoint_save", len(ckpt.STATES) * engine.num_units, what="files",
                                        total_bytes=len(ckpt.STATES) * engine.dtypes.bytes_per("master")
-                                       * sum(hi - lo for lo, hi in numels))
+                                       * sum(hi - lo for lo, hi in ranges))
     for u in range(engine.num_units):
-        lo, hi = numels[u]
+        lo, hi = ranges[u]
         if hi == lo:
             continue  # a small unit: the last ranks' shards are empty
         values = partition.local_state(engine.units[u])  # one unit's shard in memory at a time

@@ -6,7 +6,8 @@ subprocess launcher (devices > 1) or torchrun (``--nnodes``) can start the other
 CONFIG: world (devices per node), nodes, micro (micro-batches per rank), micro_size, steps, precision,
 half_weights (False: full-precision weight storage), tied_head, poison ({step, rank}: an inf loss there),
 as_ranks (one process ordering the samples so that its micro-batches are those N ranks would see),
-record_every (parameters after every step), kind, alpha, storage (a StorageConfig mapping; ssd_dir may be set), clip (gradient_clip_val, norm),
+record_every (parameters after every step), kind, alpha, storage (a StorageConfig mapping; ssd_dir may be
+set), clip (gradient_clip_val, norm),
 resume (a checkpoint directory), save_every (ModelCheckpoint every n steps into ckpt_dir), ckpt_dir,
 kill_in_save ({rank, save}: that rank exits hard inside its n-th checkpoint save, after its first file),
 kill_rank/kill_step (that rank exits hard in that step's optimizer work), out (a directory: each rank
