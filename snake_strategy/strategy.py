@@ -347,7 +347,8 @@ class GreedySnakeStrategy(DataParallelMixin, ParallelStrategy):
         hardware = self.hardware if isinstance(self.hardware, HardwareProfile) else HardwareProfile()
         self.plan = resolve(self.lightning_module, optimizer, storage, schedule, self.precision_plugin.dtypes.bytes_per(
             "compute"), self.precision_plugin.dtypes.bytes_per("master"), self.root_device, hardware,
-            processes_per_node=self.num_processes)
+            processes_per_node=self.num_processes,
+            optimizer_shards=self.world_size if self.shard_optimizer_state else 1)  # per-rank moments
         self.storage, self.schedule = self.plan.storage, self.plan.schedule
         log.info("planner: %s", self.plan.describe())
 

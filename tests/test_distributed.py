@@ -8,6 +8,7 @@ input checks; the rest is ``--runslow``.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -491,6 +492,29 @@ def test_host_and_ssd_plans_count_this_ranks_moment_shards():
             assert plans[2, 1][0]["optimizer_moments"] == 2 * sum(shard)
         else:  # one file per unit and moment, page-rounded
             assert plans[2, 1][1]["optimizer_moments"] == 2 * sum(-(-b // 4096) * 4096 for b in shard)
+
+
+def test_planner_places_each_ranks_moment_shards():
+    """auto placement with partitioned moments plans rank 0's shards (the largest), so more of them fit in
+    the same per-process budget: weights first, then the moments' host share grows."""
+    from snake_strategy.memory import host_plan
+    from snake_strategy.planner import HardwareProfile, ModelShape, memory_inputs, plan
+
+    shape = ModelShape(num_units=8, params_per_unit=2**20, nonlayer_params=0, head_params=0, tokens_per_micro=64,
+                       num_micro=4, checkpoint_bytes=2**16)
+    hw = HardwareProfile()
+    two = dataclasses.replace(shape, optimizer_shards=2)
+    assert two.moment_elems * 2 == shape.moment_elems == 8 * 2**20
+    storage = StorageConfig(weights="host", optimizer="host", gradients="host", checkpoints="host")
+    whole = host_plan(memory_inputs(shape, hw, storage, "vertical", 0.25))["optimizer_moments"]
+    assert host_plan(memory_inputs(two, hw, storage, "vertical", 0.25))["optimizer_moments"] * 2 == whole
+    # The weights (32 MiB), the working set (~47 MiB; partitioned: + the gather buffers and the gradient
+    # buffers' padding) and part of the moments (64 MiB whole, 32 MiB per rank partitioned).
+    for mib, whole_share, rank_share in ((96, 0.265, 0.468), (128, 0.765, 1.0)):
+        one_rank, per_rank = plan(shape, hw, mib * 2**20), plan(two, hw, mib * 2**20)
+        assert one_rank.storage.weights.host == per_rank.storage.weights.host == 1.0
+        assert (one_rank.storage.optimizer.host, per_rank.storage.optimizer.host) == (whole_share, rank_share)
+        assert per_rank.host_bytes <= mib * 2**20
 
 
 def test_shards_cover_each_unit_once_on_whole_pages():
