@@ -216,6 +216,14 @@ def check_rank_loader(loader: Any, batch_size: int, world_size: int) -> None:
             "(world size x per-rank batch), or set drop_last=True in the DataLoader")
 
 
+def build_engine(build: Callable[[], Any], storage: StorageConfig, rank: int, world_size: int) -> Any:
+    """``build()``; with several ranks, after ``check_rank_storage``, and through ``build_together``."""
+    if world_size == 1:
+        return build()
+    check_rank_storage(storage, rank, world_size)  # before any rank takes its lock
+    return build_together(build)
+
+
 def build_together(build: Callable[[], Any]) -> Any:
     """``build()`` on every rank, and a failure on any rank raised on all of them (one small gather: a
     sync point). Without it a rank whose setup fails (its disk is full, its directory locked) exits and the

@@ -26,8 +26,7 @@ from typing_extensions import override
 from snake_strategy.autoplan import RunPlan, first_prediction, resolve
 from snake_strategy.config import ScheduleConfig, StorageConfig, coerce_config
 from snake_strategy.contract import check_contract
-from snake_strategy.distributed import (DataParallelMixin, build_together, check_rank_loader, check_rank_storage,
-                                        rank_storage, sync_initial_state)
+from snake_strategy.distributed import DataParallelMixin, build_engine, check_rank_loader, rank_storage, sync_initial_state
 from snake_strategy.engine import EngineHooks, SnakeEngine
 from snake_strategy.engine.evaluation import EvalEngine
 from snake_strategy.storage.counters import traffic_delta
@@ -178,17 +177,11 @@ class GreedySnakeStrategy(DataParallelMixin, ParallelStrategy):
         self._resolve_plan(self.optimizers[0])
         # Once a run gave its weights back, they are the module's weights: pretrained= was the starting point.
         pretrained = None if self._gave_back_weights else self.pretrained
-        if self.world_size > 1:  # one directory per rank, none in use: refused on every rank, before any lock
-            check_rank_storage(self.storage, self.global_rank, self.world_size)
-
-        def build() -> SnakeEngine:
-            return SnakeEngine(module, self.optimizers[0], self._rank_storage(), self.schedule,
-                               self.precision_plugin.dtypes, self.root_device, clip=clip,
-                               pretrained=pretrained, scaler=self.precision_plugin.make_scaler(),
-                               hooks=self.hooks, progress=self.progress, world_size=self.world_size,
-                               rank=self.global_rank, shard_optimizer=self.shard_optimizer_state)
-        # Several ranks: a rank whose setup fails (full disk, a lock) stops every rank, not only itself.
-        self.engine = build_together(build) if self.world_size > 1 else build()
+        self.engine = build_engine(lambda: SnakeEngine(  # several ranks: layouts checked, one failure stops all
+            module, self.optimizers[0], self._rank_storage(), self.schedule, self.precision_plugin.dtypes,
+            self.root_device, clip=clip, pretrained=pretrained, scaler=self.precision_plugin.make_scaler(),
+            hooks=self.hooks, progress=self.progress, world_size=self.world_size, rank=self.global_rank,
+            shard_optimizer=self.shard_optimizer_state), self.storage, self.global_rank, self.world_size)
         if self.world_size > 1:
             sync_initial_state(self.engine, self.root_device)  # every rank starts from rank 0's weights
         self.engine.trace.enabled = self.trace_path is not None
@@ -404,12 +397,9 @@ class GreedySnakeStrategy(DataParallelMixin, ParallelStrategy):
             if self.is_global_zero:  # as DDPStrategy: one writer
                 self.checkpoint_io.save_checkpoint(checkpoint, filepath)
             return
-        if self.engine.partition is not None:  # every rank writes its shard, rank 0 the manifest last
-            from snake_strategy import checkpoint_shards  # on use: see _checkpoint_module
-
-            checkpoint_shards.save(self.engine, checkpoint, filepath, self.progress)
-        elif self.is_global_zero:  # one writer, as DDPStrategy (replicated state); Lightning barriers
-            _checkpoint_module().save(self.engine, checkpoint, filepath, self.progress)
+        shards = self.engine.partition is not None  # every rank writes its shard, rank 0 the manifest last
+        if shards or self.is_global_zero:  # else one writer, as DDPStrategy; Lightning barriers after
+            _checkpoint_module(shards).save(self.engine, checkpoint, filepath, self.progress)
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
@@ -491,9 +481,9 @@ def _remove_weight_guard(module: torch.nn.Module) -> None:
         delattr(module, _GUARD_ATTR)
 
 
-def _checkpoint_module():
+def _checkpoint_module(shards: bool = False):
     # Imported on use, not at import time: `python -m snake_strategy.checkpoint` (the consolidation CLI)
     # would otherwise find the module already imported by the package and runpy warns about it.
-    from snake_strategy import checkpoint
+    from snake_strategy import checkpoint, checkpoint_shards
 
-    return checkpoint
+    return checkpoint_shards if shards else checkpoint
