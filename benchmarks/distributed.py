@@ -5,10 +5,13 @@ alpha 0.25.
 
     python benchmarks/distributed.py                  # 1 rank, 2 ranks replicated, 2 ranks partitioned
     python benchmarks/distributed.py --steps 4 --runs 2:partitioned
+    python benchmarks/distributed.py --steps 2 --runs 1,2:partitioned --checkpoint   # + a save at the end
 
 Per rank and step (medians over the steps after the first): SSD bytes read and written (the engine's
 counters and /proc/self/io), bytes sent by collectives (ring model, ``engine/reduce.py``), the
-optimizer state on the rank's SSD (master + Adam moments), and the step time. The ranks share this
+optimizer state on the rank's SSD (master + Adam moments), and the step time. ``--checkpoint``: a
+directory checkpoint saved after the last step; per rank the bytes its save wrote (its shard with
+partitioned state, checkpoint_shards.py) and the seconds ``trainer.save_checkpoint`` took. The ranks share this
 machine's cores, so two ranks are not expected to be faster: the point is the per-rank bytes. Every run
 is its own process group started by Lightning's launcher (``devices=N``). Lightning sets
 OMP_NUM_THREADS=cores/N for the processes it launches (when unset) but not for a single process: run
@@ -20,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -71,10 +75,22 @@ def run_worker(args) -> None:
     strategy = snake_strategy.GreedySnakeStrategy(storage=storage, schedule=schedule,
                                                   shard_optimizer_state=args.partitioned)
     timer = Timer()
+    saves = []  # (bytes this rank's unit files took, s) of its checkpoint_save phase
+    strategy.progress.listeners.append(
+        lambda e: saves.append((e.done_bytes, e.elapsed_s)) if e.phase == "checkpoint_save" and e.stage == "end" else None)
+
+    class SaveAtEnd(L.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if args.checkpoint and trainer.global_step == args.steps:
+                start = time.perf_counter()
+                trainer.save_checkpoint(args.ssd_dir.rstrip("/") + "-checkpoint.ckpt")  # the same name on every rank
+                self.save_s = time.perf_counter() - start
+
+    save_at_end = SaveAtEnd()
     trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=args.world, max_steps=args.steps,
                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0,
-                        callbacks=[timer], precision="32-true")
+                        callbacks=[timer, save_at_end], precision="32-true")
     windows = ByteWindows(load_corpus("stdlib"), cfg.context_len)
     data = Subset(windows, range(per_rank * args.world * args.steps))
     sampler = (DistributedSampler(data, num_replicas=args.world, rank=trainer.global_rank, shuffle=False)
@@ -105,6 +121,9 @@ def run_worker(args) -> None:
         ssd_files_bytes=timer.files_bytes,  # every state file of this rank (weights, moments, gradients)
         traffic_per_step=traffic[len(traffic) // 2],
     )
+    if args.checkpoint:  # the unit files this rank wrote (rank 0 also writes nonlayer.pt and meta.pt)
+        result.update(checkpoint_unit_bytes=saves[-1][0], checkpoint_units_s=saves[-1][1],
+                      checkpoint_save_s=save_at_end.save_s)
     result["s_per_step"] = statistics.median(result["step_s"][1:])
     Path(args.json_out).mkdir(parents=True, exist_ok=True)
     (Path(args.json_out) / f"rank{trainer.global_rank}.json").write_text(json.dumps(result, indent=1))
@@ -114,16 +133,20 @@ def _run(world: int, partitioned: bool, args) -> list[dict]:
     out = tempfile.mkdtemp(prefix=f"dp-bench-{world}-")
     ssd = tempfile.mkdtemp(prefix=f"dp-ssd-{world}-", dir=args.ssd_root)
     cmd = [sys.executable, __file__, "--worker", "--world", str(world), "--steps", str(args.steps),
-           "--preset", args.preset, "--json-out", out, "--ssd-dir", ssd] + (["--partitioned"] if partitioned else [])
+           "--preset", args.preset, "--json-out", out, "--ssd-dir", ssd] + (["--partitioned"] if partitioned else []) \
+        + (["--checkpoint"] if args.checkpoint else [])
     print(f"running {world} rank(s) ...", flush=True)
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout_s)
     if proc.returncode != 0:
         raise SystemExit(f"{world} rank(s) failed:\n{proc.stderr[-3000:]}")
     ranks = [json.loads(p.read_text()) for p in sorted(Path(out).glob("rank*.json"))]
+    shutil.rmtree(ssd.rstrip("/") + "-checkpoint.ckpt", ignore_errors=True)
     for r in ranks:
         print(f"  rank {r['rank']}/{world}: {r['s_per_step']:.2f} s/step, SSD read {r['ssd_read_bytes_per_step'] / 1e6:.0f} MB"
               f" write {r['ssd_write_bytes_per_step'] / 1e6:.0f} MB, sent {r['collective_sent_bytes_per_step'] / 1e6:.0f} MB"
-              f" per step, optimizer state on SSD {r['optimizer_state_ssd_bytes'] / 1e6:.0f} MB", flush=True)
+              f" per step, optimizer state on SSD {r['optimizer_state_ssd_bytes'] / 1e6:.0f} MB"
+              + (f"; checkpoint: unit files {r['checkpoint_unit_bytes'] / 1e6:.0f} MB in {r['checkpoint_units_s']:.1f} s, "
+                 f"save {r['checkpoint_save_s']:.1f} s" if "checkpoint_save_s" in r else ""), flush=True)
     return ranks
 
 
@@ -161,6 +184,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--runs", default="1,2:replicated,2:partitioned",
                    help="comma-separated runs: WORLD[:replicated|:partitioned] (the optimizer state across ranks)")
     p.add_argument("--partitioned", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--checkpoint", action="store_true", help="save a directory checkpoint after the last step")
     p.add_argument("--ssd-root", default=None, help="where the SSD directories go (default: the temp dir)")
     p.add_argument("--timeout-s", type=int, default=3600)
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -181,6 +205,10 @@ def main(argv: list[str] | None = None) -> int:
                   machine="2 shared CPU cores (other jobs running), gloo on 127.0.0.1", runs=runs,
                   deepspeed="not installed in this environment: no ZeRO-Infinity 2-rank run")
     RESULTS.mkdir(exist_ok=True)
+    if args.checkpoint:  # a run of its own: keep the step benchmark's files as they are
+        (RESULTS / f"distributed_{args.preset}_checkpoint.json").write_text(json.dumps(report, indent=1))
+        print(f"wrote {RESULTS / f'distributed_{args.preset}_checkpoint.json'}")
+        return 0
     (RESULTS / f"distributed_{args.preset}.json").write_text(json.dumps(report, indent=1))
     _plot(report, RESULTS / f"distributed_{args.preset}.png")
     print(f"wrote {RESULTS / f'distributed_{args.preset}.json'} and .png")

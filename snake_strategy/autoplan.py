@@ -119,11 +119,13 @@ def setup_shape(module: nn.Module, optimizer: torch.optim.Optimizer | None, bloc
 
 def resolve(module: nn.Module, optimizer: torch.optim.Optimizer | None, storage: StorageConfig,
             schedule: ScheduleConfig, compute_bytes: int, master_bytes: int, device: torch.device,
-            hardware: HardwareProfile, processes_per_node: int = 1) -> RunPlan:
+            hardware: HardwareProfile, processes_per_node: int = 1, optimizer_shards: int = 1) -> RunPlan:
     """Concrete storage and schedule for this run (explicit settings kept), with the reasons.
-    ``processes_per_node``: the ranks sharing this machine's memory split the default budget."""
+    ``processes_per_node``: the ranks sharing this machine's memory split the default budget.
+    ``optimizer_shards``: partitioned moments, cut over that many ranks (each plans its share)."""
     shape = setup_shape(module, optimizer, schedule.blocks_per_unit, schedule.num_micro_batches, compute_bytes,
                         master_bytes)
+    shape = dataclasses.replace(shape, optimizer_shards=optimizer_shards)
     hardware = dataclasses.replace(hardware, device_is_cpu=device.type == "cpu")
     budget = storage.host_budget_bytes or int(AVAILABLE_MEMORY_SHARE * available_memory_bytes() / processes_per_node)
     reasons: dict[str, str] = {}

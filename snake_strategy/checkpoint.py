@@ -6,6 +6,7 @@ Layout of ``<name>.ckpt/`` (a directory):
                      ``state_dict`` holds the non-layer parameters only
     nonlayer.pt      the non-layer parameters' master weights and Adam moments
     units/unitNNNNN.{master,exp_avg,exp_avg_sq}.bin   raw little-endian tensors, one unit per file
+                     (data parallel with partitioned optimizer state: shards/rank{r}/..., see checkpoint_shards.py)
     manifest.json    written last: format, step, layouts (names, shapes, offsets), sizes and CRC-32s
 
 Frozen parameters (``requires_grad=False``: a fine-tuning run's base weights) are not copied: the unit
@@ -47,18 +48,15 @@ if TYPE_CHECKING:
     from snake_strategy.engine import SnakeEngine
 
 FORMAT = "greedysnake-checkpoint/1"
+SHARDED_FORMAT = "greedysnake-checkpoint/2"  # per-rank shards instead of units/ (checkpoint_shards.py)
 STATES = ("master", "exp_avg", "exp_avg_sq")
 _DTYPES = {str(d): d for d in (torch.float32, torch.float64, torch.bfloat16, torch.float16)}
 
 
 def save(engine: SnakeEngine, checkpoint: dict[str, Any], path: str | os.PathLike,
-         progress: Progress | None = None, write: bool = True) -> None:
-    """Write ``engine``'s state to the directory ``path``. ``write=False``: a data-parallel rank > 0 with
-    partitioned optimizer state takes part in the gathers of every unit's moments and writes nothing."""
-    if not write:
-        for u in range(engine.num_units):
-            engine.unit_state(u)  # the same collectives, in the same order, as rank 0's save
-        return
+         progress: Progress | None = None) -> None:
+    """Write ``engine``'s state to the directory ``path`` (one process's format; a data-parallel run with
+    partitioned optimizer state writes per-rank shards instead: checkpoint_shards.save)."""
     final = Path(path)
     _recover(final, clean=True)
     tmp = _sibling(final, "tmp")
@@ -66,12 +64,10 @@ def save(engine: SnakeEngine, checkpoint: dict[str, Any], path: str | os.PathLik
     (tmp / "units").mkdir(parents=True)
     try:
         engine.flush()  # pending deferred updates belong to the saved state
-        frozen = engine.frozen_checksums()
         unit_bytes = sum(engine.unit_numel(u) for u in range(engine.num_units)) * engine.dtypes.bytes_per("master")
         tracker = or_quiet(progress).phase("checkpoint_save", len(STATES) * engine.num_units + 2, what="files",
                                            total_bytes=len(STATES) * unit_bytes)
         files = {}
-        units = []
         for u in range(engine.num_units):
             values = engine.unit_state(u)
             for state in STATES:
@@ -79,28 +75,36 @@ def save(engine: SnakeEngine, checkpoint: dict[str, Any], path: str | os.PathLik
                 files[name] = _write_raw(tmp / name, values[state])
                 tracker.advance(1, files[name]["bytes"])
             del values  # one unit in memory at a time
-            units.append({"numel": engine.unit_numel(u), "slots": [list(slot) for slot in engine.unit_slots(u)],
-                          "frozen": {"names": [slot[0] for slot in engine.unit_slots(u, trainable=False)],
-                                     "crc32": frozen["units"][u]}})
-        torch.save(engine.nonlayer_state(), tmp / "nonlayer.pt")
-        files["nonlayer.pt"] = _describe(tmp / "nonlayer.pt")
-        tracker.advance(1, files["nonlayer.pt"]["bytes"])
-        torch.save(checkpoint, tmp / "meta.pt")
-        files["meta.pt"] = _describe(tmp / "meta.pt")
-        tracker.advance(1, files["meta.pt"]["bytes"])
-        manifest = {"format": FORMAT, "step_count": engine.step_count, "master_dtype": str(engine.dtypes.master),
-                    "compute_dtype": str(engine.dtypes.compute),  # the frozen CRC-32s are of these bytes
-                    "blocks_per_unit": engine.schedule.blocks_per_unit, "units": units, "files": files,
-                    "frozen_nonlayer": frozen["nonlayer"]}
-        (tmp / "manifest.json").write_text(json.dumps(manifest))
-        _fsync_dir(tmp)
-        _replace(tmp, final)
-        tracker.finish()
+        commit(engine, checkpoint, tmp, final, files, tracker)
     except BaseException:
         # Before the replacement ``tmp`` holds the unfinished new checkpoint, after an exchange the old one:
         # garbage either way. The checkpoint under ``final`` (or set aside, see _replace) is untouched.
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def commit(engine: SnakeEngine, checkpoint: dict[str, Any], tmp: Path, final: Path, files: dict, tracker: Any,
+           extra: dict | None = None) -> None:
+    """Complete the checkpoint in ``tmp`` whose unit files ``files`` are written: the replicated parts
+    (nonlayer.pt, meta.pt), the manifest last, then put it under ``final``'s name."""
+    frozen = engine.frozen_checksums()
+    units = [{"numel": engine.unit_numel(u), "slots": [list(slot) for slot in engine.unit_slots(u)],
+              "frozen": {"names": [slot[0] for slot in engine.unit_slots(u, trainable=False)],
+                         "crc32": frozen["units"][u]}} for u in range(engine.num_units)]
+    torch.save(engine.nonlayer_state(), tmp / "nonlayer.pt")
+    files["nonlayer.pt"] = _describe(tmp / "nonlayer.pt")
+    tracker.advance(1, files["nonlayer.pt"]["bytes"])
+    torch.save(checkpoint, tmp / "meta.pt")
+    files["meta.pt"] = _describe(tmp / "meta.pt")
+    tracker.advance(1, files["meta.pt"]["bytes"])
+    manifest = {"format": FORMAT, "step_count": engine.step_count, "master_dtype": str(engine.dtypes.master),
+                "compute_dtype": str(engine.dtypes.compute),  # the frozen CRC-32s are of these bytes
+                "blocks_per_unit": engine.schedule.blocks_per_unit, "units": units, "files": files,
+                "frozen_nonlayer": frozen["nonlayer"], **(extra or {})}
+    (tmp / "manifest.json").write_text(json.dumps(manifest))
+    _fsync_dir(tmp)
+    _replace(tmp, final)
+    tracker.finish()
 
 
 def _replace(new: Path, final: Path) -> None:
@@ -226,7 +230,7 @@ def is_checkpoint_dir(path: str | os.PathLike) -> bool:
     """True for a greedysnake checkpoint directory (complete or not), which plain Lightning cannot read."""
     root = Path(path)
     return root.is_dir() and ((root / "manifest.json").exists() or (root / "meta.pt").exists()
-                              or (root / "units").is_dir())
+                              or (root / "units").is_dir() or (root / "shards").is_dir())
 
 
 def wrong_strategy_error(path: str | os.PathLike) -> ValueError:
@@ -252,7 +256,7 @@ def _read_manifest(root: Path, progress: Progress | None = None,
         manifest = json.loads(manifest_path.read_text())
     except ValueError as err:
         raise ValueError(f"{manifest_path} is corrupt: {err}") from None
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+    if not isinstance(manifest, dict) or manifest.get("format") not in (FORMAT, SHARDED_FORMAT):
         found = manifest.get("format") if isinstance(manifest, dict) else None
         raise ValueError(f"{manifest_path} has format {found!r}, expected {FORMAT!r}")
     missing = [k for k in ("step_count", "master_dtype", "blocks_per_unit", "units", "files") if k not in manifest]
@@ -279,26 +283,19 @@ def load(engine: SnakeEngine, path: str | os.PathLike, progress: Progress | None
     """Stream a checkpoint into the engine's tiers; returns Lightning's checkpoint dict."""
     if recover:
         _recover(Path(path), clean=True)  # a resuming run owns the name: adopt, and drop dead runs' leftovers
+    from snake_strategy import checkpoint_shards  # it imports this module
+
     root = locate(path)
-    manifest = _read_manifest(root, progress)
+    # The shard files are verified by load_units, each rank those it reads.
+    manifest = _read_manifest(root, progress, verify=lambda name: not name.startswith("shards/"))
     if len(manifest["units"]) != engine.num_units or manifest["blocks_per_unit"] != engine.schedule.blocks_per_unit:
         raise ValueError(f"{root} holds {len(manifest['units'])} units of {manifest['blocks_per_unit']} blocks; this "
                          f"run has {engine.num_units} of {engine.schedule.blocks_per_unit} (schedule.blocks_per_unit)")
-    dtype = _DTYPES[manifest["master_dtype"]]
     engine.flush()
     _check_frozen(root, manifest, engine.frozen_checksums())
-    tracker = or_quiet(progress).phase("checkpoint_load", engine.num_units, total_bytes=len(STATES) * dtype.itemsize
-                                       * sum(unit["numel"] for unit in manifest["units"]))
-    for u in range(engine.num_units):
-        numel = engine.unit_numel(u)
-        if manifest["units"][u]["numel"] != numel:
-            raise ValueError(f"{root}: unit {u} has {manifest['units'][u]['numel']} parameters, the model {numel}")
-        engine.load_unit_state(u, {state: _read_raw(root / f"units/unit{u:05d}.{state}.bin", numel, dtype)
-                                   for state in STATES})
-        tracker.advance(1, len(STATES) * numel * dtype.itemsize)
+    checkpoint_shards.load_units(engine, root, manifest, progress)
     engine.load_nonlayer_state(torch.load(root / "nonlayer.pt", map_location="cpu", weights_only=True))
     engine.step_count = manifest["step_count"]
-    tracker.finish()
     return torch.load(root / "meta.pt", map_location="cpu", weights_only=False)
 
 
@@ -351,7 +348,10 @@ def consolidate(path: str | os.PathLike, out_path: str | os.PathLike,
 def load_consolidated(path: str | os.PathLike, progress: Progress | None = None) -> dict[str, Any]:
     """The checkpoint at ``path`` as the dict of one ordinary Lightning checkpoint file (every parameter
     in ``state_dict``, no optimizer state), in memory: what ``consolidate`` writes, and what
-    ``load_from_checkpoint`` can read from a buffer without a file on disk."""
+    ``load_from_checkpoint`` can read from a buffer without a file on disk. A sharded checkpoint's
+    shards are merged (each unit's master weights read from the shards that hold them)."""
+    from snake_strategy.checkpoint_shards import read_range  # it imports this module
+
     root = locate(path)
     manifest = _read_manifest(root, progress)
     checkpoint = torch.load(root / "meta.pt", map_location="cpu", weights_only=False)
@@ -360,7 +360,7 @@ def load_consolidated(path: str | os.PathLike, progress: Progress | None = None)
     tracker = or_quiet(progress).phase("consolidate", len(manifest["units"]),
                                        total_bytes=dtype.itemsize * sum(unit["numel"] for unit in manifest["units"]))
     for u, unit in enumerate(manifest["units"]):
-        flat = _read_raw(root / f"units/unit{u:05d}.master.bin", unit["numel"], dtype)
+        flat = read_range(root, manifest, u, "master", 0, unit["numel"], dtype)
         for name, shape, offset, numel in unit["slots"]:
             state[name] = flat[offset:offset + numel].view(shape).clone()
         tracker.advance(1, flat.numel() * flat.element_size())

@@ -23,7 +23,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from snake_strategy.checkpoint import _DTYPES, _read_manifest, _read_raw, load_consolidated, locate
+from snake_strategy.checkpoint import _DTYPES, _read_manifest, load_consolidated, locate
+from snake_strategy.checkpoint_shards import read_range
 from snake_strategy.pretrained import PretrainedSource
 from snake_strategy.progress import Progress
 
@@ -162,8 +163,9 @@ class CheckpointWeights:
     def _unit(self, u: int) -> torch.Tensor:
         if self._cached is None or self._cached[0] != u:
             self._cached = None  # drop the previous unit before the next arrives: one unit in memory
-            self._cached = (u, _read_raw(self.root / f"units/unit{u:05d}.master.bin",
-                                         self.manifest["units"][u]["numel"], self.dtype))
+            # one file, or the shards of a data-parallel run merged
+            self._cached = (u, read_range(self.root, self.manifest, u, "master", 0,
+                                          self.manifest["units"][u]["numel"], self.dtype))
         return self._cached[1]
 
     def tensor(self, name: str, shape: Any = None) -> torch.Tensor:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import numbers
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from typing import Any
 
 TIERS = ("device", "host", "ssd")

@@ -22,9 +22,10 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import socket
 import zlib
 from datetime import timedelta
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -140,6 +141,59 @@ def rank_storage(storage: StorageConfig, rank: int, world_size: int) -> StorageC
     return dataclasses.replace(storage, ssd_dir=os.path.join(storage.ssd_dir, f"rank{rank}"))
 
 
+def check_rank_storage(storage: StorageConfig, rank: int, world_size: int) -> None:
+    """Refuse, on every rank and before any rank takes its lock, SSD layouts where the ranks' directories
+    are not one per rank: ranks of one machine given different ``ssd_dir`` roots (a rank-dependent variable
+    or a relative path seen from different working directories), a root or rank directory that resolves to
+    another rank's (symbolic links), a rank directory or root in use by a live run (another run's lock, or
+    a one-process run on the root itself), and a variable left unexpanded. One small gather of each rank's
+    host and paths (a sync point)."""
+    mine = rank_storage(storage, rank, world_size).ssd_dir
+    local = {"rank": rank, "host": socket.gethostname(), "root": None, "dir": None, "problem": None}
+    if storage.ssd_dir is not None:
+        local["root"] = os.path.abspath(storage.ssd_dir)
+        local["dir"] = os.path.realpath(mine)
+        local["problem"] = _layout_problem(storage.ssd_dir, local["root"], mine)
+    gathered: list[Any] = [None] * world_size
+    dist.all_gather_object(gathered, local)
+    for g in gathered:
+        if g["problem"] is not None:
+            raise ValueError(f"rank {g['rank']} (host {g['host']}): {g['problem']}")
+    for a in gathered:
+        for b in gathered[a["rank"] + 1:]:
+            if a["host"] != b["host"]:
+                continue  # per-node paths (ssd_dir="$LOCAL_NVME/run") are how several machines are set up
+            if a["root"] != b["root"]:
+                raise ValueError(
+                    f"ranks {a['rank']} and {b['rank']} on host {a['host']} were given different storage.ssd_dir "
+                    f"roots ({a['root']!r} and {b['root']!r}): every process of a machine must get the same ssd_dir "
+                    "(each rank uses its own ssd_dir/rank<r> below it), e.g. an absolute path without rank-dependent "
+                    "variables in the configuration all ranks start from")
+            if a["dir"] is not None and a["dir"] == b["dir"]:
+                raise ValueError(f"ranks {a['rank']} and {b['rank']} on host {a['host']} would share the SSD directory "
+                                 f"{a['dir']} (a symbolic link between the rank directories under storage.ssd_dir="
+                                 f"{a['root']!r}?): give every rank its own directory; remove the link")
+
+
+def _layout_problem(given: str, root: str, mine: str) -> str | None:
+    """What is wrong with this rank's SSD directory before it is locked (None: nothing)."""
+    from snake_strategy.storage.io_engine import LOCK_NAME, pid_alive
+
+    if "$" in given:
+        return (f"storage.ssd_dir={given!r} names an environment variable that is not set in this process; "
+                "set it on every node (or write the path out)")
+    for directory, what in ((root, "one-process run on storage.ssd_dir itself"), (mine, "run in this rank's directory")):
+        try:
+            with open(os.path.join(directory, LOCK_NAME)) as f:
+                owner = int(f.read().strip() or "0")
+        except (OSError, ValueError):
+            continue  # no lock (or a torn one: SsdDirectory deals with it)
+        if owner and owner != os.getpid() and pid_alive(owner):
+            return (f"{directory} is in use by a running process (pid {owner}, a {what}); give this run its own "
+                    "storage.ssd_dir, or wait for that run to end")
+    return None
+
+
 def check_rank_loader(loader: Any, batch_size: int, world_size: int) -> None:
     """Refuse, before step 1, data that would make N ranks differ from one rank over the same global
     batches: a DistributedSampler that pads the dataset with repeated samples, or per-rank batches that
@@ -160,6 +214,35 @@ def check_rank_loader(loader: Any, batch_size: int, world_size: int) -> None:
             f"batch size {batch_size}: the last global batch would be short and split differently across ranks "
             f"than on one process. Make the dataset length a multiple of {world_size * batch_size} "
             "(world size x per-rank batch), or set drop_last=True in the DataLoader")
+
+
+def build_engine(build: Callable[[], Any], storage: StorageConfig, rank: int, world_size: int) -> Any:
+    """``build()``; with several ranks, after ``check_rank_storage``, and through ``build_together``."""
+    if world_size == 1:
+        return build()
+    check_rank_storage(storage, rank, world_size)  # before any rank takes its lock
+    return build_together(build)
+
+
+def build_together(build: Callable[[], Any]) -> Any:
+    """``build()`` on every rank, and a failure on any rank raised on all of them (one small gather: a
+    sync point). Without it a rank whose setup fails (its disk is full, its directory locked) exits and the
+    others wait for it in their first collective until the process-group timeout."""
+    built, failure = None, None
+    try:
+        built = build()
+    except Exception as err:  # reported to every rank; this rank raises its own error
+        failure = err
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, None if failure is None else f"{type(failure).__name__}: {failure}")
+    failed = next(((r, e) for r, e in enumerate(gathered) if e is not None), None)
+    if failed is not None:
+        if built is not None:
+            built.close()
+        if failure is not None:
+            raise failure
+        raise ValueError(f"the setup failed on rank {failed[0]}, so every rank stops: {failed[1]}")
+    return built
 
 
 def sync_initial_state(engine: Any, device: torch.device) -> int:

@@ -39,6 +39,27 @@ RSS_SLACK_BYTES = 96 * 2**20
 WEIGHT_STAGING_BUFFERS = 2
 
 
+# Partitioned optimizer state (engine/partition.py): shards are whole pages of every dtype up to 1 byte.
+SHARD_ALIGN_ELEMS = 4096
+
+
+def shard_size(train_end: int, world_size: int) -> int:
+    """Elements per shard of a unit with ``train_end`` trainable elements (the padded length every rank
+    contributes to a collective)."""
+    if train_end == 0:
+        return 0
+    per = -(-train_end // world_size)
+    return -(-per // SHARD_ALIGN_ELEMS) * SHARD_ALIGN_ELEMS
+
+
+def shard_bounds(train_end: int, world_size: int, rank: int) -> tuple[int, int]:
+    """[lo, hi) of ``rank``'s shard of a unit with ``train_end`` trainable elements (may be empty: the last
+    ranks' shards of a small unit)."""
+    per = shard_size(train_end, world_size)
+    lo = min(rank * per, train_end)
+    return lo, min(lo + per, train_end)
+
+
 @dataclass(frozen=True)
 class PoolSizes:
     """How many buffers each bounded pool holds (the in-flight limit of its producer)."""
@@ -75,6 +96,10 @@ class MemoryInputs:
     unit_weight_elems: tuple[int, ...] = ()
     weight_bytes: int = 0
     unit_weight_tail_bytes: tuple[int, ...] = ()
+    # Partitioned optimizer state: this process is rank ``shard_rank`` of ``shard_world_size`` and keeps the
+    # moments of its shard of every unit only (the plan is per rank). 1: the moments are whole.
+    shard_world_size: int = 1
+    shard_rank: int = 0
 
     @property
     def trainable(self) -> tuple[int, ...]:
@@ -87,6 +112,14 @@ class MemoryInputs:
     @property
     def max_trainable(self) -> int:
         return max(self.trainable)
+
+    @property
+    def moment_elems(self) -> tuple[int, ...]:
+        """Per unit, the elements of this rank's Adam moments (its shard, or every trainable element)."""
+        if self.shard_world_size == 1:
+            return self.trainable
+        return tuple(hi - lo for lo, hi in (shard_bounds(t, self.shard_world_size, self.shard_rank)
+                                            for t in self.trainable))
 
     @property
     def total_params(self) -> int:
@@ -198,7 +231,7 @@ def _pinned_items(inputs: MemoryInputs) -> dict[str, int]:
     items = {
         "weights": (pinned_host_shares(inputs.weight_elems, s.weights, inputs.e_w)
                     + sum(pinned_allocation_bytes(round_up(t)) for t in tails)),
-        "optimizer_moments": 2 * pinned_host_shares(units, s.optimizer, e_m),
+        "optimizer_moments": 2 * pinned_host_shares(inputs.moment_elems, s.optimizer, e_m),
         # the gradient store's host segment is allocated for the whole unit share, pinned
         "gradients": pinned_host_shares(units, s.gradients, e_m),
     }
@@ -223,14 +256,14 @@ def _host_plan(inputs: MemoryInputs) -> dict[str, int]:
     e_c, e_m = inputs.compute_bytes, inputs.master_bytes
     trained, unit_trained = inputs.total_trainable, inputs.max_trainable
     pools = pool_sizes(inputs)
-    chunk = min(unit_trained, s.optimizer_chunk_elems)
+    chunk = min(max(inputs.moment_elems), s.optimizer_chunk_elems)  # the worker steps this rank's range
     weights_in_place = s.weights.device == 1.0  # fully device-resident weights are used in place
     e_w = inputs.e_w
     # the fp32 tail of half-precision storage is always in memory (host, or the device when weights are)
     tail_in_memory = sum(inputs.weight_tail_bytes) if cpu or s.weights.device < 1.0 else 0
     plan = {
         "weights": int(sum(inputs.weight_elems) * e_w * _in_memory(s.weights, cpu)) + tail_in_memory,
-        "optimizer_moments": int(2 * trained * e_m * _in_memory(s.optimizer, cpu)),
+        "optimizer_moments": int(2 * sum(inputs.moment_elems) * e_m * _in_memory(s.optimizer, cpu)),
         "gradients": int(stored_gradient_elems(inputs) * e_m * _in_memory(s.gradients, cpu)),
         # compute copy, master (when separate), 2 moments, gradient, one transient gradient from autograd
         # (the non-layer master is separate only when the compute dtype differs: bf16-true)
@@ -244,6 +277,13 @@ def _host_plan(inputs: MemoryInputs) -> dict[str, int]:
     }
     if inputs.separate_master:
         plan["master"] = int(trained * e_m * _in_memory(s.master, cpu))
+    if inputs.shard_world_size > 1 and cpu:
+        world = inputs.shard_world_size
+        plan["partition_buffers"] = partition_host_bytes(max(shard_size(t, world) for t in inputs.trainable) * world,
+                                                         world, e_c, e_m, cpu)
+        # the gradient buffers hold the unit padded to N equal shards for the reduce-scatter
+        plan["gradient_buffers"] += (pools.grad_buffers * e_m
+                                     * (max(shard_size(t, world) for t in inputs.trainable) * world - unit_trained))
     if inputs.checkpoint_bytes:
         ckpt = inputs.checkpoint_bytes
         tiers = checkpoint_tiers(s, inputs.num_micro)
@@ -269,7 +309,7 @@ def ssd_plan(inputs: MemoryInputs) -> dict[str, int]:
     units, trained = inputs.unit_params, inputs.trainable  # frozen elements: weights only
     plan = {
         "weights": per_unit(s.weights.ssd, inputs.e_w, inputs.weight_elems),
-        "optimizer_moments": 2 * per_unit(s.optimizer.ssd, e_m, trained),
+        "optimizer_moments": 2 * per_unit(s.optimizer.ssd, e_m, inputs.moment_elems),  # this rank's shards
         "gradients": int(stored_gradient_elems(inputs) * e_m * s.gradients.ssd),
     }
     if inputs.separate_master:
@@ -285,7 +325,7 @@ def partition_host_bytes(max_padded_unit: int, world_size: int, compute_bytes: i
     """Host buffers of partitioned optimizer state (engine/partition.py) besides the pools: the worker's
     weight gather (its shard and the whole padded unit, compute dtype, transient) and the reduce-scatter
     outputs (one shard each, master dtype; at most 2 in flight, one per gradient buffer). The moments
-    themselves are planned whole (an over-estimate by (N-1)/N of them)."""
+    themselves are planned per rank (``MemoryInputs.moment_elems``)."""
     if not device_is_cpu:
         return 0  # device buffers
     shard = max_padded_unit // world_size

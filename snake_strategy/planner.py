@@ -23,7 +23,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from snake_strategy.config import StorageConfig, TierSplit
-from snake_strategy.memory import MemoryInputs, checkpoint_tiers, forward_split, host_plan
+from snake_strategy.memory import MemoryInputs, checkpoint_tiers, forward_split, host_plan, shard_bounds
 from snake_strategy.storage.tiered import tier_bytes
 
 
@@ -61,10 +61,18 @@ class ModelShape:
     weight_tail_bytes_per_unit: int = 0
     # Units (the top ones below the last) whose forward graph is kept: their backward has no recompute.
     kept_units: int = 0
+    # Partitioned optimizer state (data parallel): the ranks the moments are cut over. Placement is planned
+    # for rank 0, whose shards are the largest, so every rank makes the same choice.
+    optimizer_shards: int = 1
 
     @property
     def trainable(self) -> tuple[int, ...]:
         return self.trainable_per_unit or (self.params_per_unit,) * self.num_units
+
+    @property
+    def moment_elems(self) -> int:
+        """Elements of one Adam moment on rank 0 (every trainable element when not partitioned)."""
+        return sum(hi - lo for lo, hi in (shard_bounds(t, self.optimizer_shards, 0) for t in self.trainable))
 
     @property
     def backward_from(self) -> int:
@@ -196,7 +204,7 @@ def memory_inputs(shape: ModelShape, hw: HardwareProfile, storage: StorageConfig
         unit_weight_tail_bytes=(shape.weight_tail_bytes_per_unit,) * shape.num_units,
         unit_trainable=shape.trainable_per_unit, nonlayer_frozen=shape.nonlayer_frozen_params,
         storage=storage, kind=kind, num_micro=shape.num_micro, alpha=alpha, prefetch_depth=prefetch_depth,
-        checkpoint_bytes=shape.checkpoint_bytes)
+        checkpoint_bytes=shape.checkpoint_bytes, shard_world_size=shape.optimizer_shards)
 
 
 def plan(shape: ModelShape, hw: HardwareProfile, host_budget_bytes: int, kind: str = "vertical",
@@ -228,7 +236,7 @@ def plan(shape: ModelShape, hw: HardwareProfile, host_budget_bytes: int, kind: s
     fractions = {}
     trained = sum(shape.trainable)  # frozen elements have no master copy and no moments
     weight_bytes = P * shape.weight_bytes + (trained * shape.master_bytes if separate_master else 0)
-    order = (("weights", weight_bytes), ("optimizer", 2 * trained * shape.master_bytes))
+    order = (("weights", weight_bytes), ("optimizer", 2 * shape.moment_elems * shape.master_bytes))
     if trained < P:
         # Fine-tuning: the small trainable state is read and written every step, the frozen weights only
         # read: moments first. The trainable part leads each unit's weights, so a weights host share of

@@ -26,7 +26,7 @@ from typing_extensions import override
 from snake_strategy.autoplan import RunPlan, example_batch, first_prediction, resolve
 from snake_strategy.config import ScheduleConfig, StorageConfig, coerce_config
 from snake_strategy.contract import check_contract
-from snake_strategy.distributed import DataParallelMixin, check_rank_loader, rank_storage, sync_initial_state
+from snake_strategy.distributed import DataParallelMixin, build_engine, check_rank_loader, rank_storage, sync_initial_state
 from snake_strategy.engine import EngineHooks, SnakeEngine
 from snake_strategy.engine.evaluation import EvalEngine
 from snake_strategy.storage.counters import traffic_delta
@@ -178,12 +178,12 @@ class GreedySnakeStrategy(DataParallelMixin, ParallelStrategy):
         self._resolve_plan(self.optimizers[0])
         # Once a run gave its weights back, they are the module's weights: pretrained= was the starting point.
         pretrained = None if self._gave_back_weights else self.pretrained
-        self.engine = SnakeEngine(module, self.optimizers[0], self._rank_storage(), self.schedule,
-                                  self.precision_plugin.dtypes, self.root_device, clip=clip,
-                                  pretrained=pretrained, scaler=self.precision_plugin.make_scaler(),
-                                  hooks=self.hooks, progress=self.progress, world_size=self.world_size,
-                                  rank=self.global_rank, shard_optimizer=self.shard_optimizer_state,
-                                  planned_budget_bytes=self.plan.host_budget_bytes)
+        self.engine = build_engine(lambda: SnakeEngine(  # several ranks: layouts checked, one failure stops all
+            module, self.optimizers[0], self._rank_storage(), self.schedule, self.precision_plugin.dtypes,
+            self.root_device, clip=clip, pretrained=pretrained, scaler=self.precision_plugin.make_scaler(),
+            hooks=self.hooks, progress=self.progress, world_size=self.world_size, rank=self.global_rank,
+            shard_optimizer=self.shard_optimizer_state, planned_budget_bytes=self.plan.host_budget_bytes),
+            self.storage, self.global_rank, self.world_size)
         if self.world_size > 1:
             sync_initial_state(self.engine, self.root_device)  # every rank starts from rank 0's weights
         self.engine.trace.enabled = self.trace_path is not None
@@ -350,7 +350,8 @@ class GreedySnakeStrategy(DataParallelMixin, ParallelStrategy):
         hardware = self.hardware if isinstance(self.hardware, HardwareProfile) else HardwareProfile()
         self.plan = resolve(self.lightning_module, optimizer, storage, schedule, self.precision_plugin.dtypes.bytes_per(
             "compute"), self.precision_plugin.dtypes.bytes_per("master"), self.root_device, hardware,
-            processes_per_node=self.num_processes)
+            processes_per_node=self.num_processes,
+            optimizer_shards=self.world_size if self.shard_optimizer_state else 1)  # per-rank moments
         self.storage, self.schedule = self.plan.storage, self.plan.schedule
         log.info("planner: %s", self.plan.describe())
 
@@ -406,9 +407,9 @@ class GreedySnakeStrategy(DataParallelMixin, ParallelStrategy):
             if self.is_global_zero:  # as DDPStrategy: one writer
                 self.checkpoint_io.save_checkpoint(checkpoint, filepath)
             return
-        # Rank 0 writes (the other ranks' partitioned moments are gathered to it unit by unit); Lightning barriers.
-        if self.is_global_zero or self.engine.partition is not None:
-            _checkpoint_module().save(self.engine, checkpoint, filepath, self.progress, write=self.is_global_zero)
+        shards = self.engine.partition is not None  # every rank writes its shard, rank 0 the manifest last
+        if shards or self.is_global_zero:  # else one writer, as DDPStrategy; Lightning barriers after
+            _checkpoint_module(shards).save(self.engine, checkpoint, filepath, self.progress)
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
@@ -490,9 +491,9 @@ def _remove_weight_guard(module: torch.nn.Module) -> None:
         delattr(module, _GUARD_ATTR)
 
 
-def _checkpoint_module():
+def _checkpoint_module(shards: bool = False):
     # Imported on use, not at import time: `python -m snake_strategy.checkpoint` (the consolidation CLI)
     # would otherwise find the module already imported by the package and runpy warns about it.
-    from snake_strategy import checkpoint
+    from snake_strategy import checkpoint, checkpoint_shards
 
-    return checkpoint
+    return checkpoint_shards if shards else checkpoint

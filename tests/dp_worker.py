@@ -4,8 +4,12 @@ subprocess launcher (devices > 1) or torchrun (``--nnodes``) can start the other
     python tests/dp_worker.py CONFIG.json
 
 CONFIG: world (devices per node), nodes, micro (micro-batches per rank), micro_size, steps, precision,
-kind, alpha, storage (a StorageConfig mapping; ssd_dir may be set), clip (gradient_clip_val, norm),
+half_weights (False: full-precision weight storage), tied_head, poison ({step, rank}: an inf loss there),
+as_ranks (one process ordering the samples so that its micro-batches are those N ranks would see),
+record_every (parameters after every step), kind, alpha, storage (a StorageConfig mapping; ssd_dir may be
+set), clip (gradient_clip_val, norm),
 resume (a checkpoint directory), save_every (ModelCheckpoint every n steps into ckpt_dir), ckpt_dir,
+kill_in_save ({rank, save}: that rank exits hard inside its n-th checkpoint save, after its first file),
 kill_rank/kill_step (that rank exits hard in that step's optimizer work), out (a directory: each rank
 writes rank{r}.pt with its final parameters, step stats and reduction records).
 The dataset is ``steps x world x nodes x micro x micro_size`` samples in order: N ranks x M micro-batches
@@ -13,6 +17,7 @@ see the same global batches as one rank with N x M micro-batches.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -27,6 +32,8 @@ from helpers import SMALL_GPT, ParamRecorder, token_data, trainer_kwargs  # noqa
 
 import snake_strategy  # noqa: E402
 from snake_strategy.gpt import GPTModule  # noqa: E402
+from snake_strategy.memory import ssd_plan  # noqa: E402
+from snake_strategy.precision import GreedySnakePrecision  # noqa: E402
 
 
 class StepStats(L.Callback):
@@ -40,7 +47,25 @@ class StepStats(L.Callback):
                            "reductions": [vars(r).copy() for r in reducer.records] if reducer else [],
                            "tasks": [(t.kind, t.unit, tuple(t.micro_batches)) for t in engine.trace.last.tasks],
                            "layout": engine.storage_layout(), "batch_head": batch[0][:, 0].tolist(),
-                           "ssd_dir": engine.ssd.path if engine.ssd is not None else None})
+                           "scale": engine.scaler.scale, "step_count": engine.step_count,
+                           "ssd_dir": engine.ssd.path if engine.ssd is not None else None,
+                           # this rank's planned SSD bytes next to the files it has there
+                           "ssd_plan": ssd_plan(engine.memory_inputs(engine.checkpoint_bytes)),
+                           "ssd_files": {os.path.relpath(f, engine.ssd.path): os.path.getsize(f)
+                                         for f in engine.ssd_files()} if engine.ssd is not None else {}})
+
+
+class PoisonedGPT(GPTModule):
+    """An inf loss (hence inf gradients) in every micro-batch of one global step, on one rank only."""
+
+    poison: dict | None = None
+
+    def compute_loss(self, outputs, batch):
+        loss = super().compute_loss(outputs, batch)
+        p = self.poison
+        if p and self.trainer.global_step == p["step"] and self.trainer.global_rank == p["rank"]:
+            loss = loss * float("inf")
+        return loss
 
 
 class KillInStep:
@@ -55,22 +80,56 @@ class KillInStep:
             os._exit(17)
 
 
+class SaveWatch:
+    """A progress listener: the bytes each checkpoint save wrote in this process (its END events), and,
+    with ``kill_at`` (the n-th save, 1-based), a hard exit right after that save wrote its first file."""
+
+    def __init__(self, kill_at: int | None) -> None:
+        self.saved_bytes: list[int] = []
+        self.kill_at, self.saves = kill_at, 0
+
+    def __call__(self, event) -> None:
+        if event.phase != "checkpoint_save":
+            return
+        if event.stage == "start":
+            self.saves += 1
+        elif event.stage == "end":
+            self.saved_bytes.append(event.done_bytes)
+        elif self.saves == self.kill_at and event.done >= 1:
+            os._exit(17)
+
+
 def main() -> None:
     cfg = json.load(open(sys.argv[1]))
     world, nodes = cfg.get("world", 1), cfg.get("nodes", 1)
     micro, micro_size, steps = cfg["micro"], cfg.get("micro_size", 2), cfg["steps"]
     samples = cfg.get("samples", steps * world * nodes * micro * micro_size)
     x, y = token_data(samples, SMALL_GPT.context_len, SMALL_GPT.vocab_size)
-    module = GPTModule(SMALL_GPT, learning_rate=cfg.get("lr", 1e-3))
+    if cfg.get("as_ranks"):  # one process whose micro-batches are those of N ranks (same samples together)
+        n, per_rank = cfg["as_ranks"], micro * micro_size // cfg["as_ranks"]
+        order = [r + n * j for k in range(samples // (n * per_rank)) for r in range(n)
+                 for j in range(k * per_rank, (k + 1) * per_rank)]
+        x, y = x[order], y[order]
+    # tied_head=False: fp16 runs (a tied weight's two gradients add in another order than one process's)
+    module = PoisonedGPT(dataclasses.replace(SMALL_GPT, tied_head=cfg.get("tied_head", True)),
+                         learning_rate=cfg.get("lr", 1e-3))
+    module.poison = cfg.get("poison")
     schedule = {"kind": cfg.get("kind", "vertical"), "num_micro_batches": micro, "alpha": cfg.get("alpha", 0.25)}
     hooks = None
+    precision = {"precision": cfg.get("precision", "64-true")}
+    plugin = None
+    if cfg.get("half_weights") is False:  # partitioned state stores full-precision weights
+        plugin, precision = GreedySnakePrecision(precision["precision"], half_weights=False), {}
     strategy = snake_strategy.GreedySnakeStrategy(storage=cfg.get("storage"), schedule=schedule,
-                                                  shard_optimizer_state=cfg.get("shard", True))
+                                                  shard_optimizer_state=cfg.get("shard", True), precision_plugin=plugin)
     rank = int(os.environ.get("RANK", os.environ.get("LOCAL_RANK", 0)))
     if cfg.get("kill_rank") is not None and rank == cfg["kill_rank"]:
         hooks = snake_strategy.EngineHooks(before_optimizer_chunk=KillInStep(strategy, cfg["kill_step"]))
         strategy.hooks = hooks
-    rec, stats = ParamRecorder(only_last=True), StepStats()
+    kill_save = cfg.get("kill_in_save")  # {rank, save}: that rank dies inside its n-th checkpoint save
+    watch = SaveWatch(kill_save["save"] if kill_save and rank == kill_save["rank"] else None)
+    strategy.progress.listeners.append(watch)
+    rec, stats = ParamRecorder(only_last=not cfg.get("record_every")), StepStats()
     callbacks = [rec, stats]
     extra = {}
     if cfg.get("val"):  # validate after every step (Lightning inserts a DistributedSampler into this loader)
@@ -79,7 +138,7 @@ def main() -> None:
         callbacks.append(L.pytorch.callbacks.ModelCheckpoint(dirpath=cfg["ckpt_dir"], every_n_train_steps=cfg["save_every"],
                                                              save_top_k=-1))
         extra["enable_checkpointing"] = True
-    trainer = L.Trainer(strategy=strategy, precision=cfg.get("precision", "64-true"), max_steps=steps,
+    trainer = L.Trainer(strategy=strategy, **precision, max_steps=steps,
                         callbacks=callbacks, gradient_clip_val=cfg.get("clip"),
                         **trainer_kwargs(devices=world, num_nodes=nodes, **extra))
     # Lightning's own DistributedSampler would shuffle the training set (seeded), so the global batches
@@ -96,11 +155,12 @@ def main() -> None:
     out = cfg.get("out")
     if out:
         os.makedirs(out, exist_ok=True)
-        torch.save({"state": rec.states[-1] if rec.states else None, "stats": stats.stats,
+        torch.save({"state": rec.states[-1] if rec.states else None, "stats": stats.stats, "states": rec.states,
+                    "saved_bytes": watch.saved_bytes,
                     "world_size": trainer.world_size, "global_rank": trainer.global_rank,
                     "sampler": type(trainer.train_dataloader.sampler).__name__,
                     "metrics": {k: float(v) for k, v in trainer.callback_metrics.items()},
-                    "ssd_dir": getattr(strategy, "_last_ssd_dir", None)},
+                    "ssd_dir": getattr(strategy, "_last_ssd_dir", None), "pid": os.getpid()},
                    os.path.join(out, f"rank{trainer.global_rank}.pt"))
 
 

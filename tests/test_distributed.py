@@ -8,8 +8,10 @@ input checks; the rest is ``--runslow``.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -102,6 +104,17 @@ def test_two_ranks_equal_one_rank_vertical_ssd_alpha(tmp_path):
         shards = [shard_bounds(u["train_end"], 2, r) for u in layout]
         assert [u["exp_avg_ssd"] for u in layout] == [-(-8 * (hi - lo) // 4096) * 4096 for lo, hi in shards]
         assert [u["weights_ssd"] for u in layout] == [u["weights_ssd"] for u in one[0]["stats"][-1]["layout"]]
+    # The free-space check's plan is per rank: its moments are this rank's shards, as the files on its disk.
+    for ranks in (one, two):
+        for r, out in ranks.items():
+            stats = out["stats"][-1]
+            files, planned = stats["ssd_files"], stats["ssd_plan"]
+            moments = sum(size for name, size in files.items() if name.startswith(("exp_avg/", "exp_avg_sq/")))
+            assert planned["optimizer_moments"] == moments > 0
+            assert planned["weights"] == sum(size for name, size in files.items() if name.startswith("weights/"))
+            assert sum(planned.values()) == sum(files.values())
+    assert two[0]["stats"][-1]["ssd_plan"]["optimizer_moments"] + two[1]["stats"][-1]["ssd_plan"]["optimizer_moments"] \
+        == one[0]["stats"][-1]["ssd_plan"]["optimizer_moments"]
 
 
 @pytest.mark.slow
@@ -153,6 +166,40 @@ def test_torchrun_two_nodes(tmp_path):
     assert max_abs_diff(one[0]["state"], two[0]["state"]) < 1e-10
 
 
+@pytest.mark.slow
+def test_fp16_overflow_on_one_rank_skips_the_step_on_both(tmp_path):
+    """16-mixed, partitioned: an inf gradient on one rank only (step 2 of 4) skips that step on both ranks,
+    as one process seeing the inf does: weights and moments unchanged, the scale halved, the step count
+    kept, on every rank, at the same step as the one process; the ranks stay bitwise equal, and which rank
+    saw the inf does not matter (bitwise).
+
+    Against one process (whose micro-batches hold the same samples as the ranks', ``as_ranks``) the
+    parameters agree to fp32 tolerance through the skipped step. Later steps drift apart by more (measured
+    9.3e-5 after 4 steps with no inf at all): the two sum a unit's micro-batch gradients in another order
+    (one fp32 ulp), and a weight one ulp off rounds to another fp16 value in the next forward now and then,
+    which Adam's normalisation turns into differences of order lr; fp32 runs stay at 7.7e-7."""
+    common = dict(steps=4, kind="vertical", alpha=0.25, precision="16-mixed", half_weights=False, storage=SSD,
+                  record_every=True, lr=1e-3, tied_head=False)
+    one = run_worker(tmp_path, "one", world=1, micro=4, as_ranks=2, poison={"step": 1, "rank": 0}, **common)
+    two = run_worker(tmp_path, "two", world=2, micro=2, poison={"step": 1, "rank": 1}, **common)
+    other = run_worker(tmp_path, "other", world=2, micro=2, poison={"step": 1, "rank": 0}, **common)
+    for run in (one, two, other):
+        for out in run.values():
+            stats = out["stats"]
+            assert [bool(s.get("skipped")) for s in stats] == [False, True, False, False]
+            assert [s["step_count"] for s in stats] == [1, 1, 2, 3]
+            assert [s["scale"] for s in stats] == [s["scale"] for s in one[0]["stats"]]
+            assert stats[1]["scale"] == stats[0]["scale"] / 2
+            before, after = out["states"][0], out["states"][1]
+            assert all(torch.equal(before[k], after[k]) for k in before)  # the skipped step changed nothing
+    _check_ranks_agree(two)
+    _check_ranks_agree(other)
+    for key in two[0]["state"]:
+        assert torch.equal(two[0]["state"][key], other[0]["state"][key]), key
+    for key in one[0]["states"][1]:  # through the skipped step
+        torch.testing.assert_close(two[0]["states"][1][key], one[0]["states"][1][key], rtol=1e-5, atol=1e-5)
+
+
 # ---------------------------------------------------------------------- input checks (no processes)
 def _sharded_loader(samples: int, batch: int, drop_last: bool = False) -> DataLoader:
     data = TensorDataset(torch.zeros(samples, 2))
@@ -176,19 +223,174 @@ def test_rank_storage_gives_each_rank_its_directory(tmp_path):
     assert rank_storage(StorageConfig(), 1, 2).ssd_dir is None  # each process makes its own temporary directory
 
 
+def _storage_checks(rank: int, world: int, port: int, tmp: str, results) -> None:
+    """One of two gloo processes (no Lightning): run each layout case through check_rank_storage, and a
+    setup that fails on rank 1 only through build_together; report every rank's error (or None)."""
+    import torch.distributed as dist
+
+    from snake_strategy.distributed import build_together, check_rank_storage
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    root = Path(tmp)
+    cases = {"same": (root / "same", root / "same"), "roots": (root / "a", root / "b"),
+             "link": (root / "link", root / "link"), "locked": (root / "locked", root / "locked"),
+             "one_process": (root / "one", root / "one"), "unset": (root / "u", "$SNAKE_NO_SUCH_VAR/run")}
+    out = {}
+    for name, dirs in cases.items():
+        try:
+            check_rank_storage(StorageConfig(ssd_dir=str(dirs[rank]), weights="ssd"), rank, world)
+            out[name] = None
+        except ValueError as err:
+            out[name] = str(err)
+
+    class Built:
+        closed = False
+
+        def close(self):
+            Built.closed = True
+
+    def build():
+        if rank == 1:
+            raise ValueError("storage.ssd_dir='/x/rank1' has 0 GiB free")
+        return Built()
+
+    try:
+        build_together(build)
+        out["build"] = None
+    except ValueError as err:
+        out["build"] = str(err)
+    out["closed"] = Built.closed
+    results[rank] = out
+    dist.destroy_process_group()
+
+
+def test_mismatched_ssd_dir_layouts_stop_every_rank_before_setup(tmp_path):
+    """Two real gloo processes: ranks of one machine with different ssd_dir roots, rank directories linked
+    to one another, a rank directory (or the root) in use by a live run, an unexpanded variable: each is a
+    ValueError on both ranks, before any lock is taken; a setup failure on one rank stops both."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    (tmp_path / "link" / "rank0").mkdir(parents=True)
+    (tmp_path / "link" / "rank1").symlink_to(tmp_path / "link" / "rank0")
+    (tmp_path / "locked" / "rank1").mkdir(parents=True)
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    try:
+        (tmp_path / "locked" / "rank1" / ".snake.lock").write_text(str(sleeper.pid))
+        (tmp_path / "one").mkdir()
+        (tmp_path / "one" / ".snake.lock").write_text(str(sleeper.pid))
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        results = mp.Manager().dict()
+        mp.spawn(_storage_checks, args=(2, port, str(tmp_path), results), nprocs=2, join=True)
+    finally:
+        sleeper.kill()
+    results = dict(results)
+    for r in (0, 1):
+        got = results[r]
+        assert got["same"] is None
+        assert "were given different storage.ssd_dir roots" in got["roots"] and "ranks 0 and 1" in got["roots"]
+        assert "would share the SSD directory" in got["link"]
+        assert got["locked"].startswith("rank 1 ") and f"in use by a running process (pid {sleeper.pid}" in got["locked"]
+        assert got["one_process"].startswith("rank 0 ") and "one-process run on storage.ssd_dir itself" in got["one_process"]
+        assert "SNAKE_NO_SUCH_VAR" in got["unset"] and "environment variable that is not set" in got["unset"]
+    assert results[0]["build"] == ("the setup failed on rank 1, so every rank stops: ValueError: "
+                                   "storage.ssd_dir='/x/rank1' has 0 GiB free")
+    assert results[1]["build"] == "storage.ssd_dir='/x/rank1' has 0 GiB free"  # its own error
+    assert results[0]["closed"] and not results[1]["closed"]  # rank 0 releases what it built
+
+
 # ---------------------------------------------------------------------- checkpoints
-def _checkpointed_run(tmp_path: Path) -> tuple[dict, Path]:
-    """2 ranks, 4 steps, 2 steps per epoch (a resume after step 2 starts a fresh epoch: same data order)."""
-    cfg = dict(world=2, micro=2, steps=4, samples=16, kind="vertical", alpha=0.25, storage=SSD, save_every=2,
+def _checkpointed_run(tmp_path: Path, steps: int = 4) -> tuple[dict, Path]:
+    """2 ranks, 2 steps per epoch (a resume after step 2 starts a fresh epoch: same data order)."""
+    cfg = dict(world=2, micro=2, steps=steps, samples=16, kind="vertical", alpha=0.25, storage=SSD, save_every=2,
                ckpt_dir=str(tmp_path / "ckpts"))
     full = run_worker(tmp_path, "full", **cfg)
     return full, tmp_path / "ckpts" / "epoch=0-step=2.ckpt"
 
 
+def _resume_in_process(ckpt: Path, ssd_dir: Path, steps: int = 4) -> tuple[dict, Path]:
+    """One process (this one), 1 x 4 micro-batches over the worker's global batches, from ``ckpt``; saves
+    at step 4 into ssd_dir/../ckpts_one (one process's format)."""
+    import lightning as L
+
+    from snake_strategy.gpt import GPTModule
+    import snake_strategy
+
+    from .helpers import SMALL_GPT, ParamRecorder, token_data, trainer_kwargs
+
+    x, y = token_data(16, SMALL_GPT.context_len, SMALL_GPT.vocab_size)
+    strategy = snake_strategy.GreedySnakeStrategy(storage={**SSD, "ssd_dir": str(ssd_dir)},
+                                                  schedule={"kind": "vertical", "num_micro_batches": 4, "alpha": 0.25})
+    rec, out = ParamRecorder(only_last=True), ssd_dir.parent / "ckpts_one"
+    save = L.pytorch.callbacks.ModelCheckpoint(dirpath=str(out), every_n_train_steps=2, save_top_k=-1)
+    trainer = L.Trainer(strategy=strategy, precision="64-true", max_steps=steps, callbacks=[rec, save],
+                        **trainer_kwargs(enable_checkpointing=True))
+    L.seed_everything(0, verbose=False)
+    trainer.fit(GPTModule(SMALL_GPT, learning_rate=1e-3), ckpt_path=str(ckpt),
+                train_dataloaders=DataLoader(TensorDataset(x, y), batch_size=8, shuffle=False))
+    return rec.states[-1], out
+
+
+def test_sharded_checkpoint_each_rank_writes_its_shard(tmp_path):
+    """Partitioned moments: each rank writes its own shard of master weights and moments (rank 0 the
+    manifest, last); consolidation merges the shards; one process resumes it (re-sharding at load) exactly;
+    a missing shard is refused before any step, naming the file."""
+    from snake_strategy import checkpoint as snake_checkpoint
+
+    full, ckpt = _checkpointed_run(tmp_path, steps=2)
+    manifest = snake_checkpoint.read_manifest(ckpt)  # verifies every file's size and CRC-32
+    assert manifest["format"] == snake_checkpoint.SHARDED_FORMAT and not (ckpt / "units").exists()
+    shards = manifest["shards"]
+    assert shards["world_size"] == 2
+    assert [w["pid"] for w in shards["writers"]] == [full[0]["pid"], full[1]["pid"]] and full[0]["pid"] != full[1]["pid"]
+    layout = full[0]["stats"][-1]["layout"]
+    for r in (0, 1):
+        names = sorted(p.name for p in (ckpt / "shards" / f"rank{r}").iterdir())
+        assert names == sorted(f"unit{u:05d}.{s}.bin" for u in range(len(layout)) for s in snake_checkpoint.STATES)
+        for u, unit in enumerate(layout):
+            lo, hi = shard_bounds(unit["train_end"], 2, r)
+            assert shards["ranges"][u][r] == [lo, hi]
+            for s in snake_checkpoint.STATES:  # fp64: this rank's range only, ~1/2 of the unit
+                assert (ckpt / "shards" / f"rank{r}" / f"unit{u:05d}.{s}.bin").stat().st_size == 8 * (hi - lo)
+    # Each rank's shard is its own range of whole pages; together they are every unit once. Each rank's save
+    # wrote its shard only (its progress events count the bytes: 3 states x its range, fp64).
+    total = sum(p.stat().st_size for p in (ckpt / "shards").rglob("*.exp_avg.bin"))
+    assert total == 8 * sum(unit["train_end"] for unit in layout)
+    for r in (0, 1):
+        mine = sum(hi - lo for lo, hi in (shard_bounds(unit["train_end"], 2, r) for unit in layout))
+        assert full[r]["saved_bytes"] == [3 * 8 * mine]
+    # Evaluation and the HF export read the master weights through the same merge.
+    from snake_strategy.checkpoint_weights import CheckpointWeights
+
+    weights = CheckpointWeights(ckpt)
+    try:
+        for name, value in full[0]["state"].items():
+            assert torch.equal(weights.tensor(name), value), name
+    finally:
+        weights.close()
+    # Consolidation merges the shards: the 2-rank run's parameters after step 2, bitwise.
+    merged = snake_checkpoint.consolidate(ckpt, tmp_path / "merged.ckpt")["state_dict"]
+    for name, value in full[0]["state"].items():
+        assert torch.equal(merged[name], value), name
+    # A shard missing: refused before any step, naming the file and the fix.
+    broken = tmp_path / "broken.ckpt"
+    shutil.copytree(ckpt, broken)
+    (broken / "shards" / "rank1" / "unit00001.exp_avg_sq.bin").unlink()
+    with pytest.raises(ValueError, match=r"(?s)shards/rank1/unit00001.exp_avg_sq.bin is missing.*saved by 2 ranks"
+                                         r".*Copy or move the whole checkpoint directory"):
+        _resume_in_process(broken, tmp_path / "ssd_broken")
+
+
 @pytest.mark.slow
 def test_resume_two_ranks_bitwise_and_on_one_rank_exact(tmp_path):
-    """Partitioned moments: rank 0 gathers and writes them; the checkpoint is the same format as one
-    process's, so 2 -> 1 re-shards by reading it (and consolidation needs nothing new)."""
+    """2 -> 2 from the per-rank shards is bitwise; 2 -> 1 (re-sharded at load) equals the 2-rank run, and its
+    one-process checkpoint consolidates to what the 2-rank checkpoint of the same step consolidates to;
+    1 -> 2 re-shards a one-process checkpoint."""
+    from snake_strategy import checkpoint as snake_checkpoint
+
     full, ckpt = _checkpointed_run(tmp_path)
     _check_ranks_agree(full)
     assert sorted(p.name for p in (tmp_path / "ckpts").iterdir()) == ["epoch=0-step=2.ckpt", "epoch=1-step=4.ckpt"]
@@ -197,8 +399,58 @@ def test_resume_two_ranks_bitwise_and_on_one_rank_exact(tmp_path):
     _check_ranks_agree(again)
     for key in full[0]["state"]:
         assert torch.equal(again[0]["state"][key], full[0]["state"][key]), key
-    one = run_worker(tmp_path, "one", world=1, micro=4, **common)  # re-sharded: one rank, the same global batches
-    assert max_abs_diff(one[0]["state"], full[0]["state"]) < 1e-10
+    one, one_ckpts = _resume_in_process(ckpt, tmp_path / "ssd_one")  # re-sharded: 1 x 2M micro-batches
+    assert max_abs_diff(one, full[0]["state"]) < 1e-10
+    one_step4 = one_ckpts / "epoch=1-step=4.ckpt"
+    assert snake_checkpoint.read_manifest(one_step4)["format"] == snake_checkpoint.FORMAT  # one process's format
+    merged_two = snake_checkpoint.load_consolidated(tmp_path / "ckpts" / "epoch=1-step=4.ckpt")["state_dict"]
+    merged_one = snake_checkpoint.load_consolidated(one_step4)["state_dict"]
+    assert max_abs_diff(merged_one, merged_two) < 1e-10
+    # 1 -> 2: the one-process checkpoint of step 4 resumes on 2 ranks (each keeps its range of the moments).
+    back = run_worker(tmp_path, "back", world=2, micro=2, **{**common, "steps": 6, "samples": 16,
+                                                                "resume": str(one_step4)})
+    _check_ranks_agree(back)
+
+
+@pytest.mark.slow
+def test_two_ranks_missing_shard_stops_every_rank(tmp_path):
+    """A 2-rank resume with rank 1's shard incomplete: both ranks stop before any step with the file named
+    (rank 0 reads only its own shard, but the ranks agree on the verification first: nobody waits)."""
+    _, ckpt = _checkpointed_run(tmp_path, steps=2)
+    victim = ckpt / "shards" / "rank1" / "unit00002.master.bin"
+    victim.write_bytes(victim.read_bytes()[:-8])
+    failed = run_worker(tmp_path, "failed", expect_rc=None, world=2, micro=2, steps=4, samples=16, kind="vertical",
+                        alpha=0.25, storage=SSD, resume=str(ckpt))
+    assert failed["returncode"] != 0
+    assert "shards/rank1/unit00002.master.bin is shorter than the manifest says" in failed["stderr"], \
+        failed["stderr"][-3000:]
+    assert "Traceback" in failed["stderr"] and "optimizer_step" not in failed["stderr"]
+
+
+@pytest.mark.slow
+def test_rank_killed_inside_a_sharded_save_keeps_the_previous_checkpoint(tmp_path):
+    """Rank 1 dies right after writing the first file of its shard of the step-4 checkpoint: no checkpoint
+    of step 4 appears under its name (the manifest comes last, after every shard), the step-2 one stays
+    complete and resumes bitwise, and the run saves step 4 under that name afterwards."""
+    from snake_strategy import checkpoint as snake_checkpoint
+
+    full, _ = _checkpointed_run(tmp_path)
+    cfg = dict(world=2, micro=2, steps=4, samples=16, kind="vertical", alpha=0.25, storage=SSD, save_every=2,
+               ckpt_dir=str(tmp_path / "ckpts_killed"), kill_in_save={"rank": 1, "save": 2})
+    killed = run_worker(tmp_path, "killed", expect_rc=None, **cfg)
+    assert killed["returncode"] != 0
+    names = sorted(p.name for p in (tmp_path / "ckpts_killed").iterdir())
+    assert "epoch=1-step=4.ckpt" not in names and "epoch=0-step=2.ckpt" in names
+    # (Rank 0 sees its gather fail when rank 1 dies and removes the partial directory itself; had it died
+    # too, the next save or load of the name would: checkpoint._recover.)
+    last = tmp_path / "ckpts_killed" / "epoch=0-step=2.ckpt"
+    snake_checkpoint.read_manifest(last)  # complete: every file's size and CRC-32
+    again = run_worker(tmp_path, "again", world=2, micro=2, steps=4, samples=16, kind="vertical", alpha=0.25,
+                       storage=SSD, resume=str(last), save_every=2, ckpt_dir=str(tmp_path / "ckpts_killed"))
+    for key in full[0]["state"]:
+        assert torch.equal(again[0]["state"][key], full[0]["state"][key]), key
+    assert sorted(p.name for p in (tmp_path / "ckpts_killed").iterdir()) == ["epoch=0-step=2.ckpt",
+                                                                           "epoch=1-step=4.ckpt"]
 
 
 @pytest.mark.slow
@@ -213,6 +465,56 @@ def test_rank_killed_mid_step_leaves_the_last_checkpoint_loadable(tmp_path):
                        storage=SSD, resume=str(last))
     for key in full[0]["state"]:
         assert torch.equal(again[0]["state"][key], full[0]["state"][key]), key
+
+
+def test_host_and_ssd_plans_count_this_ranks_moment_shards():
+    """With partitioned moments each rank plans its own shards: over the ranks they add up to one process's
+    moments, on the host and on the SSD (page-rounded per unit: the shards are whole pages)."""
+    from snake_strategy.memory import MemoryInputs, host_plan, ssd_plan
+
+    units = (12800, 4096 * 3 + 5, 100)
+    for optimizer in ("host", "ssd"):
+        storage = StorageConfig(weights="host", optimizer=optimizer, gradients="host")
+        plans = {}
+        for world in (1, 2, 3):
+            for rank in range(world):
+                inputs = MemoryInputs(unit_params=units, nonlayer_params=10, compute_bytes=8, master_bytes=8,
+                                      device_is_cpu=True, storage=storage, shard_world_size=world, shard_rank=rank)
+                plans[world, rank] = (host_plan(inputs), ssd_plan(inputs))
+        for world in (2, 3):
+            for which in (0, 1):
+                whole = plans[1, 0][which]["optimizer_moments"]
+                assert sum(plans[world, r][which]["optimizer_moments"] for r in range(world)) == whole
+            assert plans[world, 0][0]["optimizer_moments" if optimizer == "host" else "weights"] > 0
+            assert "partition_buffers" in plans[world, 0][0] and "partition_buffers" not in plans[1, 0][0]
+        shard = [8 * (hi - lo) for lo, hi in (shard_bounds(n, 2, 1) for n in units)]
+        if optimizer == "host":
+            assert plans[2, 1][0]["optimizer_moments"] == 2 * sum(shard)
+        else:  # one file per unit and moment, page-rounded
+            assert plans[2, 1][1]["optimizer_moments"] == 2 * sum(-(-b // 4096) * 4096 for b in shard)
+
+
+def test_planner_places_each_ranks_moment_shards():
+    """auto placement with partitioned moments plans rank 0's shards (the largest), so more of them fit in
+    the same per-process budget: weights first, then the moments' host share grows."""
+    from snake_strategy.memory import host_plan
+    from snake_strategy.planner import HardwareProfile, ModelShape, memory_inputs, plan
+
+    shape = ModelShape(num_units=8, params_per_unit=2**20, nonlayer_params=0, head_params=0, tokens_per_micro=64,
+                       num_micro=4, checkpoint_bytes=2**16)
+    hw = HardwareProfile()
+    two = dataclasses.replace(shape, optimizer_shards=2)
+    assert two.moment_elems * 2 == shape.moment_elems == 8 * 2**20
+    storage = StorageConfig(weights="host", optimizer="host", gradients="host", checkpoints="host")
+    whole = host_plan(memory_inputs(shape, hw, storage, "vertical", 0.25))["optimizer_moments"]
+    assert host_plan(memory_inputs(two, hw, storage, "vertical", 0.25))["optimizer_moments"] * 2 == whole
+    # The weights (32 MiB), the working set (~47 MiB; partitioned: + the gather buffers and the gradient
+    # buffers' padding) and part of the moments (64 MiB whole, 32 MiB per rank partitioned).
+    for mib, whole_share, rank_share in ((96, 0.265, 0.468), (128, 0.765, 1.0)):
+        one_rank, per_rank = plan(shape, hw, mib * 2**20), plan(two, hw, mib * 2**20)
+        assert one_rank.storage.weights.host == per_rank.storage.weights.host == 1.0
+        assert (one_rank.storage.optimizer.host, per_rank.storage.optimizer.host) == (whole_share, rank_share)
+        assert per_rank.host_bytes <= mib * 2**20
 
 
 def test_shards_cover_each_unit_once_on_whole_pages():

@@ -32,7 +32,7 @@ from snake_strategy.engine.runner import StepRunner, StepState
 from snake_strategy.engine.streaming import stream_blocks, streamed_forward
 from snake_strategy.engine.trace import TaskTrace
 from snake_strategy.engine.weights import WeightStreamer
-from snake_strategy.memory import MemoryInputs, format_plan, host_plan, partition_host_bytes, pool_sizes, ssd_plan
+from snake_strategy.memory import MemoryInputs, format_plan, host_plan, pool_sizes, ssd_plan
 from snake_strategy.optim import check_optimizer, snapshot_hyper_params
 from snake_strategy.planner import ModelShape
 from snake_strategy.precision import DtypePolicy, LossScaler
@@ -171,15 +171,12 @@ class SnakeEngine:
             blocks_per_unit=s.blocks_per_unit,
             # the split backward keeps every micro-batch's Linear inputs and output gradients until W(u)
             micro_per_backward_task=s.num_micro_batches if s.batched_backward or s.split_backward else 1,
-            checkpoint_bytes=checkpoint_bytes)
+            checkpoint_bytes=checkpoint_bytes, shard_world_size=self.world_size if self.partition else 1,
+            shard_rank=self.partition.rank if self.partition else 0)
 
     def host_bytes_plan(self, checkpoint_bytes: int = 0) -> dict[str, int]:
         """Host memory the run needs, by item (memory.host_plan)."""
-        plan = host_plan(self.memory_inputs(checkpoint_bytes))
-        if self.partition is not None:
-            plan["partition_buffers"] = partition_host_bytes(
-                max(self.partition.padded(t) for t in self._unit_trainable), self.world_size,
-                self.dtypes.bytes_per("compute"), self.dtypes.bytes_per("master"), self.device.type == "cpu")
+        plan = host_plan(self.memory_inputs(checkpoint_bytes))  # per rank with partitioned moments
         if getattr(self, "runner", None) is not None and self.runner.kept.planned_bytes:
             plan["kept_graphs"] = self.runner.kept.planned_bytes  # measured at the first step
         return plan

@@ -26,22 +26,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-SHARD_ALIGN_ELEMS = 4096  # a page for every dtype up to 1 byte; optimizer chunks are multiples of it
-
-
-def shard_size(train_end: int, world_size: int) -> int:
-    """Elements per shard (the padded length every rank contributes to a collective)."""
-    if train_end == 0:
-        return 0
-    per = -(-train_end // world_size)
-    return -(-per // SHARD_ALIGN_ELEMS) * SHARD_ALIGN_ELEMS
-
-
-def shard_bounds(train_end: int, world_size: int, rank: int) -> tuple[int, int]:
-    """[lo, hi) of ``rank``'s shard of a unit with ``train_end`` trainable elements (may be empty)."""
-    per = shard_size(train_end, world_size)
-    lo = min(rank * per, train_end)
-    return lo, min(lo + per, train_end)
+# The shard geometry is a sizing rule: it lives with the memory model, which plans each rank's bytes.
+from snake_strategy.memory import SHARD_ALIGN_ELEMS, shard_bounds, shard_size  # noqa: F401
 
 
 class ShardView:
@@ -109,7 +95,7 @@ class Partition:
     def gather_weights(self, unit) -> float:
         """All-gather the unit's weights ``[0, train_end)`` from the shard owners into this rank's tiers (the
         other ranks' shards are written; this rank's own is already there). Returns seconds spent."""
-        weights, train_end, compute_dtype, device = unit.weights, unit.train_end, self._dtype, self._device
+        weights, train_end = unit.weights, unit.train_end
         start_s = time.perf_counter()
         per = shard_size(train_end, self.world_size)
         if per == 0:
@@ -127,6 +113,25 @@ class Partition:
             if r != self.rank and b > a:
                 weights.evict(gathered[r * per:r * per + (b - a)], a, b)
         return time.perf_counter() - start_s
+
+    def local_state(self, unit) -> dict[str, Tensor]:
+        """This rank's shard ``shard_range(unit)`` of the unit's master weights and moments (CPU copies, no
+        collective): what the rank writes to its checkpoint shard (checkpoint_shards.py)."""
+        lo, hi = shard_range(unit)
+        return {"master": unit.master.read_copy(lo, hi), "exp_avg": unit.exp_avg.read_shard(),
+                "exp_avg_sq": unit.exp_avg_sq.read_shard()}
+
+    def load_local(self, unit, state: dict[str, Tensor]) -> None:
+        """Put this rank's shard of a unit's master weights and moments (elements ``shard_range(unit)``)
+        into its tiers, then all-gather the whole unit's weights from the shard owners (a collective every
+        rank runs for the same units in order; the weights are the master copy, see Partition)."""
+        assert unit.weights is unit.master, "partitioned state keeps the master copy in the compute weights"
+        lo, hi = shard_range(unit)
+        if hi > lo:
+            for name in ("master", "exp_avg", "exp_avg_sq"):
+                assert state[name].numel() == hi - lo, (name, state[name].numel(), hi - lo)
+                getattr(unit, name).evict(state[name].to(self._dtype), lo, hi)
+        self.gather_weights(unit)
 
     def gather_moments(self, unit) -> dict[str, Tensor]:
         """The unit's whole Adam moments from every rank's shard (CPU copies; a collective)."""
