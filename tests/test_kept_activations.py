@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import lightning as L
 import pytest
-import torch
 
 import snake_strategy
 from snake_strategy import ScheduleConfig
