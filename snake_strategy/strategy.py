@@ -187,10 +187,10 @@ class GreedySnakeStrategy(DataParallelMixin, ParallelStrategy):
         if self.world_size > 1:
             sync_initial_state(self.engine, self.root_device)  # every rank starts from rank 0's weights
         self.engine.trace.enabled = self.trace_path is not None
-        batch = example_batch(trainer)
         self._predicted_at_step_one = False
-        if batch is not None:  # the floor at setup; refined at the first step (kept graphs, checkpoint sizes)
-            self.prediction = self._predict(batch, at_setup=True)
+        with contextlib.suppress(ValueError):  # a batch the run refuses: that refusal comes with its own check
+            batch = example_batch(trainer)  # the floor at setup; refined at step 1 (kept graphs, checkpoints)
+            self.prediction = self._predict(batch, at_setup=True) if batch is not None else None
         # Lightning's strategies set the device through module.to(); the blocks must not move, so set the
         # attribute LightningModule.device reads, as model_to_device would have.
         module._device = self.root_device
