@@ -115,10 +115,6 @@ class KeptGraphs:
             kept = self._candidates[max(0, len(self._candidates) - self.setting):] if self.setting else []
             self.units = frozenset(kept)
 
-    @property
-    def measuring(self) -> bool:
-        return self.units is None
-
     def wants(self, u: int) -> bool:
         """Whether the forward of unit ``u`` runs under grad (kept, or measured to decide)."""
         if self.units is None:
@@ -143,18 +139,16 @@ class KeptGraphs:
         """Keep ``graph`` for the backward of ``key`` = (unit, micro-batches); decides "auto" on the first
         one, from ``free_bytes()`` (the host budget left by the plan; None: no budget known, keep none).
         Returns whether it was kept (if not, the unit is recomputed as usual)."""
-        if self.units is None:
-            self.bytes_per_unit = graph.num_bytes * self._forward_tasks_per_unit
-            free = free_bytes() or 0
-            count = min(len(self._candidates), max(0, free) // max(1, self.bytes_per_unit))
-            self.units = frozenset(self._candidates[len(self._candidates) - count:] if count else [])
-            log.info("keep_activations='auto': %d of %d units keep their forward graph (%.1f MiB each; %.2f GiB "
-                     "free in the host budget); the others are recomputed", count, len(self._candidates),
-                     self.bytes_per_unit / 2**20, free / 2**30)
-        elif not self.bytes_per_unit:  # an explicit count: measured on its first graph, held to the budget
+        if not self.bytes_per_unit:  # the first graph: measured, then "auto" decides or a count is checked
             self.bytes_per_unit = graph.num_bytes * self._forward_tasks_per_unit
             free = free_bytes()
-            if free is not None and self.planned_bytes > free:
+            if self.units is None:
+                count = min(len(self._candidates), max(0, free or 0) // max(1, self.bytes_per_unit))
+                self.units = frozenset(self._candidates[len(self._candidates) - count:] if count else [])
+                log.info("keep_activations='auto': %d of %d units keep their forward graph (%.1f MiB each; %.2f GiB "
+                         "free in the host budget); the others are recomputed", count, len(self._candidates),
+                         self.bytes_per_unit / 2**20, (free or 0) / 2**30)
+            elif free is not None and self.planned_bytes > free:
                 raise ValueError(
                     f"schedule.keep_activations={self.setting} keeps {len(self.units)} units' forward graphs, "
                     f"{self.planned_bytes / 2**30:.2f} GiB ({self.bytes_per_unit / 2**20:.1f} MiB each), but the host "
@@ -184,7 +178,7 @@ class KeptGraphs:
         assert self._unpack_from is not None, "a kept graph's weights are read outside its backward"
         anchor = self._unpack_from[packed.leaf]
         start_bytes = anchor.storage_offset() * anchor.element_size() + packed.byte_delta
-        itemsize = torch.empty((), dtype=packed.dtype).element_size()
+        itemsize = packed.dtype.itemsize
         assert start_bytes % itemsize == 0, "a weight reference must land on an element boundary"
         # A view of the fetched weights, no copy: the same bytes the forward saw.
         return torch.empty(0, dtype=packed.dtype, device=anchor.device).set_(
