@@ -53,7 +53,7 @@ class StepState:
 class StepRunner:
     def __init__(self, module: nn.Module, units: list[UnitStore], nonlayer: NonLayerState, weights: WeightStreamer,
                  activations: ActivationStore, gradients: GradientPath, trace: TaskTrace, device: torch.device,
-                 autocast: torch.dtype | None, kept: KeptGraphs, free_host_bytes: Callable[[int], int]) -> None:
+                 autocast: torch.dtype | None, kept: KeptGraphs, free_host_bytes: Callable[[int], int | None]) -> None:
         self.module, self.units, self.nonlayer = module, units, nonlayer
         self.weights, self.activations, self.gradients, self.trace = weights, activations, gradients, trace
         self.device, self._autocast_dtype = device, autocast
