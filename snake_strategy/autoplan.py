@@ -6,10 +6,10 @@ Choices (docs/design.md, "The planner drives the run"; the measurements behind t
 
 - **placement**: everything on the host when the whole run fits the host budget (nothing is faster);
   otherwise ``planner.plan`` fills the budget with the states that move the most bytes per byte stored
-  (weights, then Adam moments) and puts the rest on the SSD. The budget is
-  ``storage.host_budget_bytes`` (per process), or ``AVAILABLE_MEMORY_SHARE`` of the memory the kernel
-  reports available at setup, divided among the processes of the node; ``ACTIVATION_RESERVE_SHARE`` of it is left for the activations (sized at the
-  first step, when the host budget is checked again with them).
+  (weights, then Adam moments) and puts the rest on the SSD. The budget is ``host_memory.host_budget``:
+  the tightest of ``storage.host_budget_bytes``, a share of MemAvailable and a share of what the memory
+  cgroup still allows (``RunPlan.host_budget_source`` says which); ``ACTIVATION_RESERVE_SHARE`` of it is
+  left for the activations (sized at the first step, when the host budget is checked again with them).
 - **order**: vertical (the horizontal order moves every unit's weights M times more).
 - **batching**: batched forward and backward passes when the module declares that its blocks treat
   samples independently (``LayeredModule.independent_samples``; the GPT and HuggingFace modules do): on
@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,15 +36,13 @@ from torch import nn
 
 from snake_strategy.engine.build import check_trainable
 from snake_strategy.config import STATES, ScheduleConfig, StorageConfig, TierSplit
+from snake_strategy.host_memory import SOURCE_AVAILABLE, host_budget
 from snake_strategy.memory import host_plan
 from snake_strategy.planner import HardwareProfile, ModelShape, StepPrediction, choose_alpha, memory_inputs, plan, predict
 from snake_strategy.units import build_layouts
 
 log = logging.getLogger(__name__)
 
-# Without storage.host_budget_bytes, auto placement plans within this share of MemAvailable at setup: the
-# rest is for Python, Lightning, the data pipeline and what the memory model does not see.
-AVAILABLE_MEMORY_SHARE = 0.6
 # Activation checkpoints and the compute workspace are sized only at the first step (they need the tokens
 # per micro-batch): the placement leaves this share of the budget for them (checked then, item by item).
 ACTIVATION_RESERVE_SHARE = 0.25
@@ -61,8 +58,10 @@ class RunPlan:
     storage: StorageConfig  # concrete: every state placed
     schedule: ScheduleConfig  # concrete: every field set
     reasons: dict[str, str]  # setting -> "given" or why the planner chose it
-    host_budget_bytes: int
+    host_budget_bytes: int  # host_memory.host_budget: the tightest bound, which every reader uses
     host_bytes: int  # memory.host_plan of the chosen settings (checkpoints not yet counted)
+    host_budget_source: str = SOURCE_AVAILABLE  # which bound it was (host_memory.SOURCE_*)
+    host_budget_detail: str = ""  # the numbers behind it
     prediction: StepPrediction | None = None  # the floor of one step, from the first batch's shapes
     kept_units: list[int] | None = None  # units whose forward graph is kept (known after the first step)
 
@@ -74,7 +73,7 @@ class RunPlan:
         kept = s.keep_activations if self.kept_units is None else f"{len(self.kept_units)} units"
         text = (f"{s.kind}, {s.num_micro_batches} micro-batches, {batching}, alpha {s.alpha}, prefetch "
                 f"{s.prefetch_depth}, keep activations {kept}; {places}; host {self.host_bytes / 2**30:.2f} of "
-                f"{self.host_budget_bytes / 2**30:.2f} GiB")
+                f"{self.host_budget_bytes / 2**30:.2f} GiB (bounded by {self.host_budget_source}: {self.host_budget_detail})")
         if self.prediction is not None:
             text += f"; predicted floor {self.prediction.roofline_s:.3f} s/step ({self.prediction.bound}-bound)"
         return text
@@ -84,20 +83,9 @@ class RunPlan:
                 "storage": {k: (dataclasses.asdict(v) if isinstance(v, TierSplit) else v)
                             for k, v in dataclasses.asdict(self.storage).items()},
                 "reasons": dict(self.reasons), "host_budget_bytes": self.host_budget_bytes,
+                "host_budget_source": self.host_budget_source, "host_budget_detail": self.host_budget_detail,
                 "host_bytes": self.host_bytes, "kept_units": self.kept_units,
                 "prediction": self.prediction.as_dict() if self.prediction is not None else None}
-
-
-def available_memory_bytes() -> int:
-    """MemAvailable (Linux), else the free physical pages: what a new allocation can get without swapping."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 def setup_shape(module: nn.Module, optimizer: torch.optim.Optimizer | None, blocks_per_unit: int, num_micro: int,
@@ -127,7 +115,8 @@ def resolve(module: nn.Module, optimizer: torch.optim.Optimizer | None, storage:
                         master_bytes)
     shape = dataclasses.replace(shape, optimizer_shards=optimizer_shards)
     hardware = dataclasses.replace(hardware, device_is_cpu=device.type == "cpu")
-    budget = storage.host_budget_bytes or int(AVAILABLE_MEMORY_SHARE * available_memory_bytes() / processes_per_node)
+    bounded = host_budget(storage.host_budget_bytes, processes_per_node)
+    budget = bounded.budget_bytes
     reasons: dict[str, str] = {}
     kind = "vertical" if schedule.kind == "auto" else schedule.kind
     reasons["kind"] = "given" if schedule.kind != "auto" else "vertical: one weight fetch per unit per pass"
@@ -153,7 +142,7 @@ def resolve(module: nn.Module, optimizer: torch.optim.Optimizer | None, storage:
             "storage.checkpoint_host_ends=%d every micro-batch is a turning point kept on the host: no "
             "activation checkpoint will reach the SSD. Lower checkpoint_host_ends or raise num_micro_batches",
             100 * storage.checkpoints.ssd, concrete.num_micro_batches, storage.checkpoint_host_ends)
-    return RunPlan(storage, concrete, reasons, budget, host_bytes)
+    return RunPlan(storage, concrete, reasons, budget, host_bytes, bounded.source, bounded.detail)
 
 
 def _place(shape: ModelShape, hw: HardwareProfile, storage: StorageConfig, kind: str, alpha: float,

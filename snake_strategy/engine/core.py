@@ -63,8 +63,9 @@ class SnakeEngine:
         self.module, self.optimizer, self.storage, self.schedule = module, optimizer, storage, schedule
         self.dtypes, self.device, self.clip = dtypes, device, clip
         self.scaler = scaler if scaler is not None else LossScaler(dtypes.loss_scaling)
-        # What keep_activations="auto" may fill: the hard budget, else the one the planner placed within.
-        self.planned_budget_bytes = storage.host_budget_bytes or planned_budget_bytes
+        # What keep_activations="auto" may fill: the plan's budget (host_memory.host_budget decided it); an
+        # engine built without a plan has only the hard one.
+        self.planned_budget_bytes = planned_budget_bytes if planned_budget_bytes is not None else storage.host_budget_bytes
         self.hooks = hooks or EngineHooks()
         self.progress = or_quiet(progress)  # setup, long steps and export report here
         # Norm clipping and loss scaling defer each unit's whole update to the next forward.
