@@ -5,13 +5,16 @@ Three bounds, the tightest wins, and the plan records which one it was (``RunPla
 - ``storage.host_budget_bytes`` when given (a hard cap: the engine refuses a plan over it);
 - ``AVAILABLE_MEMORY_SHARE`` of the memory the kernel reports available (MemAvailable), split among the
   processes of the node;
-- the same share of what the process's memory cgroup still allows: its limit minus its current usage
+- ``CGROUP_HEADROOM_SHARE`` of what the process's memory cgroup still allows: its limit minus its current usage
   (cgroup v2 ``memory.max``/``memory.current``, v1 ``memory.limit_in_bytes``/``memory.usage_in_bytes``),
   over the process's cgroup and every ancestor (a parent's limit binds its children too). Inside a
   container MemAvailable reports the host's memory, not the container's limit: without this bound a run
   plans for memory it can never get and the kernel kills it.
 
-The share leaves room for what the memory model does not see (Python, Lightning, the data pipeline).
+The shares leave room for what the memory model does not see (allocator slack, Lightning, the data
+pipeline). The cgroup's is larger: its limit is this run's alone and its usage already counts the
+interpreter and the libraries, while MemAvailable is shared with every other process of the machine
+(measured: with 0.6, gpt_4b in a 16 GiB cgroup could not even hold its 9.2 GiB working set, docs/LOG.md).
 ``SNAKE_CGROUP_ROOT`` (or the ``cgroup_root`` argument) points the cgroup lookup at another tree than
 ``/sys/fs/cgroup``: the tests use a fake one.
 """
@@ -24,6 +27,8 @@ from dataclasses import dataclass
 # still get at setup: the rest is for Python, Lightning, the data pipeline and what the memory model does
 # not see.
 AVAILABLE_MEMORY_SHARE = 0.6
+# Of the cgroup's headroom (limit - usage at setup), the share the plan may fill.
+CGROUP_HEADROOM_SHARE = 0.85
 CGROUP_ROOT_ENV = "SNAKE_CGROUP_ROOT"
 DEFAULT_CGROUP_ROOT = "/sys/fs/cgroup"
 # cgroup v1 writes "no limit" as the largest page-aligned signed 64-bit value; anything this large is none.
@@ -107,8 +112,8 @@ def host_budget(given_bytes: int | None, processes_per_node: int = 1, cgroup_roo
     cgroup = cgroup_headroom(cgroup_root, self_cgroup_path)
     if cgroup is not None:
         options.append(HostBudget(
-            int(AVAILABLE_MEMORY_SHARE * cgroup.headroom_bytes / processes), SOURCE_CGROUP,
-            f"{AVAILABLE_MEMORY_SHARE:g} x (cgroup {cgroup.path} limit {cgroup.limit_bytes / 2**30:.2f} GiB - "
+            int(CGROUP_HEADROOM_SHARE * cgroup.headroom_bytes / processes), SOURCE_CGROUP,
+            f"{CGROUP_HEADROOM_SHARE:g} x (cgroup {cgroup.path} limit {cgroup.limit_bytes / 2**30:.2f} GiB - "
             f"usage {cgroup.usage_bytes / 2**30:.2f} GiB)" + (f" / {processes} processes" if processes > 1 else ""),
             False))
     if given_bytes is not None:

@@ -24,7 +24,8 @@ import snake_strategy
 from snake_strategy.engine import EngineHooks
 from snake_strategy.engine.export import map_weights_file, mapped_parameters
 from snake_strategy.gpt import GPTConfig, GPTModule
-from snake_strategy.host_memory import SOURCE_AVAILABLE, SOURCE_CGROUP, SOURCE_GIVEN, cgroup_headroom, host_budget
+from snake_strategy.host_memory import (CGROUP_HEADROOM_SHARE, SOURCE_AVAILABLE, SOURCE_CGROUP, SOURCE_GIVEN,
+                                        cgroup_headroom, host_budget)
 from snake_strategy.progress import Progress
 from snake_strategy.safetensors_io import ShardedSafetensorsWriter
 from snake_strategy.storage import SsdDirectory
@@ -32,6 +33,7 @@ from tests.helpers import token_data, trainer_kwargs
 
 CFG = GPTConfig(vocab_size=64, d_model=64, num_layers=32, num_heads=4, context_len=16)  # 6.4 MB of fp32 weights
 BUDGET_BYTES = 3 * 2**20  # holds a few units, not the weights
+HEADROOM_BYTES = 7 * 2**19  # a fake cgroup's limit - usage: 0.85 x 3.5 MiB, about the hard budget above
 SSD_STATES = {"weights": "ssd", "optimizer": "ssd", "gradients": "ssd"}
 
 
@@ -98,9 +100,9 @@ def test_host_budget_is_the_tightest_of_given_memavailable_and_cgroup(tmp_path):
     assert headroom.headroom_bytes == 3 * 2**30 and headroom.path.endswith("job")
     kw = dict(cgroup_root=str(v2), self_cgroup_path=str(membership), meminfo_path=str(meminfo))
     budget = host_budget(None, **kw)
-    assert (budget.source, budget.budget_bytes, budget.hard) == (SOURCE_CGROUP, int(0.6 * 3 * 2**30), False)
+    assert (budget.source, budget.budget_bytes, budget.hard) == (SOURCE_CGROUP, int(CGROUP_HEADROOM_SHARE * 3 * 2**30), False)
     assert "memory.max" not in budget.detail and "limit 4.00 GiB" in budget.detail
-    assert host_budget(None, processes_per_node=2, **kw).budget_bytes == int(0.6 * 3 * 2**30 / 2)
+    assert host_budget(None, processes_per_node=2, **kw).budget_bytes == int(CGROUP_HEADROOM_SHARE * 3 * 2**30 / 2)
     given = host_budget(2**30, **kw)
     assert (given.source, given.budget_bytes, given.hard) == (SOURCE_GIVEN, 2**30, True)
     # An explicit budget larger than what the cgroup allows is bounded by the cgroup (and stays the hard cap).
@@ -114,7 +116,7 @@ def test_host_budget_is_the_tightest_of_given_memavailable_and_cgroup(tmp_path):
     (v1 / "memory" / "a" / "memory.usage_in_bytes").write_text(f"{2**30}\n")
     membership.write_text("4:memory:/a\n1:cpu:/\n0::/\n")
     v1_budget = host_budget(None, cgroup_root=str(v1), self_cgroup_path=str(membership), meminfo_path=str(meminfo))
-    assert (v1_budget.source, v1_budget.budget_bytes) == (SOURCE_CGROUP, int(0.6 * 2**30))
+    assert (v1_budget.source, v1_budget.budget_bytes) == (SOURCE_CGROUP, int(CGROUP_HEADROOM_SHARE * 2**30))
     # No limited cgroup: MemAvailable.
     (v1 / "memory" / "a" / "memory.limit_in_bytes").write_text("9223372036854771712\n")
     plain = host_budget(None, cgroup_root=str(v1), self_cgroup_path=str(membership), meminfo_path=str(meminfo))
@@ -129,8 +131,8 @@ def mapped_run(tmp_path_factory):
     reference, _ = _fit(root / "reference")
     expected = _values(reference)
     cgroup = root / "cgroup"
-    # Headroom 5 MiB: the automatic budget (0.6 x 5 MiB) holds the working set, not the 6.4 MB of weights.
-    _fake_cgroup(cgroup, limit_bytes=64 * 2**20, usage_bytes=59 * 2**20)
+    # Headroom 3.5 MiB: the automatic budget (0.85 x 3.5 MiB) holds the working set, not the 6.4 MB of weights.
+    _fake_cgroup(cgroup, limit_bytes=64 * 2**20, usage_bytes=64 * 2**20 - HEADROOM_BYTES)
     mp = pytest.MonkeyPatch()
     mp.setenv("SNAKE_CGROUP_ROOT", str(cgroup))
     try:
@@ -143,7 +145,7 @@ def mapped_run(tmp_path_factory):
 def test_weights_over_a_cgroup_budget_are_mapped_from_a_file(mapped_run):
     root, _, expected, module, strategy = mapped_run
     assert strategy.plan.host_budget_source == SOURCE_CGROUP
-    assert strategy.plan.host_budget_bytes == int(0.6 * 5 * 2**20)
+    assert strategy.plan.host_budget_bytes == int(CGROUP_HEADROOM_SHARE * HEADROOM_BYTES)
     assert "bounded by cgroup" in strategy.plan.describe()
     # Next to nothing: no checkpoint, no export_dir: the Trainer's default_root_dir.
     assert strategy.weights_file == str(root / "mapped" / "greedysnake-weights.safetensors")
@@ -290,7 +292,7 @@ class FailAtStep(L.Callback):
 def test_step_failure_over_the_budget_starts_no_export(tmp_path):
     events = []
     cgroup = tmp_path / "cgroup"
-    _fake_cgroup(cgroup, limit_bytes=64 * 2**20, usage_bytes=59 * 2**20)
+    _fake_cgroup(cgroup, limit_bytes=64 * 2**20, usage_bytes=64 * 2**20 - HEADROOM_BYTES)
     os.environ["SNAKE_CGROUP_ROOT"] = str(cgroup)
     try:
         torch.manual_seed(0)
