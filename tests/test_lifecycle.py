@@ -33,7 +33,7 @@ from tests.helpers import token_data, trainer_kwargs
 
 CFG = GPTConfig(vocab_size=64, d_model=64, num_layers=32, num_heads=4, context_len=16)  # 6.4 MB of fp32 weights
 BUDGET_BYTES = 3 * 2**20  # holds a few units, not the weights
-HEADROOM_BYTES = 7 * 2**19  # a fake cgroup's limit - usage: 0.85 x 3.5 MiB, about the hard budget above
+HEADROOM_BYTES = 7 * 2**19  # a fake cgroup's limit - usage: 0.9 x 3.5 MiB, about the hard budget above
 SSD_STATES = {"weights": "ssd", "optimizer": "ssd", "gradients": "ssd"}
 
 
@@ -98,6 +98,10 @@ def test_host_budget_is_the_tightest_of_given_memavailable_and_cgroup(tmp_path):
     membership.write_text("0::/job/step\n")
     headroom = cgroup_headroom(str(v2), str(membership))
     assert headroom.headroom_bytes == 3 * 2**30 and headroom.path.endswith("job")
+    # Reclaimable page cache is not usage: the kernel drops it before it would kill anything.
+    (v2 / "job" / "memory.stat").write_text(f"anon 1000\ninactive_file {2**29}\nactive_file 10\n")
+    assert cgroup_headroom(str(v2), str(membership)).headroom_bytes == 3 * 2**30 + 2**29
+    (v2 / "job" / "memory.stat").unlink()
     kw = dict(cgroup_root=str(v2), self_cgroup_path=str(membership), meminfo_path=str(meminfo))
     budget = host_budget(None, **kw)
     assert (budget.source, budget.budget_bytes, budget.hard) == (SOURCE_CGROUP, int(CGROUP_HEADROOM_SHARE * 3 * 2**30), False)
@@ -131,7 +135,7 @@ def mapped_run(tmp_path_factory):
     reference, _ = _fit(root / "reference")
     expected = _values(reference)
     cgroup = root / "cgroup"
-    # Headroom 3.5 MiB: the automatic budget (0.85 x 3.5 MiB) holds the working set, not the 6.4 MB of weights.
+    # Headroom 3.5 MiB: the automatic budget (0.9 x 3.5 MiB) holds the working set, not the 6.4 MB of weights.
     _fake_cgroup(cgroup, limit_bytes=64 * 2**20, usage_bytes=64 * 2**20 - HEADROOM_BYTES)
     mp = pytest.MonkeyPatch()
     mp.setenv("SNAKE_CGROUP_ROOT", str(cgroup))
