@@ -168,7 +168,12 @@ def child(args) -> None:
             if event.stage == "end":
                 export_times["end"] = time.perf_counter()
 
-    strategy = snake_strategy.GreedySnakeStrategy(progress=Progress(log=True, listeners=[on_progress]))
+    # The defaults, except an explicit budget when asked (a shared machine whose MemAvailable share is
+    # below the model's working set: the cgroup still bounds it).
+    storage = None if args.host_budget_gib is None else {"placement": "auto",
+                                                         "host_budget_bytes": int(args.host_budget_gib * 2**30)}
+    strategy = snake_strategy.GreedySnakeStrategy(storage=storage,
+                                                  progress=Progress(log=True, listeners=[on_progress]))
     losses: list[float] = []
 
     class Timed(ModelCheckpoint):
@@ -265,6 +270,8 @@ def run_child(args, name: str, work: Path, cgroup: str, kill_at_step: int | None
     cmd = [sys.executable, __file__, "--child", "--preset", args.preset, "--context-len", str(args.context_len),
            "--batch", str(args.batch), "--lr", str(args.lr), "--events", str(events), "--cgroup-dir", cgroup,
            "--work-dir", str(work / name), "--hf-dtype", args.hf_dtype]
+    if args.host_budget_gib is not None:
+        cmd += ["--host-budget-gib", str(args.host_budget_gib)]
     for key, value in options.items():
         if value is True:
             cmd.append(f"--{key.replace('_', '-')}")
@@ -353,6 +360,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--hf-dtype", default="float32")
+    p.add_argument("--host-budget-gib", type=float, default=None,
+                   help="storage.host_budget_bytes (default: none, the defaults' automatic budget)")
     p.add_argument("--check-hf", action="store_true", help="compare HF logits with the module's (small presets)")
     p.add_argument("--work-root", default=None, help="where checkpoints and temporary ssd_dirs go")
     p.add_argument("--out", default=None)

@@ -3,8 +3,9 @@
 Three bounds, the tightest wins, and the plan records which one it was (``RunPlan.host_budget_source``):
 
 - ``storage.host_budget_bytes`` when given (a hard cap: the engine refuses a plan over it);
-- ``AVAILABLE_MEMORY_SHARE`` of the memory the kernel reports available (MemAvailable), split among the
-  processes of the node;
+- without it, ``AVAILABLE_MEMORY_SHARE`` of the memory the kernel reports available (MemAvailable), split
+  among the processes of the node. A given budget replaces this estimate (the user knows what else
+  will run; a warning says when it is above it) but not the cgroup's limit, which the kernel enforces;
 - ``CGROUP_HEADROOM_SHARE`` of what the process's memory cgroup still allows: its limit minus its current usage
   (cgroup v2 ``memory.max``/``memory.current``, v1 ``memory.limit_in_bytes``/``memory.usage_in_bytes``),
   over the process's cgroup and every ancestor (a parent's limit binds its children too). Inside a
@@ -22,8 +23,11 @@ which the kernel reclaims before it would kill anything: reading a corpus must n
 """
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
+
+log = logging.getLogger(__name__)
 
 # Without storage.host_budget_bytes, auto placement plans within this share of the memory the process can
 # still get at setup: the rest is for Python, Lightning, the data pipeline and what the memory model does
@@ -106,12 +110,16 @@ def cgroup_headroom(cgroup_root: str | None = None, self_cgroup_path: str = "/pr
 
 def host_budget(given_bytes: int | None, processes_per_node: int = 1, cgroup_root: str | None = None,
                 self_cgroup_path: str = "/proc/self/cgroup", meminfo_path: str = "/proc/meminfo") -> HostBudget:
-    """The tightest of the given budget, the MemAvailable share and the cgroup share (module docstring)."""
+    """The tightest of the given budget (else the MemAvailable share) and the cgroup share (module docstring)."""
     processes = max(processes_per_node, 1)
     available = available_memory_bytes(meminfo_path)
-    options = [HostBudget(int(AVAILABLE_MEMORY_SHARE * available / processes), SOURCE_AVAILABLE,
+    estimate = HostBudget(int(AVAILABLE_MEMORY_SHARE * available / processes), SOURCE_AVAILABLE,
                           f"{AVAILABLE_MEMORY_SHARE:g} x MemAvailable {available / 2**30:.2f} GiB"
-                          + (f" / {processes} processes" if processes > 1 else ""), False)]
+                          + (f" / {processes} processes" if processes > 1 else ""), False)
+    options = [estimate] if given_bytes is None else []
+    if given_bytes is not None and given_bytes > estimate.budget_bytes:
+        log.warning("storage.host_budget_bytes=%d is above %s (%d bytes): the run plans for memory that other "
+                    "processes may hold", given_bytes, estimate.detail, estimate.budget_bytes)
     cgroup = cgroup_headroom(cgroup_root, self_cgroup_path)
     if cgroup is not None:
         options.append(HostBudget(
@@ -144,7 +152,7 @@ def _inactive_file_bytes(directory: str) -> int:
             stats = dict(line.split() for line in f if line.count(" ") == 1)
     except (OSError, ValueError):
         return 0
-    for key in ("inactive_file", "total_inactive_file"):
+    for key in ("total_inactive_file", "inactive_file"):  # v1: the hierarchical total, as its usage is
         if key in stats and stats[key].isdigit():
             return int(stats[key])
     return 0

@@ -109,6 +109,9 @@ def test_host_budget_is_the_tightest_of_given_memavailable_and_cgroup(tmp_path):
     assert host_budget(None, processes_per_node=2, **kw).budget_bytes == int(CGROUP_HEADROOM_SHARE * 3 * 2**30 / 2)
     given = host_budget(2**30, **kw)
     assert (given.source, given.budget_bytes, given.hard) == (SOURCE_GIVEN, 2**30, True)
+    # A given budget replaces the MemAvailable estimate (6 GiB here) but not the cgroup's limit.
+    v2_free = host_budget(7 * 2**30, meminfo_path=str(meminfo), self_cgroup_path=str(tmp_path / "none"))
+    assert (v2_free.source, v2_free.budget_bytes) == (SOURCE_GIVEN, 7 * 2**30)
     # An explicit budget larger than what the cgroup allows is bounded by the cgroup (and stays the hard cap).
     assert host_budget(8 * 2**30, **kw).source == SOURCE_CGROUP
     # cgroup v1: the memory controller's own hierarchy; its "no limit" is a huge number.
