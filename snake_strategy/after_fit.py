@@ -84,8 +84,9 @@ class PreFitWeights:
             else:
                 self._held.append((p, p.detach()))
 
-    def setup_done(self) -> None:
+    def setup_done(self) -> PreFitWeights:
         self._held = []
+        return self
 
     def restore(self, module: nn.Module) -> bool:
         """Give the parameters their pre-fit values back; whether there were any to give."""

@@ -151,7 +151,7 @@ class GreedySnakeStrategy(DataParallelMixin, ParallelStrategy):
     def setup(self, trainer: pl.Trainer) -> None:
         module = self.lightning_module
         check_contract(module)
-        self._failure = None
+        self._failure = None  # Lightning's on_exception sets it
         if trainer.state.fn != TrainerFn.FITTING:
             self._setup_eval(trainer)
             return
@@ -223,8 +223,7 @@ class GreedySnakeStrategy(DataParallelMixin, ParallelStrategy):
             raise ValueError(f"trainer.{trainer.state.fn.value} has no weights to evaluate ({guard_message(module)}). "
                              "Pass ckpt_path=<a greedysnake checkpoint directory saved during fit>")
         remove_weight_guard(module)
-        self._pre_fit = PreFitWeights(module)
-        self._pre_fit.setup_done()  # only weights mapped from a file are kept: teardown maps them again
+        self._pre_fit = PreFitWeights(module).setup_done()  # keeps weights mapped from a file: teardown maps them again
         self.progress.follow_progress_bar(trainer.progress_bar_callback is not None)
         self.accelerator.setup(trainer)
         self._resolve_plan(None)
@@ -308,13 +307,14 @@ class GreedySnakeStrategy(DataParallelMixin, ParallelStrategy):
         if engine is not None:
             export_trace(self.trace_path, engine.trace)  # first: also after a failed step
             if self._failure is not None:  # no export; never raises over the original failure
-                teardown_after_failure(self.lightning_module, engine, self._failure, self._budget_bytes(), self._pre_fit)
+                teardown_after_failure(self.lightning_module, engine, self._failure, self.plan.host_budget_bytes,
+                                       self._pre_fit)
             else:
                 try:
                     engine.flush()
                     self._give_back_weights(engine)
                 except BaseException as err:  # a failed export: the module is left clean, then err is raised
-                    after_failure(self.lightning_module, engine, err, self._budget_bytes(), self._pre_fit)
+                    after_failure(self.lightning_module, engine, err, self.plan.host_budget_bytes, self._pre_fit)
                     raise
                 finally:
                     engine.close()  # releases files and locks even when the flush failed; re-raises
@@ -328,20 +328,15 @@ class GreedySnakeStrategy(DataParallelMixin, ParallelStrategy):
     def on_exception(self, exception: BaseException) -> None:
         self._failure = exception  # teardown then leaves a clean module without a multi-GB export
 
-    def _budget_bytes(self) -> int | None:  # the plan's (host_memory.host_budget), the hard one before a plan
-        return self.plan.host_budget_bytes if self.plan is not None else self.storage.host_budget_bytes
-
     def weights_fit_host(self, engine: SnakeEngine | EvalEngine) -> bool:
-        """Whether the engine's weights fit the plan's host budget: only then does the module get them
-        back in memory after fit (else it maps a file of them), and the Hydra app consolidate them."""
-        budget = self._budget_bytes()
-        return budget is None or engine.master_bytes() <= budget
+        """Whether the weights fit the plan's budget: given back in memory (else mapped from a file)."""
+        return engine.master_bytes() <= self.plan.host_budget_bytes  # host_memory.host_budget decided it
 
     def _give_back_weights(self, engine: SnakeEngine | EvalEngine) -> None:
         """The module's weights after the engine (after_fit.give_back_weights): in memory, or mapped from a file."""
         module = self.lightning_module
         self.weights_file = give_back_weights(
-            module, engine, self._budget_bytes(), self.plan.host_budget_source if self.plan else "storage",
+            module, engine, self.plan.host_budget_bytes, self.plan.host_budget_source,
             export_directory(self.storage.export_dir, module.trainer), self._pre_fit,
             weights_file_name(self.world_size, self.global_rank), self.progress)
         self._gave_back_weights = not has_weight_guard(module)

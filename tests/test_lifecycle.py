@@ -165,6 +165,7 @@ def test_weights_over_a_cgroup_budget_are_mapped_from_a_file(mapped_run):
     _assert_equal(torch.load(buffer), expected)
 
 
+@pytest.mark.slow  # several fits of a 32-unit model (about a minute on 2 loaded cores)
 def test_mapped_weights_validate_and_train_again_like_in_memory_ones(mapped_run, tmp_path):
     root, reference, _, module, strategy = mapped_run
     val = _loader(8, 4)
@@ -211,6 +212,7 @@ def test_a_file_of_mixed_dtypes_maps_and_saves(tmp_path):
     _assert_equal(torch.load(buffer), values)
 
 
+@pytest.mark.slow  # several fits of a 32-unit model (about a minute on 2 loaded cores)
 def test_export_hf_after_a_mapped_fit(tmp_path):
     transformers = pytest.importorskip("transformers")
     from snake_strategy.hf import HFCausalLM, export_hf
@@ -314,6 +316,7 @@ def test_step_failure_over_the_budget_starts_no_export(tmp_path):
         module.state_dict()
 
 
+@pytest.mark.slow  # several fits of a 32-unit model (about a minute on 2 loaded cores)
 def test_step_failure_of_a_second_fit_gives_the_mapped_pre_fit_weights_back(tmp_path):
     module, first = _fit(tmp_path / "first", budget=BUDGET_BYTES)
     before = _values(module)
@@ -345,6 +348,7 @@ def test_save_failure_leaves_a_clean_module_and_its_error(tmp_path):
     assert not any(p.is_meta for p in small.parameters())
 
 
+@pytest.mark.slow  # several fits of a 32-unit model (about a minute on 2 loaded cores)
 def test_teardown_failure_during_the_export_leaves_a_clean_module(tmp_path):
     module, first = _fit(tmp_path / "first", budget=BUDGET_BYTES)
     before = _values(module)
