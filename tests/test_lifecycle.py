@@ -24,10 +24,10 @@ import snake_strategy
 from snake_strategy.engine import EngineHooks
 from snake_strategy.engine.export import map_weights_file, mapped_parameters
 from snake_strategy.gpt import GPTConfig, GPTModule
-from snake_strategy.host_memory import (CGROUP_HEADROOM_SHARE, SOURCE_AVAILABLE, SOURCE_CGROUP, SOURCE_GIVEN,
-                                        cgroup_headroom, host_budget)
+from snake_strategy.planning.host_memory import (CGROUP_HEADROOM_SHARE, SOURCE_AVAILABLE, SOURCE_CGROUP, SOURCE_GIVEN,
+                                                 cgroup_headroom, host_budget)
 from snake_strategy.progress import Progress
-from snake_strategy.safetensors_io import ShardedSafetensorsWriter
+from snake_strategy.sources.safetensors_io import ShardedSafetensorsWriter
 from snake_strategy.storage import SsdDirectory
 from tests.helpers import token_data, trainer_kwargs
 

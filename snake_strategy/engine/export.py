@@ -20,7 +20,7 @@ import torch
 from torch import Tensor, nn
 
 from snake_strategy.progress import Progress, or_quiet
-from snake_strategy.safetensors_io import SINGLE_FILE, ShardedSafetensorsWriter, read_header
+from snake_strategy.sources.safetensors_io import SINGLE_FILE, ShardedSafetensorsWriter, read_header
 
 if TYPE_CHECKING:
     from snake_strategy.engine.core import SnakeEngine
