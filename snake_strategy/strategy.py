@@ -1,4 +1,5 @@
-"""Lightning glue: ``Trainer(strategy="greedysnake")``.
+"""Longer than the guide: the Lightning glue, one Strategy class whose hooks (setup, teardown, the step,
+checkpoints) share its state. ``Trainer(strategy="greedysnake")``.
 
 One Lightning batch is one optimizer step: ``training_step`` splits the global batch into
 ``schedule.num_micro_batches`` micro-batches and runs the whole schedule through the engine;
@@ -226,13 +227,14 @@ class GreedySnakeStrategy(DataParallelMixin, ParallelStrategy):
             raise ValueError(f"trainer.{trainer.state.fn.value} has no weights to evaluate ({guard_message(module)}). "
                              "Pass ckpt_path=<a greedysnake checkpoint directory saved during fit>")
         remove_weight_guard(module)
-        self._pre_fit = PreFitWeights(module).setup_done()  # keeps weights mapped from a file: teardown maps them again
         self.progress.follow_progress_bar(trainer.progress_bar_callback is not None)
         self.accelerator.setup(trainer)
         self._resolve_plan(None)
         source = (checkpoint.with_base(module, self.pretrained) if checkpoint is not None  # fine-tuning: + base
                   else None if self._gave_back_weights else self.pretrained)
         runtime = EngineRuntime(self.precision_plugin.dtypes, self.root_device, hooks=self.hooks, progress=self.progress)
+        # The module's own weights, mapped from a file: teardown maps them again instead of copying them back.
+        self._pre_fit = PreFitWeights(module).setup_done() if source is None else None
         self.engine = EvalEngine(module, self._rank_plan(), runtime, source=source)
         module._device = self.root_device  # as in setup(): the blocks must not move
         self.setup_precision_plugin()
