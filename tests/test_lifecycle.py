@@ -298,18 +298,15 @@ class FailAtStep(L.Callback):
             raise Boom(f"injected failure in step {self.step}")
 
 
-def test_step_failure_over_the_budget_starts_no_export(tmp_path):
+def test_step_failure_over_the_budget_starts_no_export(tmp_path, monkeypatch):
     events = []
     cgroup = tmp_path / "cgroup"
     _fake_cgroup(cgroup, limit_bytes=64 * 2**20, usage_bytes=64 * 2**20 - HEADROOM_BYTES)
-    os.environ["SNAKE_CGROUP_ROOT"] = str(cgroup)
-    try:
-        torch.manual_seed(0)
-        module = GPTModule(CFG)
-        with pytest.raises(Boom, match="injected failure in step 2"):
-            _fit(tmp_path, module=module, callbacks=[FailAtStep(2)], progress=Progress(listeners=[events.append]))
-    finally:
-        del os.environ["SNAKE_CGROUP_ROOT"]
+    monkeypatch.setenv("SNAKE_CGROUP_ROOT", str(cgroup))  # the automatic budget, which main did not read
+    torch.manual_seed(0)
+    module = GPTModule(CFG)
+    with pytest.raises(Boom, match="injected failure in step 2"):
+        _fit(tmp_path, module=module, callbacks=[FailAtStep(2)], progress=Progress(listeners=[events.append]))
     assert "export" not in {e.phase for e in events}
     assert not (tmp_path / "greedysnake-weights.safetensors").exists()
     with pytest.raises(ValueError, match="fit failed \\(Boom: injected failure in step 2\\).*multi-GB export"):
