@@ -396,3 +396,16 @@ def test_free_space_refusal_names_what_dead_runs_left(tmp_path):
             ssd.check_free_space(2**62, "weights")
     finally:
         ssd.close()
+
+
+def test_evaluation_plans_for_its_own_working_set(mapped_run):
+    """A budget below a training step's working set (optimizer chunk, gradient buffers) but above
+    evaluation's (streamed units, non-layer weights): validate plans a weights split and runs."""
+    _, reference, _, module, _ = mapped_run
+    val = _loader(8, 4)
+    strategy = snake_strategy.GreedySnakeStrategy(storage={"placement": "auto", "host_budget_bytes": 3 * 2**19})
+    loss = L.Trainer(strategy=strategy, **trainer_kwargs(limit_val_batches=2)).validate(module, val, verbose=False)
+    assert 0 < strategy.plan.storage.weights.ssd < 1
+    expected = L.Trainer(strategy=snake_strategy.GreedySnakeStrategy(),
+                         **trainer_kwargs(limit_val_batches=2)).validate(reference, val, verbose=False)
+    assert loss[0]["val_loss"] == expected[0]["val_loss"]

@@ -123,7 +123,7 @@ def resolve(module: nn.Module, optimizer: torch.optim.Optimizer | None, storage:
     reasons["kind"] = "given" if schedule.kind != "auto" else "vertical: one weight fetch per unit per pass"
     alpha = schedule.alpha if schedule.alpha is not None else choose_alpha(shape)
     reasons["alpha"] = "given" if schedule.alpha is not None else "the forward's share of the block compute"
-    storage, placed = _place(shape, hardware, storage, kind, alpha, budget)
+    storage, placed = _place(shape, hardware, storage, kind, alpha, budget, evaluating=optimizer is None)
     reasons.update(placed)
     if schedule.prefetch_depth is not None:
         depth, reasons["prefetch_depth"] = schedule.prefetch_depth, "given"
@@ -158,8 +158,10 @@ def prefetch_depth(storage: StorageConfig) -> tuple[int, str]:
 
 
 def _place(shape: ModelShape, hw: HardwareProfile, storage: StorageConfig, kind: str, alpha: float,
-           budget: int) -> tuple[StorageConfig, dict[str, str]]:
-    """(placed storage, reasons). States given explicitly keep their split."""
+           budget: int, evaluating: bool = False) -> tuple[StorageConfig, dict[str, str]]:
+    """(placed storage, reasons). States given explicitly keep their split. ``evaluating``: only the compute
+    weights are stored (no moments, gradients or optimizer working set): over the budget they all stream
+    from the SSD, which the evaluation engine checks against its own, smaller plan."""
     unset = storage.unset()
     given = {state: getattr(storage, state) for state in STATES if state not in unset}
     reasons = {state: "given" for state in given}
@@ -173,6 +175,16 @@ def _place(shape: ModelShape, hw: HardwareProfile, storage: StorageConfig, kind:
         reasons.update({s: f"host: the run needs {needed / 2**30:.2f} GiB of the {budget / 2**30:.2f} GiB budget"
                         for s in unset})
         return all_host, reasons
+    if evaluating:  # planner.plan sizes a training step's working set, which evaluation never holds
+        unit_bytes = shape.params_per_unit * shape.weight_bytes
+        weights_bytes = shape.num_units * unit_bytes
+        # What the host keeps besides a share of the weights: the streamed units (1 + prefetch 2), the non-layer ones.
+        free = budget - 3 * unit_bytes - (shape.nonlayer_params + shape.nonlayer_frozen_params) * shape.weight_bytes
+        host = max(0.0, min(1.0, int(100 * free / weights_bytes) / 100)) if weights_bytes else 1.0
+        split = TierSplit(host=host, ssd=round(1.0 - host, 2))
+        reasons.update({s: f"evaluation: the compute weights ({weights_bytes / 2**30:.2f} GiB), {host:.0%} of them "
+                           f"in the {budget / 2**30:.2f} GiB budget" for s in unset})
+        return dataclasses.replace(storage, placement="manual", **{s: given.get(s, split) for s in STATES}), reasons
     chosen = plan(shape, hw, budget, kind, storage.ssd_dir)  # raises when not even the working set fits
     placed = dataclasses.replace(storage, placement="manual",
                                  **{s: given.get(s, getattr(chosen.storage, s)) for s in STATES})
