@@ -409,3 +409,24 @@ def test_evaluation_plans_for_its_own_working_set(mapped_run):
     expected = L.Trainer(strategy=snake_strategy.GreedySnakeStrategy(),
                          **trainer_kwargs(limit_val_batches=2)).validate(reference, val, verbose=False)
     assert loss[0]["val_loss"] == expected[0]["val_loss"]
+
+
+@pytest.mark.slow  # a LoRA fit of a 32-unit model
+def test_peft_save_pretrained_after_a_mapped_fit(tmp_path):
+    peft = pytest.importorskip("peft")
+    from safetensors.torch import load_file
+
+    torch.manual_seed(0)
+    module = GPTModule(CFG)
+    module.configure_model()
+    peft_model = peft.get_peft_model(module, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["qkv", "attn_out"],
+                                                             lora_dropout=0.0))
+    _fit(tmp_path, module=module, budget=BUDGET_BYTES)  # 6.4 MB of base weights + adapters over 3 MiB
+    assert mapped_parameters(module)
+    peft_model.save_pretrained(str(tmp_path / "adapter"))  # safetensors: views of one map, none overlapping
+    saved = load_file(str(tmp_path / "adapter" / "adapter_model.safetensors"))
+    adapters = {f"base_model.model.{n.replace('.default', '')}": p for n, p in module.named_parameters()
+                if "lora_" in n}
+    assert adapters and saved.keys() == adapters.keys()
+    for key, value in adapters.items():
+        assert torch.equal(saved[key], value.detach()), key
