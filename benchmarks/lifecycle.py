@@ -2,7 +2,7 @@
 setup, N steps, a checkpoint, SIGKILL during the next step, resume, finish, validate, export_hf.
 
     python benchmarks/lifecycle.py --preset small --memory-limit-gib 4              # every phase, minutes
-    python benchmarks/lifecycle.py --preset gpt_4b --memory-limit-gib 16 --phases end_of_fit --steps 1
+    python benchmarks/lifecycle.py --preset gpt_4b --memory-limit-gib 16 --host-budget-gib 15 --phases end_of_fit --steps 1
 
 Phases (``--phases``, comma-separated):
 
