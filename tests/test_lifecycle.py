@@ -398,6 +398,7 @@ def test_free_space_refusal_names_what_dead_runs_left(tmp_path):
         ssd.close()
 
 
+@pytest.mark.slow  # two validations of a 32-unit model
 def test_evaluation_plans_for_its_own_working_set(mapped_run):
     """A budget below a training step's working set (optimizer chunk, gradient buffers) but above
     evaluation's (streamed units, non-layer weights): validate plans a weights split and runs."""
