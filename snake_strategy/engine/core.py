@@ -20,6 +20,7 @@ from torch import Tensor, nn
 from snake_strategy.activations import ActivationStore
 from snake_strategy.config import ScheduleConfig, StorageConfig
 from snake_strategy.contract import batch_size, batch_tensors, check_contract, slice_batch, split_micro_batches, unpack_pre_stage
+from snake_strategy.engine.batch_check import batching_tolerance
 from snake_strategy.engine.build import build_model, check_trainable
 from snake_strategy.engine.gradients import GradientPath, defers_whole_units
 from snake_strategy.engine.half_weights import WeightFormat
@@ -144,6 +145,12 @@ class SnakeEngine:
                                  self.gradients, self.trace, self.device, self.dtypes.autocast,
                                  KeptGraphs.for_schedule(s, self.device), lambda ckpt: None if self.planned_budget_bytes
                                  is None else self.planned_budget_bytes - sum(self.host_bytes_plan(ckpt).values()))
+        if s.batched_forward or s.batched_backward:
+            declared = getattr(self.module, "independent_samples", False)
+            settings = (f"schedule.batched_forward={s.batched_forward}, batched_backward={s.batched_backward}"
+                        + (" (the planner's choice: the module declares independent_samples=True)" if declared else ""))
+            self.runner.unverified_batching = (settings, batching_tolerance(self.dtypes.compute, self.dtypes.autocast,
+                                                                            self.device))
         self._tasks: dict[int, list] = {}
         self._frozen_crc: dict[str, Any] | None = None
         self._backward_planned = False
