@@ -231,6 +231,9 @@ class SnakeEngine:
         micro-batches plain Lightning with ``accumulate_grad_batches`` would see."""
         num_micro = self.schedule.num_micro_batches
         size = batch_size(batch)
+        if size == 0:
+            raise ValueError("a batch of 0 samples has no micro-batches to train on; remove empty batches from "
+                             "the DataLoader")
         if self.global_batch_size is None:
             self.global_batch_size = size  # the first batch defines it, unless the strategy set it
         full = self.global_batch_size
