@@ -27,7 +27,7 @@ from typing_extensions import override
 from snake_strategy.checkpoint import shards as checkpoint_shards, store as checkpoint_store
 from snake_strategy.checkpoint.consolidate import CheckpointWeights
 from snake_strategy.config import ScheduleConfig, StorageConfig, coerce_config
-from snake_strategy.contract import batch_size, check_contract, check_outputs_on_meta, split_micro_batches
+from snake_strategy.contract import check_contract, check_not_empty, check_outputs_on_meta
 from snake_strategy.distributed import DataParallelMixin, build_engine, check_rank_loader, rank_storage, sync_initial_state
 from snake_strategy.engine import EngineHooks, EngineRuntime, EvalEngine, SnakeEngine
 from snake_strategy.module import LayeredModule
@@ -175,15 +175,8 @@ class GreedySnakeStrategy(DataParallelMixin, ParallelStrategy):
             raise ValueError(f"strategy='greedysnake' needs exactly one optimizer; configure_optimizers "
                              f"returned {len(self.optimizers)}")
         self._resolve_plan(self.optimizers[0])
-        batch = example_batch(trainer)  # from a map-style train loader (nothing iterated), else None
-        if batch is not None:
-            try:
-                micro = split_micro_batches(batch, self.schedule.num_micro_batches)[0]
-            except ValueError:
-                micro = None  # a batch that never splits: refused before step 1 by the check that names it
-            if micro is not None:
-                # pre_stage's and the blocks' return types, on meta: refused before any weight is materialized
-                check_outputs_on_meta(module, micro)
+        batch = example_batch(trainer)  # map-style loader (nothing iterated): for the check and the floor at setup
+        check_outputs_on_meta(module, batch, self.schedule.num_micro_batches)  # before any weight exists
         # Once a run gave its weights back, they are the module's weights: pretrained= was the starting point.
         pretrained = None if self._gave_back_weights else self.pretrained
         runtime = EngineRuntime(self.precision_plugin.dtypes, self.root_device, clip=clip,
@@ -201,7 +194,6 @@ class GreedySnakeStrategy(DataParallelMixin, ParallelStrategy):
         self.engine.trace.enabled = self.trace_path is not None
         self._predicted_at_step_one = False
         with contextlib.suppress(ValueError):  # a batch the run refuses: that refusal comes with its own check
-            # the floor at setup; refined at step 1 (kept graphs, checkpoints)
             self.prediction = self._predict(batch, at_setup=True) if batch is not None else None
         # Lightning's strategies set the device through module.to(); the blocks must not move, so set the
         # attribute LightningModule.device reads, as model_to_device would have.
@@ -338,16 +330,7 @@ class GreedySnakeStrategy(DataParallelMixin, ParallelStrategy):
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Tensor:
         batch = args[0] if args else kwargs["batch"]
-        if batch_size(batch) == 0:
-            # Refused, not skipped: a skipped step would leave global_step, LR schedules and checkpoint
-            # cadence off by one against the loader (and, with several ranks, the others waiting in a
-            # collective). The engine has not touched this step yet: checkpoints saved so far are intact.
-            batch_idx = args[1] if len(args) > 1 else kwargs.get("batch_idx")
-            trainer = self.lightning_module.trainer
-            raise ValueError(f"training batch {batch_idx} of epoch {trainer.current_epoch} holds 0 samples; "
-                             "strategy='greedysnake' cannot take an optimizer step on an empty batch. Remove empty "
-                             "batches in the DataLoader (a filtering collate_fn or sampler), or set drop_last=True "
-                             "when a last partial batch comes out empty")
+        check_not_empty(batch, args[1] if len(args) > 1 else kwargs.get("batch_idx"), self.lightning_module)
         loss = self.engine.train_step(batch)
         if not self._predicted_at_step_one:  # with what the first step measured (kept graphs, checkpoints)
             self._predicted_at_step_one = True
