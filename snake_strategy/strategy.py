@@ -27,7 +27,7 @@ from typing_extensions import override
 from snake_strategy.checkpoint import shards as checkpoint_shards, store as checkpoint_store
 from snake_strategy.checkpoint.consolidate import CheckpointWeights
 from snake_strategy.config import ScheduleConfig, StorageConfig, coerce_config
-from snake_strategy.contract import check_contract
+from snake_strategy.contract import check_contract, check_not_empty, check_outputs_on_meta
 from snake_strategy.distributed import DataParallelMixin, build_engine, check_rank_loader, rank_storage, sync_initial_state
 from snake_strategy.engine import EngineHooks, EngineRuntime, EvalEngine, SnakeEngine
 from snake_strategy.module import LayeredModule
@@ -175,6 +175,8 @@ class GreedySnakeStrategy(DataParallelMixin, ParallelStrategy):
             raise ValueError(f"strategy='greedysnake' needs exactly one optimizer; configure_optimizers "
                              f"returned {len(self.optimizers)}")
         self._resolve_plan(self.optimizers[0])
+        batch = example_batch(trainer)  # map-style loader (nothing iterated): for the check and the floor at setup
+        check_outputs_on_meta(module, batch, self.schedule.num_micro_batches)  # before any weight exists
         # Once a run gave its weights back, they are the module's weights: pretrained= was the starting point.
         pretrained = None if self._gave_back_weights else self.pretrained
         runtime = EngineRuntime(self.precision_plugin.dtypes, self.root_device, clip=clip,
@@ -192,7 +194,6 @@ class GreedySnakeStrategy(DataParallelMixin, ParallelStrategy):
         self.engine.trace.enabled = self.trace_path is not None
         self._predicted_at_step_one = False
         with contextlib.suppress(ValueError):  # a batch the run refuses: that refusal comes with its own check
-            batch = example_batch(trainer)  # the floor at setup; refined at step 1 (kept graphs, checkpoints)
             self.prediction = self._predict(batch, at_setup=True) if batch is not None else None
         # Lightning's strategies set the device through module.to(); the blocks must not move, so set the
         # attribute LightningModule.device reads, as model_to_device would have.
@@ -329,6 +330,7 @@ class GreedySnakeStrategy(DataParallelMixin, ParallelStrategy):
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Tensor:
         batch = args[0] if args else kwargs["batch"]
+        check_not_empty(batch, args[1] if len(args) > 1 else kwargs.get("batch_idx"), self.lightning_module)
         loss = self.engine.train_step(batch)
         if not self._predicted_at_step_one:  # with what the first step measured (kept graphs, checkpoints)
             self._predicted_at_step_one = True

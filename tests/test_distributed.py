@@ -3,8 +3,9 @@ micro-batches over the same global batches, through Lightning's own launcher (th
 re-run for rank 1) and through torchrun with two "nodes" on this machine.
 
 Each run is ``tests/dp_worker.py CONFIG.json`` in a subprocess; every rank writes its final parameters,
-per-step stats, reduction records and task list. The default suite runs one 2-rank comparison and the
-input checks; the rest is ``--runslow``.
+per-step stats, reduction records and task list. The default suite runs three 2-rank comparisons
+(vertical on the SSD, partitioned norm clipping, replicated moments) and the input checks; the rest is
+``--runslow``.
 """
 from __future__ import annotations
 
@@ -117,10 +118,16 @@ def test_two_ranks_equal_one_rank_vertical_ssd_alpha(tmp_path):
         == one[0]["stats"][-1]["ssd_plan"]["optimizer_moments"]
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("kind,clip,shard", [("horizontal", None, True), ("vertical", 0.05, True),
-                                             ("horizontal", 0.05, True), ("vertical", None, False),
-                                             ("vertical", 0.05, False)])
+def _slow(*values):
+    return pytest.param(*values, marks=pytest.mark.slow)
+
+
+# In the default run (about 20 s each): partitioned norm clipping (a dropped all-reduce of the shard norms
+# changes the clip factor) and replicated moments (a gradient never summed across ranks changes every
+# update). The other combinations are --runslow.
+@pytest.mark.parametrize("kind,clip,shard", [_slow("horizontal", None, True), ("vertical", 0.05, True),
+                                             _slow("horizontal", 0.05, True), ("vertical", None, False),
+                                             _slow("vertical", 0.05, False)])
 def test_two_ranks_equal_one_rank_variants(tmp_path, kind, clip, shard):
     common = dict(steps=3, kind=kind, alpha=0.25, clip=clip, storage=SSD, shard=shard)
     one = run_worker(tmp_path, "one", world=1, micro=4, **common)
