@@ -121,19 +121,20 @@ def _merge_layer(path: str, layer: nn.Module, parts: dict[str, Tensor]) -> Itera
         yield f"{path}.{name}", value
 
 
-def export_merged_hf(model: Any, out_dir: str | os.PathLike, *, dtype: torch.dtype = torch.float32,
+def export_merged_hf(model: Any, out_dir: str | os.PathLike, *, dtype: torch.dtype | None = None,
                      max_shard_bytes: int = 5 * 2**30, progress: Any = None) -> list[str]:
     """Write the LoRA-merged model as a HF directory (``config.json`` + sharded safetensors) that
     ``AutoModelForCausalLM.from_pretrained`` loads, streamed one unit at a time: during fit (weights in
     the engine's tiers) or after it. ``model``: the peft model or the ``HFCausalLM`` it wraps.
-    Returns the weight files written."""
-    from snake_strategy.hf import HFCausalLM, export_hf  # the optional [hf] extra
+    Returns the weight files written. ``dtype``: of the files; None keeps the master dtype (``hf.master_dtype``).
+    """
+    from snake_strategy.hf import HFCausalLM, export_hf, master_dtype  # the optional [hf] extra
 
     module = model.base_model.model if hasattr(model, "base_model") and hasattr(model, "peft_config") else model
     if not isinstance(module, HFCausalLM):
         raise ValueError("export_merged_hf expects peft.get_peft_model(<HFCausalLM>, config) or that HFCausalLM; "
                          f"got {type(module).__name__}")
-    return export_hf(merged_weights(module), out_dir, config=module.hf_config, dtype=dtype,
+    return export_hf(merged_weights(module), out_dir, config=module.hf_config, dtype=dtype or master_dtype(module),
                      max_shard_bytes=max_shard_bytes, progress=progress)
 
 

@@ -361,6 +361,40 @@ def test_checkpoint_cli_exports_hf_directory(tmp_path):
         snake_checkpoint.main([str(ckpt), str(tmp_path / "x.ckpt"), "--dtype", "float32"])
 
 
+def test_export_defaults_to_the_master_dtype(tmp_path):
+    """An fp64 run exported without dtype= (inside fit, after it, from a state dict, from a stream) loads
+    back with from_pretrained as the identical fp64 tensors, as the checkpoint CLI's default does."""
+    hf_model("llama").save_pretrained(tmp_path / "start")
+    rec = ParamRecorder(only_last=True)
+
+    class ExportInsideFit(L.Callback):
+        def on_train_end(self, trainer, pl_module):
+            export_hf(pl_module, tmp_path / "in_run")
+
+    strategy = snake_strategy.GreedySnakeStrategy(storage={"weights": "ssd", "ssd_dir": str(tmp_path / "ssd")},
+                                                  schedule={"num_micro_batches": MICRO})
+    trainer = L.Trainer(strategy=strategy, precision="64-true", max_steps=STEPS, callbacks=[rec, ExportInsideFit()],
+                        **trainer_kwargs())
+    module = HFCausalLM(tmp_path / "start", learning_rate=1e-2)
+    trainer.fit(module, DataLoader(Samples(batches(STEPS * MICRO, MICRO_SIZE)), batch_size=MICRO * MICRO_SIZE))
+    trained = rec.states[-1]
+    export_hf(module, tmp_path / "after")
+    export_hf(dict(trained), tmp_path / "state", config=module.hf_config)
+    export_hf(iter(list(trained.items())), tmp_path / "stream", config=module.hf_config)
+    for out in ("in_run", "after", "state", "stream"):
+        back = AutoModelForCausalLM.from_pretrained(tmp_path / out, dtype="auto")
+        assert back.config.dtype == torch.float64, out
+        assert back.state_dict().keys() == trained.keys()
+        for name, value in trained.items():
+            assert back.state_dict()[name].dtype == torch.float64 and torch.equal(back.state_dict()[name], value), \
+                (out, name)
+    # fp32 weights stay fp32; dtype= still rounds on request.
+    export_hf({k: v.float() for k, v in trained.items()}, tmp_path / "f32", config=module.hf_config)
+    assert AutoModelForCausalLM.from_pretrained(tmp_path / "f32", dtype="auto").model.norm.weight.dtype == torch.float32
+    export_hf(module, tmp_path / "bf16", dtype=torch.bfloat16)
+    assert AutoModelForCausalLM.from_pretrained(tmp_path / "bf16", dtype="auto").model.norm.weight.dtype == torch.bfloat16
+
+
 class GeneratingLM(HFCausalLM):
     def predict_step(self, batch, batch_idx):
         return self.generate(batch["input_ids"][:, :4], max_new_tokens=3)
