@@ -152,6 +152,11 @@ class HFCausalLM(LayeredModule):
         learning_rate, weight_decay, betas, eps: ``torch.optim.AdamW`` settings (one group).
         attn_implementation: "sdpa" or "eager" (both take the materialized masks of the side inputs).
         path: a local model directory, the same as passing it as ``config`` (for Hydra's ``model.path=``).
+        generate_in_predict: keyword arguments of ``generate`` (``max_new_tokens`` required; ``eos_token_id``,
+            ``pad_token_id``): ``trainer.predict`` then returns generated tokens (prompt + new tokens, the
+            tensor ``generate`` returns) for each batch's ``input_ids`` and ``attention_mask`` (left-padded
+            prompts), under greedysnake as under plain strategies. None (the default): ``predict_step``
+            returns the logits.
 
     Batches: dicts with ``input_ids``, optional ``attention_mask`` (1 = token, 0 = padding; right
     padding) and optional ``labels`` (-100 ignored; without labels, ``input_ids`` with padding set to
@@ -173,7 +178,8 @@ class HFCausalLM(LayeredModule):
 
     def __init__(self, config: PretrainedConfig | Mapping[str, Any] | str | os.PathLike | None = None,
                  learning_rate: float = 1e-4, weight_decay: float = 0.0, betas: tuple[float, float] = (0.9, 0.999),
-                 eps: float = 1e-8, attn_implementation: str = "sdpa", path: str | os.PathLike | None = None) -> None:
+                 eps: float = 1e-8, attn_implementation: str = "sdpa", path: str | os.PathLike | None = None,
+                 generate_in_predict: Mapping[str, Any] | None = None) -> None:
         super().__init__()
         if (config is None) == (path is None):
             raise ValueError("HFCausalLM needs exactly one of config=<PretrainedConfig or dict> or path=<local model "
@@ -186,10 +192,12 @@ class HFCausalLM(LayeredModule):
         self.family = family_of(self.hf_config)
         self.attn_implementation = attn_implementation
         self.learning_rate, self.weight_decay, self.betas, self.eps = learning_rate, weight_decay, tuple(betas), eps
+        self.generate_in_predict = _generation_kwargs(generate_in_predict)
         # A dict config keeps load_from_checkpoint working; the weights come from the checkpoint then.
         self.save_hyperparameters({"config": self.hf_config.to_dict(), "learning_rate": learning_rate,
                                    "weight_decay": weight_decay, "betas": list(betas), "eps": eps,
-                                   "attn_implementation": attn_implementation})
+                                   "attn_implementation": attn_implementation,
+                                   "generate_in_predict": self.generate_in_predict})
 
     # ------------------------------------------------------------------ building
     @property
@@ -345,6 +353,13 @@ class HFCausalLM(LayeredModule):
                                  weight_decay=self.weight_decay)
 
     # ------------------------------------------------------------------ inference
+    def predict_step(self, batch: Any, batch_idx: int) -> Tensor:
+        """The logits, or with ``generate_in_predict`` the generated tokens of the batch's prompts."""
+        if self.generate_in_predict is None:
+            return super().predict_step(batch, batch_idx)
+        input_ids, attention_mask = self._inputs(batch)
+        return self.generate(input_ids, attention_mask=attention_mask, **self.generate_in_predict)
+
     def generate(self, input_ids: Tensor, max_new_tokens: int, attention_mask: Tensor | None = None,
                  eos_token_id: int | list[int] | None = None, pad_token_id: int | None = None) -> Tensor:
         """Greedy decoding with a KV cache in host memory, the tokens of transformers'
@@ -352,6 +367,20 @@ class HFCausalLM(LayeredModule):
         (``eos_token_id``/``pad_token_id`` default to the config's; ``eos_token_id=[]`` never stops).
         Under greedysnake each generated token streams every unit's weights once. See generation.py."""
         return greedy_generate(self, input_ids, max_new_tokens, attention_mask, eos_token_id, pad_token_id)
+
+
+def _generation_kwargs(given: Mapping[str, Any] | None) -> dict[str, Any] | None:
+    if given is None:
+        return None
+    if not isinstance(given, Mapping):
+        raise ValueError(f"generate_in_predict must be a dict of generate() arguments, e.g. {{'max_new_tokens': 32}}; "
+                         f"got {given!r}")
+    allowed = ("max_new_tokens", "eos_token_id", "pad_token_id")
+    unknown = sorted(set(given) - set(allowed))
+    if unknown or "max_new_tokens" not in given:
+        raise ValueError(f"generate_in_predict={dict(given)!r}: it takes {allowed} (max_new_tokens required)"
+                         + (f"; unknown: {unknown}" if unknown else ""))
+    return dict(given)
 
 
 # ---------------------------------------------------------------------- export
