@@ -26,7 +26,8 @@ from typing_extensions import override
 from snake_strategy.autoplan import RunPlan, example_batch, first_prediction, resolve
 from snake_strategy.config import ScheduleConfig, StorageConfig, coerce_config
 from snake_strategy.contract import check_contract
-from snake_strategy.distributed import DataParallelMixin, build_engine, check_rank_loader, rank_storage, sync_initial_state
+from snake_strategy.distributed import (DataParallelMixin, build_engine, check_rank_loader, rank_storage,
+                                        remove_empty_dirs, sync_initial_state)
 from snake_strategy.engine import EngineHooks, SnakeEngine
 from snake_strategy.engine.evaluation import EvalEngine
 from snake_strategy.storage.counters import traffic_delta
@@ -106,6 +107,7 @@ class GreedySnakeStrategy(DataParallelMixin, ParallelStrategy):
         self._eval_start: dict | None = None
         self._eval_checkpoint: CheckpointWeights | None = None  # ckpt_path of an eval stage
         self._gave_back_weights = False  # the module holds the weights a run of this strategy gave back
+        self._created_ssd_dirs: list[str] = []  # several ranks: the shared ssd_dir root (and parents) this run made
         self.progress = progress if isinstance(progress, Progress) else Progress(log=progress)
         self.trace_path = None if trace_path is None else check_trace_path(trace_path)  # refused now, not at the end
         super().__init__(accelerator=accelerator, cluster_environment=cluster_environment,
@@ -178,7 +180,7 @@ class GreedySnakeStrategy(DataParallelMixin, ParallelStrategy):
         self._resolve_plan(self.optimizers[0])
         # Once a run gave its weights back, they are the module's weights: pretrained= was the starting point.
         pretrained = None if self._gave_back_weights else self.pretrained
-        self.engine = build_engine(lambda: SnakeEngine(  # several ranks: layouts checked, one failure stops all
+        self.engine, self._created_ssd_dirs = build_engine(lambda: SnakeEngine(  # several ranks: layouts checked, one failure stops all
             module, self.optimizers[0], self._rank_storage(), self.schedule, self.precision_plugin.dtypes,
             self.root_device, clip=clip, pretrained=pretrained, scaler=self.precision_plugin.make_scaler(),
             hooks=self.hooks, progress=self.progress, world_size=self.world_size, rank=self.global_rank,
@@ -293,7 +295,12 @@ class GreedySnakeStrategy(DataParallelMixin, ParallelStrategy):
                 engine.flush()
                 self._give_back_weights(engine)
             finally:
-                engine.close()  # releases files and locks even when the flush failed; re-raises
+                try:
+                    engine.close()  # releases files and locks even when the flush failed; re-raises
+                finally:
+                    # Several ranks: the shared ssd_dir root this run created (each engine removed its rank's).
+                    created, self._created_ssd_dirs = self._created_ssd_dirs, []
+                    remove_empty_dirs(created)
         self.precision_plugin.teardown()
         if self.cluster_environment is not None:
             self.cluster_environment.teardown()

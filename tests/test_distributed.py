@@ -69,7 +69,9 @@ def _check_ranks_agree(ranks: dict) -> None:
 def test_two_ranks_equal_one_rank_vertical_ssd_alpha(tmp_path):
     common = dict(steps=3, kind="vertical", alpha=0.25, storage={**SSD, "ssd_dir": str(tmp_path / "ssd")})
     one = run_worker(tmp_path, "one", world=1, micro=4, **common)
+    assert not (tmp_path / "ssd").exists()  # the ssd_dir the run created is removed ...
     two = run_worker(tmp_path, "two", world=2, micro=2, **common)
+    assert not (tmp_path / "ssd").exists()  # ... by two ranks as by one process (rank dirs and their root)
     _check_ranks_agree(two)
     assert max_abs_diff(one[0]["state"], two[0]["state"]) < 1e-10
     assert two[0]["world_size"] == 2 and two[0]["sampler"] == "DistributedSampler"
@@ -124,7 +126,9 @@ def test_two_ranks_equal_one_rank_vertical_ssd_alpha(tmp_path):
 def test_two_ranks_equal_one_rank_variants(tmp_path, kind, clip, shard):
     common = dict(steps=3, kind=kind, alpha=0.25, clip=clip, storage=SSD, shard=shard)
     one = run_worker(tmp_path, "one", world=1, micro=4, **common)
+    assert not (tmp_path / "ssd").exists()  # the ssd_dir the run created is removed ...
     two = run_worker(tmp_path, "two", world=2, micro=2, **common)
+    assert not (tmp_path / "ssd").exists()  # ... by two ranks as by one process (rank dirs and their root)
     _check_ranks_agree(two)
     assert max_abs_diff(one[0]["state"], two[0]["state"]) < 1e-10
     kinds = {r["kind"] for r in two[0]["stats"][-1]["reductions"] if r["unit"] >= 0}
@@ -141,7 +145,9 @@ def test_two_ranks_fp32_with_validation(tmp_path):
     train_loss synced across ranks (sync_dist) equals one process's."""
     common = dict(steps=2, kind="vertical", alpha=0.25, precision="32-true", storage=SSD, val=True)
     one = run_worker(tmp_path, "one", world=1, micro=4, **common)
+    assert not (tmp_path / "ssd").exists()  # the ssd_dir the run created is removed ...
     two = run_worker(tmp_path, "two", world=2, micro=2, **common)
+    assert not (tmp_path / "ssd").exists()  # ... by two ranks as by one process (rank dirs and their root)
     _check_ranks_agree(two)
     for key in one[0]["state"]:
         torch.testing.assert_close(two[0]["state"][key], one[0]["state"][key], rtol=1e-5, atol=1e-5)
