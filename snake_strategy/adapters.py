@@ -138,6 +138,13 @@ def export_merged_hf(model: Any, out_dir: str | os.PathLike, *, dtype: torch.dty
                      max_shard_bytes=max_shard_bytes, progress=progress)
 
 
+def adapter_parameter_ids(module: nn.Module) -> set[int]:
+    """``id`` of every peft adapter parameter in ``module`` (``lora_A``, ``lora_B``, ... of its LoRA layers):
+    the parameters a base model's weights do not hold."""
+    return {id(p) for layer in module.modules() if _is_lora_layer(layer)
+            for name in layer.adapter_layer_names for p in getattr(layer, name).parameters()}
+
+
 def _is_lora_layer(module: nn.Module) -> bool:
     return hasattr(module, "reset_lora_parameters") and hasattr(module, "lora_A")
 
@@ -157,10 +164,8 @@ def adapter_initializer(root: nn.Module) -> Callable[[nn.Module], None] | None:
             return
         for adapter in list(module.lora_A.keys()) + list(module.lora_embedding_A.keys()):
             how = getattr(configs.get(adapter), "init_lora_weights", True)
-            if not (how is True or how is False or (isinstance(how, str) and how.lower() == "gaussian")):
-                raise ValueError(f"LoraConfig(init_lora_weights={how!r}) computes the adapter '{adapter}' from the "
-                                 "base weights, which a model built on the meta device does not hold: build the base "
-                                 "model for real before get_peft_model, or use init_lora_weights=True or 'gaussian'")
+            if _needs_base(how):
+                raise _needs_base_error(how, f"the adapter '{adapter}'")
             if how is False:  # peft keeps the nn.Linear constructors' init
                 for name in ("lora_A", "lora_B"):
                     getattr(module, name)[adapter].reset_parameters()
@@ -168,6 +173,39 @@ def adapter_initializer(root: nn.Module) -> Callable[[nn.Module], None] | None:
                 module.reset_lora_parameters(adapter, how)
 
     return init
+
+
+def _needs_base(how: Any) -> bool:
+    """Whether ``init_lora_weights=how`` derives the adapter from the base weights (PiSSA, OLoRA, LoftQ, ...)."""
+    return not (how is True or how is False or (isinstance(how, str) and how.lower() == "gaussian"))
+
+
+def _needs_base_error(how: Any, what: str) -> ValueError:
+    return ValueError(f"LoraConfig(init_lora_weights={how!r}) computes {what} from the base weights, which a model "
+                      "built on the meta device does not hold: build the base model for real before get_peft_model "
+                      "(HFCausalLM: call module.configure_model() first, which loads the directory's weights on the "
+                      "CPU), or use init_lora_weights=True or 'gaussian'")
+
+
+def get_peft_model(module: nn.Module, config: Any, **kwargs: Any) -> Any:
+    """``peft.get_peft_model(module, config, **kwargs)``, also for a module whose base is on the meta device
+    (``HFCausalLM(dir)`` before ``configure_model``, or a model built under ``torch.device("meta")``).
+
+    peft's own call fails there for inits that derive the adapter from the base weights (PiSSA, OLoRA:
+    ``RuntimeError: Attempted to call variable.set_data(tensor), but variable and tensor have
+    incompatible tensor type`` from inside peft, which names neither the init nor the fix; no code of this
+    project runs inside that call, so it cannot be caught there); this one refuses every init other than
+    True, False and "gaussian" on a meta base before peft runs, with the ValueError the engine raises for
+    them (``adapter_initializer``). Other inits behave as with peft: the engine initialises the meta
+    adapters as peft does.
+    """
+    import peft  # an optional dependency: only this function needs it
+
+    meta = any(p.is_meta for p in module.parameters())
+    how = getattr(config, "init_lora_weights", True)
+    if meta and _needs_base(how):
+        raise _needs_base_error(how, "the adapters")
+    return peft.get_peft_model(module, config, **kwargs)
 
 
 def fresh_adapter_values(block: nn.Module, init: Callable[[nn.Module], None]) -> dict[str, Tensor]:

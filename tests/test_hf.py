@@ -196,6 +196,53 @@ def test_hf_directory_errors(tmp_path):
         HFCausalLM({"model_type": "bert"})
 
 
+def test_checkpoint_with_more_layers_than_the_config_is_refused(tmp_path):
+    """A config with fewer layers than the checkpoint (transformers lists the rest as UNEXPECTED) is refused
+    naming the unexpected keys, under plain strategies and greedysnake, before any unit is built; with
+    ignore_unexpected_keys=True the model trains on the layers it has, as plain Lightning does."""
+    import shutil
+
+    hf = hf_model("llama")  # 3 layers
+    hf.save_pretrained(tmp_path / "start")
+    shutil.copytree(tmp_path / "start", tmp_path / "two")
+    config = json.loads((tmp_path / "two" / "config.json").read_text())
+    (tmp_path / "two" / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 2}))
+    loader = DataLoader(Samples(batches(STEPS * MICRO, MICRO_SIZE)), batch_size=MICRO * MICRO_SIZE)
+    unexpected = r"has no parameter for: model\.layers\.2\.input_layernorm\.weight, .*ignore_unexpected_keys=True"
+    with pytest.raises(ValueError, match=unexpected):
+        built(tmp_path / "two")  # plain: the directory's config.json says 2 layers
+    two_layers = tiny_config("llama")
+    two_layers.num_hidden_layers = 2
+    for module in (HFCausalLM(tmp_path / "two"), HFCausalLM(two_layers)):
+        strategy = snake_strategy.GreedySnakeStrategy(pretrained=str(tmp_path / "start"),
+                                                      storage={"weights": "host"}, schedule={"num_micro_batches": MICRO})
+        trainer = L.Trainer(strategy=strategy, precision="64-true", max_steps=1, **trainer_kwargs())
+        with pytest.raises(ValueError, match=unexpected):
+            trainer.fit(module, loader)
+        assert trainer.global_step == 0
+
+    kept = HFCausalLM(tmp_path / "two", ignore_unexpected_keys=True)
+    kept.configure_model()  # plain: loads the two layers it has
+    for name, p in kept.named_parameters():
+        assert torch.equal(p, hf.state_dict()[name]), name
+
+    def fit(strategy, batch_size, accumulate):
+        rec = ParamRecorder(only_last=True)
+        trainer = L.Trainer(strategy=strategy, precision="64-true", max_steps=STEPS, accumulate_grad_batches=accumulate,
+                            callbacks=[rec], **trainer_kwargs())
+        trainer.fit(HFCausalLM(tmp_path / "two", learning_rate=1e-2, ignore_unexpected_keys=True),
+                    DataLoader(Samples(batches(STEPS * MICRO, MICRO_SIZE)), batch_size=batch_size))
+        return rec.states[-1]
+
+    expected = fit("auto", MICRO_SIZE, MICRO)
+    got = fit(snake_strategy.GreedySnakeStrategy(storage={"weights": "host"},
+                                                 schedule={"kind": "vertical", "num_micro_batches": MICRO}),
+              MICRO_SIZE * MICRO, 1)
+    assert got.keys() == expected.keys() and not any(".layers.2." in n for n in got)
+    for name in got:
+        torch.testing.assert_close(got[name], expected[name], rtol=0, atol=1e-10, msg=name)
+
+
 # ---------------------------------------------------------------------- safetensors out
 @pytest.mark.parametrize("family", FAMILIES)
 def test_export_round_trip(family, tmp_path):

@@ -83,6 +83,8 @@ class EvalEngine:
         if isinstance(source, (str, os.PathLike)):
             source = PretrainedSource(source)
         try:
+            if isinstance(source, PretrainedSource):
+                source.check_unexpected(module)  # names only: refused before any unit is built
             if storage.weights.ssd > 0:  # only the weights are stored: the other states' shares do not matter
                 self.ssd = SsdDirectory(storage.ssd_dir, storage.use_o_direct, storage.keep_ssd_files)
                 self.io = IOEngine(storage.num_io_threads, before_transfer=self.hooks.before_ssd_transfer)
