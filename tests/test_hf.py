@@ -328,6 +328,11 @@ def test_hydra_model_configs_instantiate(tmp_path):
         assert isinstance(module, HFCausalLM) and module.hf_config.model_type == "llama"
         module.configure_model()
         assert module({"input_ids": torch.zeros(1, 4, dtype=torch.long)}).shape[-1] == module.hf_config.vocab_size
+        with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):  # the options, without `+`
+            cfg = compose("train", overrides=overrides + ["data.context_len=16", "model.ignore_unexpected_keys=true",
+                                                          "model.generate_in_predict={max_new_tokens: 3}"])
+        module = instantiate(cfg.model, _convert_="all")
+        assert module.ignore_unexpected_keys and module.generate_in_predict == {"max_new_tokens": 3}
     with pytest.raises(ValueError, match="exactly one of"):
         HFCausalLM()
 
