@@ -225,6 +225,10 @@ class HFCausalLM(LayeredModule):
         """The module structure with every parameter on the meta device, as ``from_pretrained`` builds it
         before loading: names, shapes and modules exist (``get_peft_model`` can wrap them), no weight is
         allocated and no random number drawn. ``configure_model`` materializes it or leaves it to the strategy."""
+        # from_config builds in the config's dtype when it names one (a saved directory's config.json does),
+        # else in the default dtype: configure_model applies the same rule in its own context.
+        dtype = self.hf_config.dtype
+        self._config_dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
         # Always construct on meta: HF's constructors would otherwise draw (and waste) random numbers.
         with torch.device("meta"):
             hf = AutoModelForCausalLM.from_config(self.hf_config, attn_implementation=self.attn_implementation)
@@ -260,9 +264,10 @@ class HFCausalLM(LayeredModule):
         weights in itself). Idempotent: Lightning and the strategy may both call it."""
         if not any(p.is_meta for p in self.parameters()):
             return  # already materialized (a second call, or weights given back after a fit)
-        dtype = torch.get_default_dtype()
-        # Meta tensors change dtype for free: the structure follows the precision plugin's context, as a
-        # build inside configure_model would. Parameters only (the rotary inv_freq stays as HF computes it).
+        dtype = self._config_dtype or torch.get_default_dtype()
+        # Meta tensors change dtype for free: the structure takes the dtype a build inside configure_model
+        # would (transformers' rule: the config's, else the precision plugin's default). Parameters only (the
+        # rotary inv_freq stays as HF computes it).
         for module in self.modules():
             for name, p in list(module.named_parameters(recurse=False)):
                 if p.is_meta and p.is_floating_point() and p.dtype != dtype:
