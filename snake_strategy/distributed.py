@@ -186,6 +186,15 @@ def check_rank_storage(storage: StorageConfig, rank: int, world_size: int) -> li
     return [level for level in local["missing"] if all(level in g["missing"] for g in same_host)]
 
 
+def close_engine(engine: Any, created_dirs: list[str]) -> None:
+    """``engine.close()`` (re-raising its error), then ``remove_empty_dirs(created_dirs)`` even when it failed:
+    with several ranks each engine removes only its rank's directory, not the shared root this run made."""
+    try:
+        engine.close()
+    finally:
+        remove_empty_dirs(created_dirs)
+
+
 def remove_empty_dirs(levels: list[str]) -> None:
     """Remove ``levels`` (deepest first) where they are empty; each rank calls it after its engine closed.
     The rank that closes last finds the root empty and removes it; a rank that closes earlier, or a file a

@@ -12,14 +12,14 @@ from typing import Callable
 import torch
 from torch import nn
 
-from snake_strategy.adapters import adapter_initializer, nonlayer_adapter_values
+from snake_strategy.sources.lora_init import adapter_initializer, nonlayer_adapter_values
 from snake_strategy.config import StorageConfig
 from snake_strategy.engine.half_weights import WeightFormat, tail_split
 from snake_strategy.engine.partition import ShardView
 from snake_strategy.engine.state import NonLayerState, UnitStore
-from snake_strategy.memory import forward_split
+from snake_strategy.planning.memory import forward_split
 from snake_strategy.precision import DtypePolicy
-from snake_strategy.pretrained import PretrainedSource
+from snake_strategy.sources.pretrained import PretrainedSource
 from snake_strategy.progress import Progress, or_quiet
 from snake_strategy.storage import IOEngine, SsdDirectory, TieredTensor, TrafficCounters
 from snake_strategy.units import UnitLayout, materialize_unit_blocks
@@ -32,29 +32,6 @@ class BuiltModel:
     units: list[UnitStore]
     nonlayer: NonLayerState
 
-
-def check_trainable(module: nn.Module, optimizer: torch.optim.Optimizer) -> dict[int, int]:
-    """Refuse what the engine cannot train exactly; return id(parameter) -> optimizer param-group index."""
-    group_of = {id(p): g for g, group in enumerate(optimizer.param_groups) for p in group["params"]}
-    # Frozen parameters (requires_grad=False) are only ever read: they need no optimizer group.
-    trainable = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
-    if not trainable:
-        raise ValueError("every parameter has requires_grad=False: there is nothing to train. Unfreeze some "
-                         "parameters (or add adapters, e.g. peft.get_peft_model) before Trainer.fit")
-    missing = [n for n, p in trainable if id(p) not in group_of]
-    if missing:
-        raise ValueError(f"parameters {missing} are not in the optimizer; configure_optimizers must cover every "
-                         "parameter with requires_grad=True (or freeze them with requires_grad_(False))")
-    for i, block in enumerate(module.blocks):
-        for mod_name, mod in block.named_modules():
-            persistent = [b for b in mod._buffers if b not in mod._non_persistent_buffers_set and mod._buffers[b] is not None]
-            if persistent:
-                where = f"blocks[{i}]{'.' + mod_name if mod_name else ''}"
-                raise ValueError(
-                    f"{where} has buffers {persistent}: blocks must keep no state. Buffers that change in forward "
-                    "(BatchNorm running statistics) would be updated twice per micro-batch by the recompute. Use "
-                    "LayerNorm/GroupNorm, or register constant tables with persistent=False")
-    return group_of
 
 
 def build_model(module: nn.Module, optimizer: torch.optim.Optimizer, layouts: list[UnitLayout], storage: StorageConfig,
@@ -128,7 +105,7 @@ def build_model(module: nn.Module, optimizer: torch.optim.Optimizer, layouts: li
                              total_bytes=sum(weight_bytes(layout) + layout.train_end * state_bytes_per_elem
                                              for layout in layouts))
     try:
-        units = _materialize(module, layouts, named, device, source, dtypes, blocks_prefix, blocks_per_unit,
+        units = materialize(module, layouts, named, device, source, dtypes, blocks_prefix, blocks_per_unit,
                              store_unit)
     finally:
         if source is not None:
@@ -140,7 +117,7 @@ def build_model(module: nn.Module, optimizer: torch.optim.Optimizer, layouts: li
     return BuiltModel(blocks_prefix, layouts, units, nonlayer)
 
 
-def _materialize(module: nn.Module, layouts: list[UnitLayout], named: list[tuple[str, nn.Parameter]],
+def materialize(module: nn.Module, layouts: list[UnitLayout], named: list[tuple[str, nn.Parameter]],
                  device: torch.device, source: PretrainedSource | None, dtypes: DtypePolicy, blocks_prefix: str,
                  blocks_per_unit: int, store_unit: Callable[[UnitLayout, torch.Tensor], UnitStore]) -> list[UnitStore]:
     init_fn = getattr(module, "init_module_weights", None) or _reset_parameters
