@@ -221,6 +221,19 @@ def test_checkpoint_with_more_layers_than_the_config_is_refused(tmp_path):
             trainer.fit(module, loader)
         assert trainer.global_step == 0
 
+    # What from_pretrained itself ignores is not unexpected: per-layer inv_freq of older Llama files, GPT-2's
+    # attention-mask buffers.
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    for family, extra in (("llama", "model.layers.0.self_attn.rotary_emb.inv_freq"), ("gpt2", "transformer.h.0.attn.bias")):
+        base = hf_model(family)
+        base.save_pretrained(tmp_path / family)
+        with safe_open(tmp_path / family / "model.safetensors", "pt") as f:
+            state = {k: f.get_tensor(k) for k in f.keys()}
+        save_file({**state, extra: torch.zeros(4)}, str(tmp_path / family / "model.safetensors"))
+        module = built(tmp_path / family)  # no ValueError
+        assert all(torch.equal(p, base.state_dict()[n]) for n, p in module.named_parameters())
     kept = HFCausalLM(tmp_path / "two", ignore_unexpected_keys=True)
     kept.configure_model()  # plain: loads the two layers it has
     for name, p in kept.named_parameters():

@@ -252,8 +252,15 @@ class HFCausalLM(LayeredModule):
         self._tied = hf.lm_head.weight is getattr(trunk, fam.embed).weight
         self._hf_init_weights = hf._init_weights  # HF's per-module init (uses the config's ranges)
         self._layer_kinds = set(layer_kinds(self.hf_config, fam))
-        # Keys HF itself ignores in its checkpoints (e.g. old GPT-2 files' attention-mask buffers).
-        self.ignored_checkpoint_keys = tuple(getattr(type(hf), "_keys_to_ignore_on_load_unexpected", None) or ())
+        # Keys from_pretrained itself ignores in a checkpoint (not UNEXPECTED): the class's own patterns (old
+        # GPT-2 files' attention-mask buffers) and, as transformers adds them, the buffers older versions saved.
+        ignored = set(getattr(type(hf), "_keys_to_ignore_on_load_unexpected", None) or ())
+        buffers = [name for name, _ in hf.named_buffers()]
+        if any(name.endswith("rotary_emb.inv_freq") for name in buffers):
+            ignored.add(r"rotary_emb\.inv_freq")
+        if any(name.endswith("position_ids") for name in buffers):
+            ignored.add(r"(^|\.)position_ids$")
+        self.ignored_checkpoint_keys = tuple(sorted(ignored))
 
     def configure_model(self) -> None:
         """Materialize the meta-built structure on the current default device and dtype (the strategy's
