@@ -266,14 +266,48 @@ def _storage_checks(rank: int, world: int, port: int, tmp: str, results) -> None
     except ValueError as err:
         out["build"] = str(err)
     out["closed"] = Built.closed
+    out["cleanup"] = _created_root_cleanup(rank, world, root)
     results[rank] = out
     dist.destroy_process_group()
+
+
+def _created_root_cleanup(rank: int, world: int, tmp: Path) -> list:
+    """Each rank builds a real SsdDirectory in ssd_dir/rank{r} through build_engine, rank 0 first (so rank 0
+    makes the shared root), and closes it through close_engine, rank 0 first again: the root's creator is
+    not the last to close, the order that left the root behind. Once with a root the run creates (and its
+    missing parent), once with one that existed. Returns (created levels, root exists after rank r closed)."""
+    import time
+
+    import torch.distributed as dist
+
+    from snake_strategy.distributed import build_engine, close_engine
+    from snake_strategy.storage.io_engine import SsdDirectory
+
+    out = []
+    for root in (tmp / "new" / "ssd", tmp / "kept"):  # "kept" exists before the run
+        storage = StorageConfig(ssd_dir=str(root), weights="ssd")
+
+        def build():
+            while rank == 1 and not (root / "rank0").is_dir():
+                time.sleep(0.01)  # rank 0 makes the root
+            return SsdDirectory(rank_storage(storage, rank, world).ssd_dir)
+
+        engine, created = build_engine(build, storage, rank, world)
+        dist.barrier()
+        for turn in range(world):
+            if turn == rank:
+                close_engine(engine, created)
+                exists = root.exists()
+            dist.barrier()
+        out.append((created, exists))
+    return out
 
 
 def test_mismatched_ssd_dir_layouts_stop_every_rank_before_setup(tmp_path):
     """Two real gloo processes: ranks of one machine with different ssd_dir roots, rank directories linked
     to one another, a rank directory (or the root) in use by a live run, an unexpanded variable: each is a
-    ValueError on both ranks, before any lock is taken; a setup failure on one rank stops both."""
+    ValueError on both ranks, before any lock is taken; a setup failure on one rank stops both. And the
+    ssd_dir root a 2-rank run created is removed when the ranks close, whichever closes last."""
     import socket
 
     import torch.multiprocessing as mp
@@ -281,6 +315,7 @@ def test_mismatched_ssd_dir_layouts_stop_every_rank_before_setup(tmp_path):
     (tmp_path / "link" / "rank0").mkdir(parents=True)
     (tmp_path / "link" / "rank1").symlink_to(tmp_path / "link" / "rank0")
     (tmp_path / "locked" / "rank1").mkdir(parents=True)
+    (tmp_path / "kept").mkdir()
     sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
     try:
         (tmp_path / "locked" / "rank1" / ".snake.lock").write_text(str(sleeper.pid))
@@ -306,6 +341,14 @@ def test_mismatched_ssd_dir_layouts_stop_every_rank_before_setup(tmp_path):
                                    "storage.ssd_dir='/x/rank1' has 0 GiB free")
     assert results[1]["build"] == "storage.ssd_dir='/x/rank1' has 0 GiB free"  # its own error
     assert results[0]["closed"] and not results[1]["closed"]  # rank 0 releases what it built
+    # devices=2 with an ssd_dir the run creates: gone once both ranks closed, as after one process (rank 0 made
+    # it and closed first); a root that existed before stays, empty.
+    new_root = tmp_path / "new" / "ssd"
+    assert results[0]["cleanup"][0] == ([str(new_root), str(new_root.parent)], True)  # rank 1 still in it
+    assert results[1]["cleanup"][0] == ([str(new_root), str(new_root.parent)], False)
+    assert not (tmp_path / "new").exists()
+    assert [r["cleanup"][1] for r in (results[0], results[1])] == [([], True), ([], True)]
+    assert list((tmp_path / "kept").iterdir()) == []
 
 
 # ---------------------------------------------------------------------- checkpoints
