@@ -14,6 +14,7 @@ from snake_strategy.checkpoint.consolidate import load_consolidated, load_consol
 from snake_strategy.checkpoint.format import is_checkpoint_dir
 from snake_strategy.checkpoint.store import wrong_strategy_error
 from snake_strategy.contract import check_block_output, unpack_pre_stage
+from snake_strategy.engine.view import running_engine
 
 
 class LayeredModule(pl.LightningModule):
@@ -80,11 +81,9 @@ class LayeredModule(pl.LightningModule):
             strategy.checkpoint_io = _SnakeDirAwareIO(strategy.checkpoint_io)
 
     def forward(self, batch: Any) -> Tensor:
-        strategy = self._trainer.strategy if self._trainer is not None else None
-        streamed = getattr(strategy, "streamed_forward", None)
-        if streamed is not None and getattr(strategy, "engine", None) is not None:
+        if running_engine(self) is not None:
             # Under greedysnake the blocks live in their tiers: the strategy streams them in.
-            return streamed(batch)
+            return self._trainer.strategy.streamed_forward(batch)
         hidden, side = unpack_pre_stage(self.pre_stage(batch))
         for i, block in enumerate(self.blocks):
             hidden = check_block_output(block(hidden, **side), i)

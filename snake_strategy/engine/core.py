@@ -1,4 +1,7 @@
-"""``SnakeEngine``: the facade the strategy talks to. It owns every offloaded state of the blocks and the
+"""Longer than the guide: one class, the training engine, whose step and whose state API (what checkpoints
+and export read) share every part it owns.
+
+``SnakeEngine``: the facade the strategy talks to. It owns every offloaded state of the blocks and the
 non-layer parameters' optimizer state, and exposes a small API: ``train_step``, ``optimizer_step``,
 ``flush``, ``forward`` (evaluation), the state API (per unit and non-layer, for checkpoints), the memory
 plan, and ``close``.
@@ -25,12 +28,12 @@ from snake_strategy.contract import (batch_size, batch_tensors, check_contract, 
 from snake_strategy.engine.build import build_model
 from snake_strategy.engine.gradients import GradientPath, defers_whole_units
 from snake_strategy.engine.half_weights import WeightFormat
-from snake_strategy.engine.runtime import EngineHooks, EngineRuntime
 from snake_strategy.engine.kept import KeptGraphs
 from snake_strategy.engine.overlap import OptimizerOverlap
 from snake_strategy.engine.partition import Partition, shard_range
 from snake_strategy.engine.reduce import GradientReducer
-from snake_strategy.engine.runner import StepRunner, StepState
+from snake_strategy.engine.runner import StepParts, StepRunner, StepState
+from snake_strategy.engine.runtime import EngineHooks, EngineRuntime
 from snake_strategy.engine.streaming import stream_blocks, streamed_forward
 from snake_strategy.engine.trace import TaskTrace
 from snake_strategy.engine.view import StepStats
@@ -46,6 +49,7 @@ from snake_strategy.storage import IOEngine, SsdDirectory, TrafficCounters
 from snake_strategy.storage.counters import traffic_delta
 from snake_strategy.storage.aligned import return_large_frees_to_os
 from snake_strategy.storage.pool import BufferPool
+from snake_strategy.storage.tiered import Tiers
 from snake_strategy.units import named_tensors
 
 
@@ -65,7 +69,7 @@ class SnakeEngine:
                              f"{storage.unset()} are left to the planner: resolve them first (snake_strategy.planning."
                              "autoplan.resolve, as GreedySnakeStrategy does) or set them")
         self.module, self.optimizer, self.storage, self.schedule = module, optimizer, storage, schedule
-        self.plan = plan
+        self.plan, self.runtime = plan, runtime
         self.dtypes, self.device, self.clip = runtime.dtypes, runtime.device, clip
         self.master_dtype = runtime.dtypes.master  # the dtype of named_weights()' trained values
         self.scaler = runtime.scaler if runtime.scaler is not None else LossScaler(runtime.dtypes.loss_scaling)
@@ -99,13 +103,13 @@ class SnakeEngine:
                 self.ssd = SsdDirectory(storage.ssd_dir, storage.use_o_direct, storage.keep_ssd_files)
                 self.io = IOEngine(storage.num_io_threads, before_transfer=self.hooks.before_ssd_transfer,
                                    trace=self.trace)
-            self._build(runtime.pretrained)
+            self._build()
         except BaseException:
             self.close()
             raise
 
     # ------------------------------------------------------------------ setup
-    def _build(self, pretrained: str | None) -> None:
+    def _build(self) -> None:
         s = self.schedule
         # The planner laid the model out and checked it (autoplan.setup_layouts); the SSD and host checks
         # need only those sizes, so they run before anything is allocated.
@@ -122,8 +126,8 @@ class SnakeEngine:
             self.ssd.check_free_space(sum(ssd_plan(self.memory_inputs()).values()),
                                       "weights, master weights, optimizer moments and gradients")
         self.check_host_budget()
-        built = build_model(self.module, self.optimizer, layouts, self.storage, s.blocks_per_unit, self.alpha, self.dtypes,
-                            self.device, self.counters, self.io, self.ssd, pretrained, self.progress,
+        tiers = Tiers(self.storage, self.device, self.counters, self.io, self.ssd)
+        built = build_model(self.module, self.optimizer, self.plan, self.runtime, tiers, self.alpha,
                             shard=self.partition.bounds if self.partition is not None else None)
         self.blocks_prefix, self.units, self.nonlayer = built.blocks_prefix, built.units, built.nonlayer
         pools = pool_sizes(self.memory_inputs())
@@ -145,10 +149,9 @@ class SnakeEngine:
                                       self.partition)
         if self.partition is not None:
             self.overlap.gather = lambda u: self.partition.gather_weights(self.units[u])
-        self.runner = StepRunner(self.module, self.units, self.nonlayer, self.weights, self.activations,
-                                 self.gradients, self.trace, self.device, self.dtypes.autocast,
-                                 KeptGraphs.for_schedule(s, self.device), lambda ckpt: None if self.planned_budget_bytes
-                                 is None else self.planned_budget_bytes - sum(self.host_bytes_plan(ckpt).values()))
+        parts = StepParts(self.units, self.nonlayer, self.weights, self.activations, self.gradients,
+                          KeptGraphs.for_schedule(s, self.device), self.trace)
+        self.runner = StepRunner(self.module, parts, self.device, self.dtypes.autocast, self._free_host_bytes)
         self._tasks: dict[int, list] = {}
         self._frozen_crc: dict[str, Any] | None = None
         self._backward_planned = False
@@ -179,6 +182,13 @@ class SnakeEngine:
         if getattr(self, "runner", None) is not None and self.runner.kept.planned_bytes:
             plan["kept_graphs"] = self.runner.kept.planned_bytes  # measured at the first step
         return plan
+
+    def _free_host_bytes(self, checkpoint_bytes: int) -> int | None:
+        """What the budget leaves once the plan with checkpoints of this size is placed (kept graphs fill it);
+        None when no budget is known."""
+        if self.planned_budget_bytes is None:
+            return None
+        return self.planned_budget_bytes - sum(self.host_bytes_plan(checkpoint_bytes).values())
 
     def check_host_budget(self, checkpoint_bytes: int = 0) -> None:
         budget = self.storage.host_budget_bytes

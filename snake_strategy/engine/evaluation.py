@@ -36,6 +36,7 @@ from snake_strategy.planning.memory import format_plan
 from snake_strategy.sources.pretrained import PretrainedSource
 from snake_strategy.progress import or_quiet
 from snake_strategy.storage import IOEngine, SsdDirectory, TieredTensor, TrafficCounters
+from snake_strategy.storage.tiered import Tiers
 from snake_strategy.storage.aligned import return_large_frees_to_os, round_up
 from snake_strategy.units import UnitLayout, named_tensors
 
@@ -118,10 +119,11 @@ class EvalEngine:
         tracker = self.progress.phase("materialize" if source is None else "load_weights", len(layouts),
                                       total_bytes=sum(self._unit_params) * e_c)
 
+        tiers = Tiers(self.storage, self.device, self.counters, self.io, self.ssd)
+
         def store_unit(layout: UnitLayout, flat: Tensor) -> EvalUnit:
             layout.buffers = [{k: v.to(self.device) for k, v in d.items()} for d in layout.buffers]
-            weights = TieredTensor(f"unit{layout.index:05d}", "weights", layout.numel, self.dtypes.compute,
-                                   self.storage.weights, self.device, self.counters, self.io, self.ssd)
+            weights = tiers.tensor(f"unit{layout.index:05d}", "weights", layout.numel, self.dtypes.compute)
             weights.evict(flat.to(self.dtypes.compute))
             tracker.advance(1, layout.numel * e_c)
             return EvalUnit(layout, weights)
