@@ -28,7 +28,8 @@ from snake_strategy.checkpoint import shards as checkpoint_shards, store as chec
 from snake_strategy.checkpoint.consolidate import CheckpointWeights
 from snake_strategy.config import ScheduleConfig, StorageConfig, coerce_config
 from snake_strategy.contract import check_contract, check_not_empty, check_outputs_on_meta
-from snake_strategy.distributed import DataParallelMixin, build_engine, check_rank_loader, rank_storage, sync_initial_state
+from snake_strategy.distributed import (DataParallelMixin, build_engine, check_rank_loader, close_engine, rank_storage,
+                                        sync_initial_state)
 from snake_strategy.engine import EngineHooks, EngineRuntime, EvalEngine, SnakeEngine
 from snake_strategy.module import LayeredModule
 from snake_strategy.planning.autoplan import RunPlan, example_batch, first_prediction, resolve
@@ -105,6 +106,7 @@ class GreedySnakeStrategy(DataParallelMixin, ParallelStrategy):
         self._eval_start: dict | None = None
         self._eval_checkpoint: CheckpointWeights | None = None  # ckpt_path of an eval stage
         self._gave_back_weights = False  # the module holds the weights a run of this strategy gave back
+        self._created_ssd_dirs: list[str] = []  # several ranks: the shared ssd_dir root (and parents) this run made
         self.progress = progress if isinstance(progress, Progress) else Progress(log=progress)
         self.trace_path = None if trace_path is None else check_trace_path(trace_path)  # refused now, not at the end
         super().__init__(accelerator=accelerator, cluster_environment=cluster_environment,
@@ -188,7 +190,7 @@ class GreedySnakeStrategy(DataParallelMixin, ParallelStrategy):
             return SnakeEngine(module, self.optimizers[0], self._rank_plan(), runtime)
 
         # Several ranks: every rank's storage is checked first, and a failure on one stops all.
-        self.engine = build_engine(build, self.storage, self.global_rank, self.world_size)
+        self.engine, self._created_ssd_dirs = build_engine(build, self.storage, self.global_rank, self.world_size)
         if self.world_size > 1:
             sync_initial_state(self.engine, self.root_device)  # every rank starts from rank 0's weights
         self.engine.trace.enabled = self.trace_path is not None
@@ -298,7 +300,7 @@ class GreedySnakeStrategy(DataParallelMixin, ParallelStrategy):
                 engine.flush()
                 self._give_back_weights(engine)
             finally:
-                engine.close()  # releases files and locks even when the flush failed; re-raises
+                close_engine(engine, self._created_ssd_dirs)  # files and locks even when the flush failed; re-raises
         self.precision_plugin.teardown()
         if self.cluster_environment is not None:
             self.cluster_environment.teardown()

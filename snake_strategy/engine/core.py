@@ -72,6 +72,7 @@ class SnakeEngine:
         self.module, self.optimizer, self.storage, self.schedule = module, optimizer, storage, schedule
         self.plan, self.runtime = plan, runtime
         self.dtypes, self.device, self.clip = runtime.dtypes, runtime.device, clip
+        self.master_dtype = runtime.dtypes.master  # the dtype of named_weights()' trained values
         self.scaler = runtime.scaler if runtime.scaler is not None else LossScaler(runtime.dtypes.loss_scaling)
         # What keep_activations="auto" may fill: the hard budget, else the one the planner placed within.
         self.planned_budget_bytes = storage.host_budget_bytes or plan.host_budget_bytes or None
