@@ -28,8 +28,7 @@ from snake_strategy.checkpoint import shards as checkpoint_shards, store as chec
 from snake_strategy.checkpoint.consolidate import CheckpointWeights
 from snake_strategy.config import ScheduleConfig, StorageConfig, coerce_config
 from snake_strategy.contract import check_contract, check_not_empty, check_outputs_on_meta
-from snake_strategy.distributed import (DataParallelMixin, build_engine, check_rank_loader, close_engine, rank_storage,
-                                        sync_initial_state)
+from snake_strategy.distributed import DataParallelMixin, build_engine, check_rank_loader, close_engine, rank_storage, sync_initial_state
 from snake_strategy.engine import EngineHooks, EngineRuntime, EvalEngine, SnakeEngine
 from snake_strategy.module import LayeredModule
 from snake_strategy.planning.autoplan import RunPlan, example_batch, first_prediction, resolve
@@ -105,8 +104,7 @@ class GreedySnakeStrategy(DataParallelMixin, ParallelStrategy):
         self.eval_traffic: dict[str, int] = {}  # bytes moved by the last validate/test/predict loop, per tier/state/direction
         self._eval_start: dict | None = None
         self._eval_checkpoint: CheckpointWeights | None = None  # ckpt_path of an eval stage
-        self._gave_back_weights = False  # the module holds the weights a run of this strategy gave back
-        self._created_ssd_dirs: list[str] = []  # several ranks: the shared ssd_dir root (and parents) this run made
+        self._gave_back_weights, self._created_ssd_dirs = False, []  # weights a run gave back; ssd_dir levels several ranks made
         self.progress = progress if isinstance(progress, Progress) else Progress(log=progress)
         self.trace_path = None if trace_path is None else check_trace_path(trace_path)  # refused now, not at the end
         super().__init__(accelerator=accelerator, cluster_environment=cluster_environment,
