@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 from torch import Tensor, nn
@@ -177,9 +177,10 @@ def after_failure(module: nn.Module, engine: SnakeEngine, failure: BaseException
 
 
 def teardown_after_failure(module: nn.Module, engine: SnakeEngine | EvalEngine, failure: BaseException,
-                           budget_bytes: int | None, pre_fit: PreFitWeights | None) -> None:
-    """Teardown of a failed fit or evaluation: leave a clean module, close the engine, and raise nothing
-    (the failure the user sees is the original one)."""
+                           budget_bytes: int | None, pre_fit: PreFitWeights | None,
+                           close: Callable[[], None]) -> None:
+    """Teardown of a failed fit or evaluation: leave a clean module, close the engine (``close``), and
+    raise nothing (the failure the user sees is the original one)."""
     try:
         if isinstance(engine, EvalEngine):
             give_back_weights(module, engine, budget_bytes, "", "", pre_fit)
@@ -190,7 +191,7 @@ def teardown_after_failure(module: nn.Module, engine: SnakeEngine | EvalEngine, 
         log.warning("cleaning up after the failure also failed (%r)", err)
     finally:
         try:
-            engine.close()
+            close()
         except BaseException as err:  # noqa: BLE001 - as above
             log.warning("closing the engine after the failure also failed (%r)", err)
 
