@@ -15,7 +15,13 @@ Choices (docs/design.md, "The planner drives the run"; the measurements behind t
   samples independently (``LayeredModule.independent_samples``; the GPT and HuggingFace modules do): on
   the measured presets they are the fastest. Otherwise the unbatched passes, which are exact for any block,
   with ``split_backward`` when ``SPLIT_BACKWARD_WINS`` (measured, see docs/LOG.md).
-- **alpha**: ``planner.choose_alpha`` (the forward's share of the block compute).
+- **alpha** and the **optimizer step's mode**, decided here only (the engine and ``planner.plan`` take
+  them as given): ``planner.choose_alpha`` (the forward's share of the block compute). Norm clipping and
+  fp16 loss scaling need the global norm / the overflow flag before any update: by default the step is
+  speculative (``schedule.speculation="on"``: the units are stepped at that alpha, rolled back when the
+  clip factor was not 1 or a gradient overflowed, engine/rollback.py), and the rollback state goes on the
+  host when the budget left after placement holds it, else on the SSD; ``speculation="off"`` runs alpha 1
+  (every whole update deferred), and the parked gradients are sized with that.
 - **prefetch depth**: 2 when the weights are partly on the SSD (a unit's read then takes longer than a
   unit's compute on the measured machines), else 1.
 - **kept activations** (``keep_activations="auto"``): decided by the engine at the first step, once a unit's
@@ -37,7 +43,7 @@ from torch import nn
 
 from snake_strategy.engine.build import check_trainable
 from snake_strategy.config import STATES, ScheduleConfig, StorageConfig, TierSplit
-from snake_strategy.memory import host_plan
+from snake_strategy.memory import ROLLBACK_VECTORS, host_plan, rollback_elems
 from snake_strategy.planner import HardwareProfile, ModelShape, StepPrediction, choose_alpha, memory_inputs, plan, predict
 from snake_strategy.units import build_layouts
 
@@ -65,6 +71,10 @@ class RunPlan:
     host_bytes: int  # memory.host_plan of the chosen settings (checkpoints not yet counted)
     prediction: StepPrediction | None = None  # the floor of one step, from the first batch's shapes
     kept_units: list[int] | None = None  # units whose forward graph is kept (known after the first step)
+    # The optimizer step that runs: "overlapped" (no global decision needed), "speculative" (norm clipping
+    # or fp16 loss scaling, rolled back when wrong) or "deferred" (alpha 1: whole updates deferred).
+    step_mode: str = "overlapped"
+    rollback_bytes: int = 0  # the speculative step's rollback state, on storage.rollback
 
     def describe(self) -> str:
         s, st = self.schedule, self.storage
@@ -72,9 +82,12 @@ class RunPlan:
                     f"batched forward={s.batched_forward} backward={s.batched_backward}")
         places = ", ".join(f"{state} {_split_text(getattr(st, state))}" for state in STATES)
         kept = s.keep_activations if self.kept_units is None else f"{len(self.kept_units)} units"
-        text = (f"{s.kind}, {s.num_micro_batches} micro-batches, {batching}, alpha {s.alpha}, prefetch "
-                f"{s.prefetch_depth}, keep activations {kept}; {places}; host {self.host_bytes / 2**30:.2f} of "
-                f"{self.host_budget_bytes / 2**30:.2f} GiB")
+        step = self.step_mode
+        if step == "speculative":
+            step = f"speculative (rollback state {self.rollback_bytes / 2**30:.2f} GiB on the {st.rollback})"
+        text = (f"{s.kind}, {s.num_micro_batches} micro-batches, {batching}, alpha {s.alpha}, optimizer step "
+                f"{step}, prefetch {s.prefetch_depth}, keep activations {kept}; {places}; host "
+                f"{self.host_bytes / 2**30:.2f} of {self.host_budget_bytes / 2**30:.2f} GiB")
         if self.prediction is not None:
             text += f"; predicted floor {self.prediction.roofline_s:.3f} s/step ({self.prediction.bound}-bound)"
         return text
@@ -84,7 +97,8 @@ class RunPlan:
                 "storage": {k: (dataclasses.asdict(v) if isinstance(v, TierSplit) else v)
                             for k, v in dataclasses.asdict(self.storage).items()},
                 "reasons": dict(self.reasons), "host_budget_bytes": self.host_budget_bytes,
-                "host_bytes": self.host_bytes, "kept_units": self.kept_units,
+                "host_bytes": self.host_bytes, "kept_units": self.kept_units, "step_mode": self.step_mode,
+                "rollback_bytes": self.rollback_bytes,
                 "prediction": self.prediction.as_dict() if self.prediction is not None else None}
 
 
@@ -119,10 +133,13 @@ def setup_shape(module: nn.Module, optimizer: torch.optim.Optimizer | None, bloc
 
 def resolve(module: nn.Module, optimizer: torch.optim.Optimizer | None, storage: StorageConfig,
             schedule: ScheduleConfig, compute_bytes: int, master_bytes: int, device: torch.device,
-            hardware: HardwareProfile, processes_per_node: int = 1, optimizer_shards: int = 1) -> RunPlan:
+            hardware: HardwareProfile, processes_per_node: int = 1, optimizer_shards: int = 1,
+            clip: tuple[str, float] | None = None, loss_scaling: bool = False) -> RunPlan:
     """Concrete storage and schedule for this run (explicit settings kept), with the reasons.
     ``processes_per_node``: the ranks sharing this machine's memory split the default budget.
-    ``optimizer_shards``: partitioned moments, cut over that many ranks (each plans its share)."""
+    ``optimizer_shards``: partitioned moments, cut over that many ranks (each plans its share).
+    ``clip`` (Trainer's gradient_clip_algorithm, gradient_clip_val) and ``loss_scaling`` (16-mixed) decide
+    the optimizer step's mode and with it the alpha that runs (the one place it is decided)."""
     shape = setup_shape(module, optimizer, schedule.blocks_per_unit, schedule.num_micro_batches, compute_bytes,
                         master_bytes)
     shape = dataclasses.replace(shape, optimizer_shards=optimizer_shards)
@@ -133,7 +150,17 @@ def resolve(module: nn.Module, optimizer: torch.optim.Optimizer | None, storage:
     reasons["kind"] = "given" if schedule.kind != "auto" else "vertical: one weight fetch per unit per pass"
     alpha = schedule.alpha if schedule.alpha is not None else choose_alpha(shape)
     reasons["alpha"] = "given" if schedule.alpha is not None else "the forward's share of the block compute"
-    storage, depth, placed = _place(shape, hardware, storage, kind, alpha, budget)
+    speculation = schedule.speculation or "on"
+    reasons["speculation"] = "given" if schedule.speculation is not None else "on by default"
+    global_decision = loss_scaling or (clip is not None and clip[0] == "norm")
+    if global_decision and speculation == "off" and alpha != 1.0:
+        alpha = 1.0
+        reasons["alpha"] = ("1: norm clipping / fp16 loss scaling with schedule.speculation='off' defer every "
+                            "unit's whole update until the global norm / overflow flag is known")
+    speculative = global_decision and speculation == "on" and alpha < 1.0
+    step_mode = "speculative" if speculative else "deferred" if global_decision else "overlapped"
+    rollback_given = storage.rollback  # None: placed after the states (placement sets every field)
+    storage, depth, placed = _place(shape, hardware, storage, kind, alpha, budget, speculative)
     reasons.update(placed)
     if schedule.prefetch_depth is not None:
         depth, reasons["prefetch_depth"] = schedule.prefetch_depth, "given"
@@ -141,38 +168,64 @@ def resolve(module: nn.Module, optimizer: torch.optim.Optimizer | None, storage:
     reasons.update(why)
     reasons["keep_activations"] = "given (0 is an explicit kind's default)" if schedule.keep_activations != "auto" else (
         "auto: the top units whose forward graph fits the host budget left by the plan, measured at the first step")
-    concrete = dataclasses.replace(schedule, kind=kind, alpha=alpha, prefetch_depth=depth, **batching)
+    concrete = dataclasses.replace(schedule, kind=kind, alpha=alpha, prefetch_depth=depth, speculation=speculation,
+                                   **batching)
     if schedule.split_backward:
         log.info("schedule.split_backward=true: LayerPipe's split backward (input gradients per micro-batch, Linear "
                  "weight gradients as one product per unit). Until 2026-12 this key was an old name of "
                  "batched_backward; set batched_backward for that")
-    host_bytes = sum(host_plan(memory_inputs(shape, hardware, storage, kind, alpha, depth)).values())
+    storage, reasons["rollback"] = _place_rollback(shape, hardware, storage, rollback_given, kind, alpha, depth,
+                                                   budget, speculative)
+    inputs = memory_inputs(shape, hardware, storage, kind, alpha, depth, speculative)
+    host_bytes = sum(host_plan(inputs).values())
+    rollback_bytes = ROLLBACK_VECTORS * sum(rollback_elems(inputs)) * master_bytes
     if storage.checkpoints.ssd > 0 and concrete.num_micro_batches <= 2 * storage.checkpoint_host_ends:
         log.warning(
             "storage.checkpoints puts %.0f%% on the SSD, but with schedule.num_micro_batches=%d and "
             "storage.checkpoint_host_ends=%d every micro-batch is a turning point kept on the host: no "
             "activation checkpoint will reach the SSD. Lower checkpoint_host_ends or raise num_micro_batches",
             100 * storage.checkpoints.ssd, concrete.num_micro_batches, storage.checkpoint_host_ends)
-    return RunPlan(storage, concrete, reasons, budget, host_bytes)
+    return RunPlan(storage, concrete, reasons, budget, host_bytes, step_mode=step_mode, rollback_bytes=rollback_bytes)
+
+
+def _place_rollback(shape: ModelShape, hw: HardwareProfile, storage: StorageConfig, given: str | None, kind: str,
+                    alpha: float, depth: int, budget: int, speculative: bool) -> tuple[StorageConfig, str]:
+    """The rollback state's tier: given, else the host when the placed plan with it there still fits the
+    budget (less the activation reserve), else the SSD. Placed after the states: per byte stored it moves
+    one byte per step (written once), the states two or more."""
+    if given is not None:
+        return dataclasses.replace(storage, rollback=given), "given"
+    if not speculative:
+        return dataclasses.replace(storage, rollback="host"), "no speculative step: nothing to keep"
+    on_host = dataclasses.replace(storage, rollback="host")
+    needed = sum(host_plan(memory_inputs(shape, hw, on_host, kind, alpha, depth, True)).values())
+    room = int(budget * (1 - ACTIVATION_RESERVE_SHARE))
+    if needed <= room:
+        return on_host, f"host: the plan with it needs {needed / 2**30:.2f} of {room / 2**30:.2f} GiB"
+    return (dataclasses.replace(storage, rollback="ssd"),
+            f"ssd: on the host the plan would need {needed / 2**30:.2f} GiB of {room / 2**30:.2f} GiB")
 
 
 def _place(shape: ModelShape, hw: HardwareProfile, storage: StorageConfig, kind: str, alpha: float,
-           budget: int) -> tuple[StorageConfig, int, dict[str, str]]:
-    """(placed storage, prefetch depth, reasons). States given explicitly keep their split."""
+           budget: int, speculative: bool = False) -> tuple[StorageConfig, int, dict[str, str]]:
+    """(placed storage, prefetch depth, reasons). States given explicitly keep their split. The rollback
+    state is placed afterwards (``_place_rollback``), so it is counted on the SSD here."""
     unset = storage.unset()
     given = {state: getattr(storage, state) for state in STATES if state not in unset}
     reasons = {state: "given" for state in given}
     if not unset:
         return storage, 2 if storage.weights.ssd > 0 else 1, reasons
     host = TierSplit()
-    all_host = dataclasses.replace(storage, placement="manual", **{s: given.get(s, host) for s in STATES})
-    needed = sum(host_plan(memory_inputs(shape, hw, all_host, kind, alpha, 1)).values())
+    all_host = dataclasses.replace(storage, placement="manual", rollback=storage.rollback or "ssd",
+                                   **{s: given.get(s, host) for s in STATES})
+    needed = sum(host_plan(memory_inputs(shape, hw, all_host, kind, alpha, 1, speculative)).values())
     budget = int(budget * (1 - ACTIVATION_RESERVE_SHARE))
     if needed <= budget:
         reasons.update({s: f"host: the run needs {needed / 2**30:.2f} GiB of the {budget / 2**30:.2f} GiB budget"
                         for s in unset})
         return all_host, 2 if all_host.weights.ssd > 0 else 1, reasons
-    chosen = plan(shape, hw, budget, kind, storage.ssd_dir)  # raises when not even the working set fits
+    # raises when not even the working set fits
+    chosen = plan(shape, hw, budget, kind, storage.ssd_dir, alpha=alpha, speculative=speculative)
     placed = dataclasses.replace(storage, placement="manual",
                                  **{s: given.get(s, getattr(chosen.storage, s)) for s in STATES})
     reasons.update({s: f"planner.plan: {needed / 2**30:.2f} GiB all on the host exceeds the "
@@ -246,7 +299,7 @@ def first_prediction(engine: Any, hardware: HardwareProfile | str | None, device
         out_dim, in_dim = engine.largest_block_matrix()
         hardware = dataclasses.replace(
             hardware, flops_per_s=matmul_flops_per_s(shape.tokens_per_micro, in_dim, out_dim, device))
-    prediction = predict(shape, hardware, engine.storage, engine.schedule.kind, engine.alpha)
+    prediction = predict(shape, hardware, engine.storage, engine.schedule.kind, engine.alpha, engine.speculative)
     log.info("planner: predicted floor %.3f s/step (%s-bound; compute %.3f s, ssd %.3f s, optimizer %.3f s)",
              prediction.roofline_s, prediction.bound, prediction.compute_s, prediction.ssd_s, prediction.optimizer_s)
     return prediction, hardware, shape

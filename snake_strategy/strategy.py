@@ -175,7 +175,7 @@ class GreedySnakeStrategy(DataParallelMixin, ParallelStrategy):
         if len(self.optimizers) != 1:
             raise ValueError(f"strategy='greedysnake' needs exactly one optimizer; configure_optimizers "
                              f"returned {len(self.optimizers)}")
-        self._resolve_plan(self.optimizers[0])
+        self._resolve_plan(self.optimizers[0], clip)
         # Once a run gave its weights back, they are the module's weights: pretrained= was the starting point.
         pretrained = None if self._gave_back_weights else self.pretrained
         self.engine = build_engine(lambda: SnakeEngine(  # several ranks: layouts checked, one failure stops all
@@ -344,14 +344,15 @@ class GreedySnakeStrategy(DataParallelMixin, ParallelStrategy):
                 self.plan.kept_units = sorted(self.engine.runner.kept.units or ())
         return prediction
 
-    def _resolve_plan(self, optimizer: Any) -> None:
-        """The planner turns the requested "auto" settings into this run's concrete ones (explicit ones kept)."""
+    def _resolve_plan(self, optimizer: Any, clip: tuple[str, float] | None = None) -> None:
+        """The planner turns the requested "auto" settings (and ``clip``: alpha, step mode) into concrete ones."""
         storage, schedule = self.requested
         hardware = self.hardware if isinstance(self.hardware, HardwareProfile) else HardwareProfile()
         self.plan = resolve(self.lightning_module, optimizer, storage, schedule, self.precision_plugin.dtypes.bytes_per(
             "compute"), self.precision_plugin.dtypes.bytes_per("master"), self.root_device, hardware,
             processes_per_node=self.num_processes,
-            optimizer_shards=self.world_size if self.shard_optimizer_state else 1)  # per-rank moments
+            optimizer_shards=self.world_size if self.shard_optimizer_state else 1,  # per-rank moments
+            clip=clip, loss_scaling=self.precision_plugin.dtypes.loss_scaling)
         self.storage, self.schedule = self.plan.storage, self.plan.schedule
         log.info("planner: %s", self.plan.describe())
 

@@ -21,13 +21,14 @@ from snake_strategy.activations import ActivationStore
 from snake_strategy.config import ScheduleConfig, StorageConfig
 from snake_strategy.contract import batch_size, batch_tensors, check_contract, slice_batch, split_micro_batches, unpack_pre_stage
 from snake_strategy.engine.build import build_model, check_trainable
-from snake_strategy.engine.gradients import GradientPath, defers_whole_units
+from snake_strategy.engine.gradients import GradientPath
 from snake_strategy.engine.half_weights import WeightFormat
 from snake_strategy.engine.hooks import EngineHooks
 from snake_strategy.engine.kept import KeptGraphs
 from snake_strategy.engine.overlap import OptimizerOverlap
 from snake_strategy.engine.partition import Partition, shard_range
 from snake_strategy.engine.reduce import GradientReducer
+from snake_strategy.engine.rollback import RollbackStore, SpeculationPolicy
 from snake_strategy.engine.runner import StepRunner, StepState
 from snake_strategy.engine.streaming import stream_blocks, streamed_forward
 from snake_strategy.engine.trace import TaskTrace
@@ -67,8 +68,11 @@ class SnakeEngine:
         self.planned_budget_bytes = storage.host_budget_bytes or planned_budget_bytes
         self.hooks = hooks or EngineHooks()
         self.progress = or_quiet(progress)  # setup, long steps and export report here
-        # Norm clipping and loss scaling defer each unit's whole update to the next forward.
-        self.alpha = 1.0 if defers_whole_units(clip, self.scaler.enabled) else schedule.alpha
+        # The alpha and step mode that run are the plan's (autoplan.resolve): nothing is decided again here.
+        self.alpha = schedule.alpha
+        # The speculative step under norm clipping / fp16 (engine/rollback.py): units stepped at alpha.
+        self.speculation = SpeculationPolicy(clip, self.scaler, schedule)
+        self.speculative = self.speculation.enabled
         self.counters = TrafficCounters()
         self.trace = TaskTrace()
         # Data parallel (world_size > 1, a process group set up): unit gradients summed across ranks.
@@ -126,6 +130,9 @@ class SnakeEngine:
                                         self.storage.optimizer_chunk_elems, self.hooks.before_optimizer_chunk,
                                         trace=self.trace)
         self._parts.append(self.overlap)
+        if self.speculative:
+            self.overlap.rollback = RollbackStore(self.units, self.storage.rollback, self.dtypes.master, self.device,
+                                                  self.counters, self.io, self.ssd)
         self.weights = WeightStreamer(self.units, self.overlap, self.trace, s.prefetch_depth, self.dtypes.weights,
                                       self.device)
         self._parts.append(self.weights)
@@ -172,7 +179,7 @@ class SnakeEngine:
             # the split backward keeps every micro-batch's Linear inputs and output gradients until W(u)
             micro_per_backward_task=s.num_micro_batches if s.batched_backward or s.split_backward else 1,
             checkpoint_bytes=checkpoint_bytes, shard_world_size=self.world_size if self.partition else 1,
-            shard_rank=self.partition.rank if self.partition else 0)
+            shard_rank=self.partition.rank if self.partition else 0, speculative=self.speculative)
 
     def host_bytes_plan(self, checkpoint_bytes: int = 0) -> dict[str, int]:
         """Host memory the run needs, by item (memory.host_plan)."""
@@ -191,7 +198,7 @@ class SnakeEngine:
             raise ValueError(
                 f"the plan needs {needed / 2**30:.2f} GiB ({needed} bytes) of host memory but "
                 f"storage.host_budget_bytes allows {budget / 2**30:.2f} GiB ({budget} bytes): {format_plan(plan)}. "
-                "To fit: move weights/optimizer/gradients/checkpoints shares to 'ssd', lower "
+                "To fit: move weights/optimizer/gradients/checkpoints shares (or storage.rollback) to 'ssd', lower "
                 "schedule.prefetch_depth, use smaller units (schedule.blocks_per_unit), fewer micro-batches "
                 "or a smaller micro-batch, or raise storage.host_budget_bytes")
 
@@ -267,6 +274,7 @@ class SnakeEngine:
         self.gradients.begin_step(len(micro_batches), self._hps, self.step_count)
         self.nonlayer.zero_grads()
         self.overlap.submit_forward_parts()
+        self.overlap.begin_step(*self.speculation.begin_step())  # speculate unless the last step clipped
         self.activations.set_num_micro(self.storage, len(micro_batches))
         # Every micro-batch's loss is divided by the configured count, a short batch's too (as Lightning's
         # accumulation does in an epoch's last, partial window), and by the ranks whose gradients are summed.
@@ -315,13 +323,15 @@ class SnakeEngine:
             pending.wait()
             self.nonlayer.used = [bool(n) for n in pending.used.tolist()]
         skip, factor = self.gradients.finish(self.nonlayer, stats)
+        redo = self.speculation.settle_step(skip, stats, self.overlap.speculated, self.overlap.saved)
         if skip:
-            # fp16 overflow: every unit's update is still pending (deferred whole): drop them all.
+            # fp16 overflow: drop every pending update; put back the backward parts stepped speculatively.
+            self.overlap.restore(self.overlap.speculated)
             self.overlap.drop_forward_parts()
         else:
             self.nonlayer.step(self._hps, self.step_count)
             # Lightning steps the LR scheduler right after this returns: the forward parts keep this snapshot.
-            self.overlap.defer_forward_parts(self._hps, self.step_count, factor)
+            self.overlap.defer_forward_parts(self._hps, self.step_count, factor, redo)
             self.step_count += 1
         stats["optimizer_s"] = time.perf_counter() - start_s
         stats["optimizer_wait_s"] = wait_s

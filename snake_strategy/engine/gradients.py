@@ -25,10 +25,6 @@ from snake_strategy.precision import LossScaler
 from snake_strategy.storage.pool import BufferPool
 
 
-def defers_whole_units(clip: tuple[str, float] | None, loss_scaling: bool) -> bool:
-    return loss_scaling or (clip is not None and clip[0] == "norm")
-
-
 class GradientPath:
     def __init__(self, units: list[UnitStore], overlap: OptimizerOverlap, pool: BufferPool,
                  clip: tuple[str, float] | None, scaler: LossScaler, reducer: GradientReducer | None = None,
