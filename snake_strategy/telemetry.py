@@ -145,7 +145,7 @@ class StepReport(pl.Callback):
             # producers that waited for a free pooled buffer (memory held to the budget, at this cost)
             "perf/backpressure_wait_s": float(stats.get("backpressure_wait_s", 0.0)),
         }
-        if "speculation" in stats:  # norm clipping / fp16: was this step speculative; rollbacks so far
+        if "speculation" in stats:  # was this step speculative (norm clipping / fp16); rollbacks so far
             metrics["perf/speculation"] = float(stats["speculation"])
             metrics["perf/rollbacks"] = float(stats["rollbacks"])
         prediction = getattr(trainer.strategy, "prediction", None)

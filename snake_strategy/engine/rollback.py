@@ -100,9 +100,10 @@ class SpeculationPolicy:
 
     def settle_step(self, skip: bool, stats: dict, speculated: set[int], saved: set[int]) -> dict[int, str]:
         """After the step's global decision (``skip``: an fp16 overflow; ``stats["clip_factor"]``): record it
-        in ``stats``, choose the next step's mode, and return the backward parts to step at the next forward
+        in ``stats`` (every step, speculation enabled or not), choose the next step's mode, and return the backward parts to step at the next forward
         with the true factor (none after a skip: the engine restores the speculated ones)."""
-        if self.mode is None:
+        if self.mode is None:  # logged every step all the same (perf/speculation 0)
+            stats["speculation"], stats["rolled_back"], stats["rollbacks"] = False, False, self.rollbacks
             return {}
         wrong = skip or stats.get("clip_factor", 1.0) != 1.0
         rolled_back = self.mode == SPECULATE and wrong
