@@ -299,7 +299,7 @@ def first_prediction(engine: Any, hardware: HardwareProfile | str | None, device
         out_dim, in_dim = engine.largest_block_matrix()
         hardware = dataclasses.replace(
             hardware, flops_per_s=matmul_flops_per_s(shape.tokens_per_micro, in_dim, out_dim, device))
-    prediction = predict(shape, hardware, engine.storage, engine.schedule.kind, engine.alpha, engine.speculative)
+    prediction = predict(shape, hardware, engine.storage, engine.schedule.kind, engine.alpha, engine.speculation.enabled)
     log.info("planner: predicted floor %.3f s/step (%s-bound; compute %.3f s, ssd %.3f s, optimizer %.3f s)",
              prediction.roofline_s, prediction.bound, prediction.compute_s, prediction.ssd_s, prediction.optimizer_s)
     return prediction, hardware, shape

@@ -9,6 +9,11 @@ the clip triggers on every odd step only (also at lr 1e-3: odd-step factors 0.20
 speculative (clipped: rolled back, redone), step 2 deferred (its norm is within max_norm: speculate
 again), step 3 speculative (rolled back), ...
 """
+import os
+import signal
+import subprocess
+import sys
+
 import lightning as L
 import pytest
 import torch
@@ -220,3 +225,71 @@ def test_fp16_overflow_and_clipping_roll_back_exactly(tiers, rollback, tmp_path)
         for name in want:
             torch.testing.assert_close(got[name], want[name], rtol=0, atol=FP16_ATOL, msg=f"step {step} {name}")
     assert all(torch.equal(log.states[0][k], log.states[1][k]) for k in log.states[0])  # the skipped step
+
+
+# ---------------------------------------------------------------------------------------------- kill
+def _fit_alternating(max_steps, ssd_dir, ckpt_dir=None, ckpt_path=None, kill_marker=None):
+    """AlternatingGPT, state and rollback slots in SSD files, 3 steps per epoch (a resume after step 3
+    starts a fresh epoch: bitwise), checkpoints every 3 steps when ``ckpt_dir`` is given; ``kill_marker``:
+    the process SIGKILLs itself inside a redo (``KillInRedo``)."""
+    torch.manual_seed(0)
+    kill = KillInRedo(kill_marker) if kill_marker else None
+    hooks = snake_strategy.EngineHooks(before_optimizer_chunk=kill)
+    x, y = token_data(3 * MICRO * MICRO_SIZE, SMALL_GPT.context_len, SMALL_GPT.vocab_size)
+    strategy = snake_strategy.GreedySnakeStrategy(
+        storage={"ssd_dir": str(ssd_dir), "weights": "ssd", "optimizer": "ssd", "rollback": "ssd"},
+        schedule={"kind": "vertical", "num_micro_batches": MICRO, "alpha": 0.25}, hooks=hooks)
+    if kill is not None:
+        kill.strategy = strategy
+    callbacks = []
+    if ckpt_dir is not None:
+        callbacks.append(L.pytorch.callbacks.ModelCheckpoint(dirpath=str(ckpt_dir), every_n_train_steps=3,
+                                                             save_top_k=-1))
+    trainer = L.Trainer(strategy=strategy, precision="32-true", max_steps=max_steps, callbacks=callbacks,
+                        gradient_clip_val=MAX_NORM, **trainer_kwargs(enable_checkpointing=ckpt_dir is not None))
+    module = AlternatingGPT(SMALL_GPT, learning_rate=LR["64-true"])
+    trainer.fit(module, train_dataloaders=DataLoader(TensorDataset(x, y), batch_size=MICRO * MICRO_SIZE),
+                ckpt_path=ckpt_path)
+    return {k: v.detach().clone() for k, v in module.state_dict().items()}
+
+
+class KillInRedo:
+    """EngineHooks.before_optimizer_chunk: SIGKILL this process inside the redo of a rolled-back step, after
+    units 0 and 1 were redone and before unit 2's redo chunk (its second chunk of that step: the first is
+    its forward part), so the SSD files hold a mix of redone and speculated units."""
+
+    def __init__(self, marker):
+        self.marker, self.strategy, self.calls = marker, None, 0
+
+    def __call__(self, unit):
+        engine = self.strategy.engine
+        if engine.step_count == 4 and engine.last_step_stats.get("rolled_back") and unit == 2:
+            self.calls += 1
+            if self.calls == 2:
+                with open(self.marker, "w") as f:
+                    f.write(f"redo of step {engine.step_count - 1}, unit {unit}, rollbacks "
+                            f"{engine.last_step_stats['rollbacks']}")
+                os.kill(os.getpid(), signal.SIGKILL)
+
+
+KILL_SCRIPT = r"""
+import sys
+sys.path.insert(0, sys.argv[1])
+from tests.test_speculation import _fit_alternating
+_fit_alternating(6, sys.argv[2], ckpt_dir=sys.argv[3], kill_marker=sys.argv[4])
+"""
+
+
+def test_sigkill_during_a_rollback_resumes_bitwise_from_the_last_checkpoint(tmp_path):
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    ckpts, marker = tmp_path / "ckpts", tmp_path / "killed"
+    proc = subprocess.run([sys.executable, "-c", KILL_SCRIPT, repo, str(tmp_path / "ssd_killed"), str(ckpts),
+                           str(marker)], cwd=repo, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
+    assert marker.read_text() == "redo of step 3, unit 2, rollbacks 2"  # the second rollback, mid-redo
+    assert sorted(os.listdir(ckpts)) == ["epoch=0-step=3.ckpt"]
+    straight = _fit_alternating(6, tmp_path / "ssd_a")
+    resumed = _fit_alternating(6, tmp_path / "ssd_b", ckpt_path=str(ckpts / "epoch=0-step=3.ckpt"))
+    assert straight.keys() == resumed.keys()
+    for name in straight:
+        assert torch.equal(straight[name], resumed[name]), name

@@ -68,11 +68,8 @@ class SnakeEngine:
         self.planned_budget_bytes = storage.host_budget_bytes or planned_budget_bytes
         self.hooks = hooks or EngineHooks()
         self.progress = or_quiet(progress)  # setup, long steps and export report here
-        # The alpha and step mode that run are the plan's (autoplan.resolve): nothing is decided again here.
-        self.alpha = schedule.alpha
-        # The speculative step under norm clipping / fp16 (engine/rollback.py): units stepped at alpha.
-        self.speculation = SpeculationPolicy(clip, self.scaler, schedule)
-        self.speculative = self.speculation.enabled
+        self.alpha = schedule.alpha  # the plan's, as its step mode (autoplan.resolve): not decided again here
+        self.speculation = SpeculationPolicy(clip, self.scaler, schedule)  # norm clipping / fp16: rollback.py
         self.counters = TrafficCounters()
         self.trace = TaskTrace()
         # Data parallel (world_size > 1, a process group set up): unit gradients summed across ranks.
@@ -130,9 +127,8 @@ class SnakeEngine:
                                         self.storage.optimizer_chunk_elems, self.hooks.before_optimizer_chunk,
                                         trace=self.trace)
         self._parts.append(self.overlap)
-        if self.speculative:
-            self.overlap.rollback = RollbackStore(self.units, self.storage.rollback, self.dtypes.master, self.device,
-                                                  self.counters, self.io, self.ssd)
+        self.overlap.rollback = RollbackStore(self.units, self.storage.rollback, self.dtypes.master, self.device,
+                                              self.counters, self.io, self.ssd) if self.speculation.enabled else None
         self.weights = WeightStreamer(self.units, self.overlap, self.trace, s.prefetch_depth, self.dtypes.weights,
                                       self.device)
         self._parts.append(self.weights)
@@ -144,7 +140,7 @@ class SnakeEngine:
         self.grad_pool = BufferPool("gradients", pools.grad_buffers, max(grad_elems + [1]),
                                     self.dtypes.master, self.device, trace=self.trace)
         self.gradients = GradientPath(self.units, self.overlap, self.grad_pool, self.clip, self.scaler, self.reducer,
-                                      self.partition)
+                                      self.partition, self.speculation)
         if self.partition is not None:
             self.overlap.gather = lambda u: self.partition.gather_weights(self.units[u])
         self.runner = StepRunner(self.module, self.units, self.nonlayer, self.weights, self.activations,
@@ -179,7 +175,7 @@ class SnakeEngine:
             # the split backward keeps every micro-batch's Linear inputs and output gradients until W(u)
             micro_per_backward_task=s.num_micro_batches if s.batched_backward or s.split_backward else 1,
             checkpoint_bytes=checkpoint_bytes, shard_world_size=self.world_size if self.partition else 1,
-            shard_rank=self.partition.rank if self.partition else 0, speculative=self.speculative)
+            shard_rank=self.partition.rank if self.partition else 0, speculative=self.speculation.enabled)
 
     def host_bytes_plan(self, checkpoint_bytes: int = 0) -> dict[str, int]:
         """Host memory the run needs, by item (memory.host_plan)."""
@@ -274,7 +270,6 @@ class SnakeEngine:
         self.gradients.begin_step(len(micro_batches), self._hps, self.step_count)
         self.nonlayer.zero_grads()
         self.overlap.submit_forward_parts()
-        self.overlap.begin_step(*self.speculation.begin_step())  # speculate unless the last step clipped
         self.activations.set_num_micro(self.storage, len(micro_batches))
         # Every micro-batch's loss is divided by the configured count, a short batch's too (as Lightning's
         # accumulation does in an epoch's last, partial window), and by the ranks whose gradients are summed.
@@ -323,15 +318,13 @@ class SnakeEngine:
             pending.wait()
             self.nonlayer.used = [bool(n) for n in pending.used.tolist()]
         skip, factor = self.gradients.finish(self.nonlayer, stats)
-        redo = self.speculation.settle_step(skip, stats, self.overlap.speculated, self.overlap.saved)
         if skip:
             # fp16 overflow: drop every pending update; put back the backward parts stepped speculatively.
-            self.overlap.restore(self.overlap.speculated)
             self.overlap.drop_forward_parts()
         else:
             self.nonlayer.step(self._hps, self.step_count)
             # Lightning steps the LR scheduler right after this returns: the forward parts keep this snapshot.
-            self.overlap.defer_forward_parts(self._hps, self.step_count, factor, redo)
+            self.overlap.defer_forward_parts(self._hps, self.step_count, factor, self.gradients.redo)
             self.step_count += 1
         stats["optimizer_s"] = time.perf_counter() - start_s
         stats["optimizer_wait_s"] = wait_s

@@ -181,8 +181,10 @@ class OptimizerOverlap:
         self._add_busy(time.perf_counter() - start_s)
 
     def drop_forward_parts(self) -> None:
-        """Forget the parked gradients (a skipped fp16 step): nothing is applied."""
+        """Forget the parked gradients (a skipped fp16 step): nothing is applied, and the backward parts
+        stepped speculatively get their pre-step state back (``restore``)."""
         self._deferred = None
+        self.restore(self.speculated)
 
     def submit_forward_parts(self) -> None:
         """Queue every pending forward part (the worker applies them in unit order, ahead of use)."""
