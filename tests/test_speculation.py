@@ -280,6 +280,7 @@ _fit_alternating(6, sys.argv[2], ckpt_dir=sys.argv[3], kill_marker=sys.argv[4])
 """
 
 
+@pytest.mark.slow
 def test_sigkill_during_a_rollback_resumes_bitwise_from_the_last_checkpoint(tmp_path):
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     ckpts, marker = tmp_path / "ckpts", tmp_path / "killed"
