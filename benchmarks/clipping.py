@@ -121,6 +121,25 @@ def _plot(report: dict, path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+def _summarize(report: dict, out: Path) -> None:
+    """Ratios to the unclipped case, rollback bytes; writes the JSON and the plot."""
+    done = {c["case"]: c for c in report["cases"] if "error" not in c}
+    if "none" in done:
+        base = done["none"]["s_per_step"]
+        for c in done.values():
+            c["vs_unclipped"] = c["s_per_step"] / base
+            c["peak_rss_within_budget"] = c["peak_rss_bytes"] <= c["host_budget_bytes"]
+    for c in done.values():
+        rolled = [i for i, r in enumerate(c["steps"]) if r["rollbacks"] and
+                  (i == 0 or r["rollbacks"] > c["steps"][i - 1]["rollbacks"])]
+        # a rollback's redo reads the saved state in the next step's forward
+        c["rollback_read_bytes_per_rollback"] = [c["steps"][i + 1]["rollback_read_bytes"] for i in rolled
+                                                 if i + 1 < len(c["steps"])]
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=1))
+    _plot(report, out.with_suffix(".png"))
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", default="gpt_1b")
@@ -144,28 +163,22 @@ def main(argv: list[str] | None = None) -> int:
         cmd = [sys.executable, __file__, "--case", name, "--preset", args.preset, "--steps", str(args.steps),
                "--context-len", str(args.context_len), "--micro-batch-size", str(args.micro_batch_size),
                "--lr", str(args.lr)] + (["--ssd-root", args.ssd_root] if args.ssd_root else [])
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        sys.stderr.write("".join(line + "\n" for line in proc.stdout.splitlines() if not line.startswith("RESULT ")))
-        lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+        lines = []
+        with tempfile.TemporaryFile("w+") as err:
+            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True)
+            for line in proc.stdout:  # the per-step lines as they come
+                if line.startswith("RESULT "):
+                    lines.append(line)
+                else:
+                    print(line, end="", flush=True)
+            proc.wait()
+            err.seek(0)
+            error = err.read()
         if proc.returncode != 0 or not lines:
-            report["cases"].append({"case": name, "error": (proc.stderr or proc.stdout)[-3000:]})
+            report["cases"].append({"case": name, "error": error[-3000:]})
             continue
         report["cases"].append(json.loads(lines[-1][len("RESULT "):]))
-    done = {c["case"]: c for c in report["cases"] if "error" not in c}
-    if "none" in done:
-        base = done["none"]["s_per_step"]
-        for c in done.values():
-            c["vs_unclipped"] = c["s_per_step"] / base
-            c["peak_rss_within_budget"] = c["peak_rss_bytes"] <= c["host_budget_bytes"]
-    for c in done.values():
-        rolled = [i for i, r in enumerate(c["steps"]) if r["rollbacks"] and
-                  (i == 0 or r["rollbacks"] > c["steps"][i - 1]["rollbacks"])]
-        # a rollback's redo reads the saved state in the next step's forward
-        c["rollback_read_bytes_per_rollback"] = [c["steps"][i + 1]["rollback_read_bytes"] for i in rolled
-                                                 if i + 1 < len(c["steps"])]
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(report, indent=1))
-    _plot(report, Path(args.out).with_suffix(".png"))
+        _summarize(report, Path(args.out))  # after every case: a long run cut short keeps what it measured
     for c in report["cases"]:
         if "error" in c:
             print(f"{c['case']}: FAILED {c['error'][-500:]}")
