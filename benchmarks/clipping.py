@@ -40,7 +40,6 @@ def run_case(name: str, preset_name: str, steps: int, context_len: int, micro_ba
     import snake_strategy
     from snake_strategy.data import ByteWindows, load_corpus
     from snake_strategy.gpt import GPTModule, preset
-    from snake_strategy.telemetry import step_traffic
 
     case = CASES[name]
     cfg = preset(preset_name)
@@ -61,12 +60,12 @@ def run_case(name: str, preset_name: str, steps: int, context_len: int, micro_ba
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             engine = trainer.strategy.engine
-            stats = engine.last_step_stats
-            traffic = step_traffic(stats)
+            stats = engine.last_step
+            traffic = stats.step_traffic()
             rows.append({"step_s": time.perf_counter() - marks["step"], "loss": float(outputs["loss"]),
-                         "alpha": engine.alpha, "speculation": stats.get("speculation"),
-                         "rollbacks": stats.get("rollbacks"), "clip_factor": stats.get("clip_factor"),
-                         "grad_norm": stats.get("grad_norm"),
+                         "alpha": engine.alpha, "speculation": stats.speculation,
+                         "rollbacks": stats.rollbacks, "clip_factor": stats.clip_factor,
+                         "grad_norm": stats.grad_norm,
                          "rollback_write_bytes": sum(v for k, v in traffic.items()
                                                      if "/rollback/" in k and k.endswith("/write")),
                          "rollback_read_bytes": sum(v for k, v in traffic.items()

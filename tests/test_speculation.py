@@ -47,13 +47,12 @@ class SpeculationLog(L.Callback):
         self.modes, self.rollbacks, self.factors, self.rollback_bytes = [], [], [], []
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        stats = trainer.strategy.engine.last_step_stats
+        stats = trainer.strategy.engine.last_step
         self.alpha = trainer.strategy.engine.alpha  # the alpha that runs
-        self.modes.append(stats["speculation"])
-        self.rollbacks.append(stats["rollbacks"])
-        self.factors.append(stats.get("clip_factor"))
-        traffic = {**stats["traffic"], **stats["optimizer_traffic"]}
-        self.rollback_bytes.append(sum(v for k, v in traffic.items() if "/rollback/" in k))
+        self.modes.append(stats.speculation)
+        self.rollbacks.append(stats.rollbacks)
+        self.factors.append(stats.clip_factor)
+        self.rollback_bytes.append(sum(v for k, v in stats.step_traffic().items() if "/rollback/" in k))
 
 
 def _close(got, ref, precision):
@@ -190,7 +189,7 @@ class _Fp16Steer(SpeculationLog):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
-        self.skipped.append(bool(trainer.strategy.engine.last_step_stats.get("skipped", False)))
+        self.skipped.append(trainer.strategy.engine.last_step.skipped)
         self.states.append(trainer.strategy.engine.state_dict())
 
 
@@ -263,12 +262,12 @@ class KillInRedo:
 
     def __call__(self, unit):
         engine = self.strategy.engine
-        if engine.step_count == 4 and engine.last_step_stats.get("rolled_back") and unit == 2:
+        if engine.step_count == 4 and engine.last_step.rolled_back and unit == 2:
             self.calls += 1
             if self.calls == 2:
                 with open(self.marker, "w") as f:
                     f.write(f"redo of step {engine.step_count - 1}, unit {unit}, rollbacks "
-                            f"{engine.last_step_stats['rollbacks']}")
+                            f"{engine.last_step.rollbacks}")
                 os.kill(os.getpid(), signal.SIGKILL)
 
 

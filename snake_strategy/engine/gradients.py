@@ -22,6 +22,7 @@ from snake_strategy.engine.partition import Partition, shard_range
 from snake_strategy.engine.reduce import GradientReducer
 from snake_strategy.engine.rollback import SpeculationPolicy
 from snake_strategy.engine.state import NonLayerState, UnitStore
+from snake_strategy.engine.view import StepStats
 from snake_strategy.optim import AdamHyperParams
 from snake_strategy.precision import LossScaler
 from snake_strategy.storage.pool import BufferPool
@@ -149,7 +150,7 @@ class GradientPath:
             self._pool.release(self._acc[1])
             self._acc = None
 
-    def finish(self, nonlayer: NonLayerState, stats: dict) -> tuple[bool, float | None]:
+    def finish(self, nonlayer: NonLayerState, stats: StepStats) -> tuple[bool, float | None]:
         """After every backward part is submitted and waited: (skip the step?, factor for deferred parts).
 
         Applies the same factor to the non-layer gradients. Updates the loss scaler (16-mixed). Settles the
@@ -161,7 +162,7 @@ class GradientPath:
             self.redo = self._speculation.settle_step(skip, stats, self._overlap.speculated, self._overlap.saved)
         return skip, factor
 
-    def _finish(self, nonlayer: NonLayerState, stats: dict) -> tuple[bool, float | None]:
+    def _finish(self, nonlayer: NonLayerState, stats: StepStats) -> tuple[bool, float | None]:
         used = nonlayer.used_grads()
         scale_used = self._scaler.scale
         if self._scaler.enabled:
@@ -169,9 +170,9 @@ class GradientPath:
             if self._partition is not None:  # one all-reduce of the inf flag: every rank saw its shards only
                 flag = torch.tensor([float(self._found_inf)], dtype=torch.float64)
                 self._found_inf = bool(self._reducer.all_reduce_now(flag, dist.ReduceOp.MAX).item())
-            stats["loss_scale"] = scale_used
+            stats.loss_scale = scale_used
             if self._scaler.update(self._found_inf):
-                stats["skipped"] = True
+                stats.skipped = True
                 return True, None
         unscale = 1.0 / scale_used if self._scaler.enabled else None
         if unscale is not None:
@@ -194,5 +195,5 @@ class GradientPath:
         factor = min(1.0, value / (total_norm + 1e-6))
         for g in used:
             g.mul_(factor)
-        stats["grad_norm"], stats["clip_factor"] = total_norm, factor
+        stats.grad_norm, stats.clip_factor = total_norm, factor
         return False, factor * unscale if unscale is not None else factor

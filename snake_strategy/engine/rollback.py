@@ -26,6 +26,7 @@ import torch
 from snake_strategy.config import ScheduleConfig, TierSplit
 from snake_strategy.engine.partition import shard_range
 from snake_strategy.engine.state import UnitStore
+from snake_strategy.engine.view import StepStats
 from snake_strategy.storage import IOEngine, SsdDirectory, TieredTensor, TrafficCounters
 from snake_strategy.precision import LossScaler
 from snake_strategy.storage.io_engine import Ticket
@@ -98,21 +99,20 @@ class SpeculationPolicy:
         self.mode = (SPECULATE if self.speculate_next else DEFER) if self.enabled else None
         return self.mode, 1.0 / self._scaler.scale if self._unscales else None
 
-    def settle_step(self, skip: bool, stats: dict, speculated: set[int], saved: set[int]) -> dict[int, str]:
-        """After the step's global decision (``skip``: an fp16 overflow; ``stats["clip_factor"]``): record it
+    def settle_step(self, skip: bool, stats: StepStats, speculated: set[int], saved: set[int]) -> dict[int, str]:
+        """After the step's global decision (``skip``: an fp16 overflow; ``stats.clip_factor``): record it
         in ``stats`` (every step, speculation enabled or not), choose the next step's mode, and return the backward parts to step at the next forward
         with the true factor (none after a skip: the engine restores the speculated ones)."""
         if self.mode is None:  # logged every step all the same (perf/speculation 0)
-            stats["speculation"], stats["rolled_back"], stats["rollbacks"] = False, False, self.rollbacks
+            stats.speculation, stats.rolled_back, stats.rollbacks = False, False, self.rollbacks
             return {}
-        wrong = skip or stats.get("clip_factor", 1.0) != 1.0
+        wrong = skip or (stats.clip_factor is not None and stats.clip_factor != 1.0)
         rolled_back = self.mode == SPECULATE and wrong
         self.speculative_steps += self.mode == SPECULATE
         self.rollbacks += rolled_back
         # Early training clips step after step: defer until a step's norm is back within max_norm.
         self.speculate_next = not wrong
-        stats["speculation"], stats["rolled_back"], stats["rollbacks"] = self.mode == SPECULATE, rolled_back, \
-            self.rollbacks
+        stats.speculation, stats.rolled_back, stats.rollbacks = self.mode == SPECULATE, rolled_back, self.rollbacks
         if skip:
             return {}
         redo = {u: APPLY for u in saved}

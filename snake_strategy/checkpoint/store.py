@@ -1,0 +1,338 @@
+"""Saving a checkpoint directory from the engine's tiers, keeping a complete one under its name at every
+instant, and loading it back (format.py has the layout).
+
+Saving streams one unit at a time from its tiers (never the whole model in memory) into a temporary
+sibling ``.<name>.tmp-<pid>`` that replaces ``<name>`` only when complete, so a failure (ENOSPC, EIO, a
+kill) leaves the previous checkpoint intact. The replacement keeps a complete checkpoint under the name
+at every instant: one atomic exchange of the two directories where the filesystem has it (Linux
+``renameat2(RENAME_EXCHANGE)``), otherwise the old one is renamed aside to ``.<name>.old-<pid>`` first.
+A kill between those two renames leaves the name missing and the old checkpoint aside: the next save or
+load of that name moves it back (and removes the leftovers of dead runs), and ``read_manifest``,
+``consolidate`` and the CLI read it too.
+
+Loading verifies every file's size and CRC-32 before use, refuses a model whose frozen base weights
+differ from the ones the checkpoint was trained on, and reads each unit's state through
+``format.read_range`` whichever format wrote it (per-rank shards are re-sharded on another world size).
+"""
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import errno
+import functools
+import json
+import os
+import shutil
+import sys
+import zlib
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from snake_strategy.checkpoint.format import (DTYPES, FORMAT, STATES, describe_file, fsync_parent, fsync_tree,
+                                              read_range, remove_path, unit_pieces, verified_manifest, verify_file,
+                                              write_raw)
+from snake_strategy.progress import Progress, or_quiet
+from snake_strategy.storage.io_engine import pid_alive
+
+if TYPE_CHECKING:
+    from snake_strategy.engine import SnakeEngine
+
+
+def save(engine: SnakeEngine, checkpoint: dict[str, Any], path: str | os.PathLike,
+         progress: Progress | None = None) -> None:
+    """Write ``engine``'s state to the directory ``path`` (one process's format; a data-parallel run with
+    partitioned optimizer state writes per-rank shards instead: shards.save)."""
+    final = Path(path)
+    _recover(final, clean=True)
+    tmp = sibling(final, "tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    (tmp / "units").mkdir(parents=True)
+    try:
+        engine.flush()  # pending deferred updates belong to the saved state
+        unit_bytes = sum(engine.unit_numel(u) for u in range(engine.num_units)) * engine.dtypes.bytes_per("master")
+        tracker = or_quiet(progress).phase("checkpoint_save", len(STATES) * engine.num_units + 2, what="files",
+                                           total_bytes=len(STATES) * unit_bytes)
+        files = {}
+        for u in range(engine.num_units):
+            values = engine.unit_state(u)
+            for state in STATES:
+                name = f"units/unit{u:05d}.{state}.bin"
+                files[name] = write_raw(tmp / name, values[state])
+                tracker.advance(1, files[name]["bytes"])
+            del values  # one unit in memory at a time
+        commit(engine, checkpoint, tmp, final, files, tracker)
+    except BaseException:
+        # Before the replacement ``tmp`` holds the unfinished new checkpoint, after an exchange the old one:
+        # garbage either way. The checkpoint under ``final`` (or set aside, see _replace) is untouched.
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def commit(engine: SnakeEngine, checkpoint: dict[str, Any], tmp: Path, final: Path, files: dict, tracker: Any,
+           extra: dict | None = None) -> None:
+    """Complete the checkpoint in ``tmp`` whose unit files ``files`` are written: the replicated parts
+    (nonlayer.pt, meta.pt), the manifest last, then put it under ``final``'s name."""
+    frozen = engine.frozen_checksums()
+    units = [{"numel": engine.unit_numel(u), "slots": [list(slot) for slot in engine.unit_slots(u)],
+              "frozen": {"names": [slot[0] for slot in engine.unit_slots(u, trainable=False)],
+                         "crc32": frozen["units"][u]}} for u in range(engine.num_units)]
+    torch.save(engine.nonlayer_state(), tmp / "nonlayer.pt")
+    files["nonlayer.pt"] = describe_file(tmp / "nonlayer.pt")
+    tracker.advance(1, files["nonlayer.pt"]["bytes"])
+    torch.save(checkpoint, tmp / "meta.pt")
+    files["meta.pt"] = describe_file(tmp / "meta.pt")
+    tracker.advance(1, files["meta.pt"]["bytes"])
+    manifest = {"format": FORMAT, "step_count": engine.step_count, "master_dtype": str(engine.dtypes.master),
+                "compute_dtype": str(engine.dtypes.compute),  # the frozen CRC-32s are of these bytes
+                "blocks_per_unit": engine.schedule.blocks_per_unit, "units": units, "files": files,
+                "frozen_nonlayer": frozen["nonlayer"], **(extra or {})}
+    (tmp / "manifest.json").write_text(json.dumps(manifest))
+    fsync_tree(tmp)
+    _replace(tmp, final)
+    tracker.finish()
+
+
+def _replace(new: Path, final: Path) -> None:
+    """Put the complete directory ``new`` under ``final``'s name, a complete checkpoint there at every instant."""
+    if not os.path.lexists(final):
+        os.rename(new, final)  # nothing to displace: one atomic rename
+        fsync_parent(final)
+        return
+    if _exchange(new, final):
+        trash = new  # the old checkpoint now lies under the temporary name
+    else:
+        # Two renames: between them the name is missing and the old checkpoint lies aside, complete,
+        # where _recover finds it if this process dies there.
+        trash = sibling(final, "old")
+        os.rename(final, trash)
+        try:
+            os.rename(new, final)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.rename(trash, final)  # put the old one back; if even that fails, _recover will
+            raise
+    fsync_parent(final)
+    remove_path(trash)
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two directory entries atomically (Linux ``renameat2(RENAME_EXCHANGE)``); False where the
+    platform, the C library or the filesystem does not offer it."""
+    renameat2 = _renameat2()
+    if renameat2 is None:
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    if renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0:
+        return True
+    code = ctypes.get_errno()
+    if code in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP, errno.EOPNOTSUPP):
+        return False  # e.g. NFS, some FUSE filesystems, old kernels
+    raise OSError(code, f"exchanging {a} and {b} failed: {os.strerror(code)}")
+
+
+@functools.cache
+def _renameat2():
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        function = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):  # a C library without it (glibc before 2.28)
+        return None
+    function.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    return function
+
+
+def sibling(final: Path, kind: str) -> Path:
+    # The pid tells a later run whether the owner is still alive (a save in progress) or dead (garbage).
+    return final.with_name(f".{final.name}.{kind}-{os.getpid()}")
+
+
+def _leftovers(final: Path) -> list[tuple[Path, str, int]]:
+    """``(path, kind, pid)`` of the temporary (``tmp``) and set-aside (``old``) siblings of ``final``."""
+    prefix = f".{final.name}."
+    try:
+        names = os.listdir(final.parent)
+    except OSError:
+        return []
+    found = []
+    for name in names:
+        if not name.startswith(prefix):
+            continue
+        kind, _, pid = name[len(prefix):].partition("-")
+        if kind in ("tmp", "old") and pid.isdigit():
+            found.append((final.parent / name, kind, int(pid)))
+    return found
+
+
+def _recover(final: Path, clean: bool) -> Path | None:
+    """The directory that holds checkpoint ``final``: itself, or the old checkpoint a killed save set aside
+    (moved back under its name; read where it lies if that is not allowed). None if there is neither.
+
+    ``clean`` also removes what dead runs left: unfinished temporary directories and set-aside copies of
+    a checkpoint that was replaced. A live process's siblings are its save in progress: never touched.
+    """
+    mine_or_dead = [(p, kind) for p, kind, pid in _leftovers(final) if pid == os.getpid() or not pid_alive(pid)]
+    found: Path | None = final if os.path.lexists(final) else None
+    if found is None:
+        asides = sorted((p for p, kind in mine_or_dead if kind == "old" and (p / "manifest.json").exists()),
+                        key=lambda p: p.stat().st_mtime)
+        if asides:
+            found = asides[-1]
+            try:
+                os.rename(found, final)
+                found = final
+            except OSError:
+                pass  # e.g. a read-only copy of the checkpoints: use it in place
+    if clean:
+        for leftover, _ in mine_or_dead:
+            if leftover != found:
+                remove_path(leftover)
+    return found
+
+
+def locate(path: str | os.PathLike) -> Path:
+    """The checkpoint directory to read for ``path`` (see _recover); a ValueError that says what is there
+    when it holds no checkpoint."""
+    final = Path(path)
+    found = _recover(final, clean=False)
+    if found is None:
+        busy = [pid for _, kind, pid in _leftovers(final) if kind == "old" and pid_alive(pid)]
+        if busy:
+            raise ValueError(f"{final} is being replaced by a running process (pid {busy[0]}) right now; retry "
+                             "in a moment")
+        partial = [p.name for p, kind, _ in _leftovers(final) if kind == "tmp"]
+        raise ValueError(f"there is no checkpoint at {final}"
+                         + (f" (only the unfinished save {partial[0]})" if partial else "")
+                         + ": check the path (ckpt_path); ModelCheckpoint names them <dirpath>/<filename>.ckpt")
+    if found.is_file():
+        raise ValueError(f"{found} is a file, not a greedysnake checkpoint directory: an ordinary Lightning "
+                         "checkpoint loads with strategy='auto', or as weights with "
+                         "GreedySnakeStrategy(pretrained=path)")
+    return found
+
+
+def wrong_strategy_error(path: str | os.PathLike) -> ValueError:
+    """What to tell someone who hands a greedysnake checkpoint directory to plain Lightning."""
+    return ValueError(f"{path} is a greedysnake checkpoint directory; consolidate it with `python -m "
+                      f"snake_strategy.checkpoint {path} out.ckpt` and load out.ckpt, or resume with "
+                      "strategy='greedysnake'")
+
+
+def read_manifest(path: str | os.PathLike, progress: Progress | None = None) -> dict:
+    """The verified manifest of the checkpoint at ``path`` (every file's size and CRC-32 checked)."""
+    return verified_manifest(locate(path), progress)
+
+
+def recover(path: str | os.PathLike) -> None:
+    """Adopt the checkpoint a killed save left aside under ``path``'s name, drop dead runs' leftovers (what
+    ``load`` does first; data-parallel ranks let rank 0 alone do it, then all load with ``recover=False``)."""
+    _recover(Path(path), clean=True)
+
+
+def load(engine: SnakeEngine, path: str | os.PathLike, progress: Progress | None = None,
+         recover: bool = True) -> dict[str, Any]:
+    """Stream a checkpoint into the engine's tiers; returns Lightning's checkpoint dict."""
+    if recover:
+        _recover(Path(path), clean=True)  # a resuming run owns the name: adopt, and drop dead runs' leftovers
+    root = locate(path)
+    # The shard files are verified by load_units, each rank those it reads.
+    manifest = verified_manifest(root, progress, verify=lambda name: not name.startswith("shards/"))
+    if len(manifest["units"]) != engine.num_units or manifest["blocks_per_unit"] != engine.schedule.blocks_per_unit:
+        raise ValueError(f"{root} holds {len(manifest['units'])} units of {manifest['blocks_per_unit']} blocks; this "
+                         f"run has {engine.num_units} of {engine.schedule.blocks_per_unit} (schedule.blocks_per_unit)")
+    engine.flush()
+    _check_frozen(root, manifest, engine.frozen_checksums())
+    load_units(engine, root, manifest, progress)
+    engine.load_nonlayer_state(torch.load(root / "nonlayer.pt", map_location="cpu", weights_only=True))
+    engine.step_count = manifest["step_count"]
+    return torch.load(root / "meta.pt", map_location="cpu", weights_only=False)
+
+
+def _check_frozen(root: Path, manifest: dict, current: dict) -> None:
+    """Refuse to resume a fine-tuning checkpoint on top of other base weights than it was trained on."""
+    saved_nonlayer = manifest.get("frozen_nonlayer", {})
+    if set(saved_nonlayer) != set(current["nonlayer"]):
+        raise ValueError(f"{root} was saved with frozen non-layer parameters {sorted(saved_nonlayer)}, this model "
+                         f"freezes {sorted(current['nonlayer'])}; freeze the same parameters to resume it")
+    changed = [name for name, crc in saved_nonlayer.items() if current["nonlayer"][name] != crc]
+    for u, unit in enumerate(manifest["units"]):
+        saved = unit.get("frozen", {"names": [], "crc32": zlib.crc32(b"")})
+        if saved["crc32"] != current["units"][u]:
+            changed += saved["names"] or [f"unit {u}"]
+    if changed:
+        raise ValueError(f"{root} does not hold the frozen (base) weights, and those of this model differ from the "
+                         f"ones it was trained on ({changed[:3]}{' ...' if len(changed) > 3 else ''} have another "
+                         "CRC-32): resume with the same base model (the same pretrained weights, seed and init)")
+
+
+def load_units(engine: SnakeEngine, root: Path, manifest: dict, progress: Progress | None = None) -> None:
+    """Put the checkpoint's unit states (either format) into the engine's tiers: each rank reads the elements
+    it keeps (its shard with partitioned state, else every unit whole), after verifying the files it reads.
+    With several ranks the verification's outcome is agreed on first (one small gather), so a missing
+    shard stops every rank with the same error before any collective."""
+    dtype = DTYPES[manifest["master_dtype"]]
+    partition = engine.partition
+    ranges = []
+    for u in range(engine.num_units):
+        numel = engine.unit_numel(u)
+        if manifest["units"][u]["numel"] != numel:
+            raise ValueError(f"{root}: unit {u} has {manifest['units'][u]['numel']} parameters, the model {numel}")
+        ranges.append(partition.bounds(numel) if partition is not None else (0, numel))
+    error = None
+    try:
+        _verify_shards(root, manifest, ranges)
+    except ValueError as err:
+        error = str(err)
+    if engine.world_size > 1 and dist.is_available() and dist.is_initialized():
+        reports: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(reports, error)  # sync point: one small gather, before any other collective
+        error = next((f"rank {r}: {e}" for r, e in enumerate(reports) if e is not None), None)
+    if error is not None:
+        raise ValueError(error)
+    tracker = or_quiet(progress).phase("checkpoint_load", engine.num_units, total_bytes=len(STATES)
+                                       * dtype.itemsize * sum(hi - lo for lo, hi in ranges))
+    for u, (lo, hi) in enumerate(ranges):
+        state = {name: read_range(root, manifest, u, name, lo, hi, dtype) for name in STATES}
+        if partition is not None:
+            partition.load_local(engine.units[u], state)  # + the all-gather of the weights (a collective)
+        else:
+            engine.load_unit_state(u, state)
+        tracker.advance(1, len(STATES) * (hi - lo) * dtype.itemsize)
+    tracker.finish()
+
+
+def _verify_shards(root: Path, manifest: dict, ranges: list[tuple[int, int]]) -> None:
+    """Every shard file must exist with its recorded size (a stat each: a checkpoint with a shard missing is
+    incomplete, whoever reads it); the ones this rank reads are CRC-checked too."""
+    shards = manifest.get("shards")
+    if shards is None:
+        return  # one process's format: checkpoint.load verified its files
+    files = manifest["files"]
+    listed = {name for name in files if name.startswith("shards/")}
+    for u in range(len(manifest["units"])):
+        for _, _, pattern in unit_pieces(manifest, u):
+            missing = [pattern.format(state=s) for s in STATES if pattern.format(state=s) not in listed]
+            if missing:
+                raise ValueError(f"{root / 'manifest.json'} does not list the shard file {missing[0]}: the manifest is "
+                                 "corrupt; use another checkpoint")
+    needed = {pattern.format(state=s) for u, (lo, hi) in enumerate(ranges)
+              for a, b, pattern in unit_pieces(manifest, u) if max(a, lo) < min(b, hi) for s in STATES}
+    hint = (f": {root} was saved by {shards['world_size']} ranks, each writing its own shard under shards/rank<r>/, "
+            "and resuming needs all of them. Copy or move the whole checkpoint directory (a run on several machines "
+            "must save its checkpoints to a filesystem every rank shares), or resume from another checkpoint")
+    for name in sorted(listed):
+        path = root / name
+        try:
+            if not path.exists():
+                raise ValueError(f"checkpoint shard file {path} is missing")
+            if name in needed:
+                verify_file(path, files[name])  # size and CRC-32
+            elif path.stat().st_size != files[name]["bytes"]:  # another rank's: the size only (no read)
+                size, want = path.stat().st_size, files[name]["bytes"]
+                raise ValueError(f"checkpoint file {path} is {'shorter' if size < want else 'longer'} than the "
+                                 f"manifest says ({size}, not {want} bytes): truncated or overwritten")
+        except ValueError as err:
+            raise ValueError(f"{err}{hint}") from None
