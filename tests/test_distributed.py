@@ -534,7 +534,8 @@ def test_planner_places_each_ranks_moment_shards():
         per_rank = plan(two, hw, mib * 2**20, alpha=choose_alpha(two))
         assert one_rank.storage.weights.host == per_rank.storage.weights.host == 1.0
         assert (one_rank.storage.optimizer.host, per_rank.storage.optimizer.host) == (whole_share, rank_share)
-        assert per_rank.host_bytes <= mib * 2**20
+        placed = memory_inputs(two, hw, per_rank.storage, "vertical", per_rank.alpha, prefetch_depth=2)
+        assert sum(host_plan(placed).values()) <= mib * 2**20
 
 
 def test_shards_cover_each_unit_once_on_whole_pages():
