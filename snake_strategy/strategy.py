@@ -193,7 +193,7 @@ class GreedySnakeStrategy(DataParallelMixin, ParallelStrategy):
         if len(self.optimizers) != 1:
             raise ValueError(f"strategy='greedysnake' needs exactly one optimizer; configure_optimizers "
                              f"returned {len(self.optimizers)}")
-        self._resolve_plan(self.optimizers[0])
+        self._resolve_plan(self.optimizers[0], clip)
         batch = example_batch(trainer)  # map-style loader (nothing iterated): for the check and the floor at setup
         check_outputs_on_meta(module, batch, self.schedule.num_micro_batches)  # before any weight exists
         # Once a run gave its weights back, they are the module's weights: pretrained= was the starting point.
@@ -377,14 +377,14 @@ class GreedySnakeStrategy(DataParallelMixin, ParallelStrategy):
                 self.plan.kept_units = sorted(self.engine.runner.kept.units or ())
         return prediction
 
-    def _resolve_plan(self, optimizer: Any) -> None:
-        """The planner turns the requested "auto" settings into this run's concrete ones (explicit ones kept)."""
+    def _resolve_plan(self, optimizer: Any, clip: tuple[str, float] | None = None) -> None:
+        """The planner turns the requested "auto" settings (and ``clip``: alpha, step mode) into concrete ones."""
         storage, schedule = self.requested
         hardware = self.hardware if isinstance(self.hardware, HardwareProfile) else HardwareProfile()
         self.plan = resolve(self.lightning_module, optimizer, storage, schedule, self.precision_plugin.dtypes.bytes_per(
             "compute"), self.precision_plugin.dtypes.bytes_per("master"), self.root_device, hardware,
-            processes_per_node=self.num_processes,
-            optimizer_shards=self.world_size if self.shard_optimizer_state else 1)  # per-rank moments
+            processes_per_node=self.num_processes, optimizer_shards=self.world_size if self.shard_optimizer_state else 1,
+            clip=clip, loss_scaling=self.precision_plugin.dtypes.loss_scaling)  # per-rank moments; alpha, step mode
         self.storage, self.schedule = self.plan.storage, self.plan.schedule
         log.info("planner: %s", self.plan.describe())
 
