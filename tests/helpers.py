@@ -1,6 +1,7 @@
 """Shared test fixtures: a very small GPT, fixed data, and runners for the reference and greedysnake."""
 from __future__ import annotations
 
+import tempfile
 from typing import Callable
 
 import lightning as L
@@ -71,7 +72,10 @@ class ParamRecorder(L.Callback):
 
 
 def trainer_kwargs(**overrides) -> dict:
-    kw = dict(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+    # default_root_dir: a fresh directory, not the working directory. Weights over a host budget are written
+    # there after fit (after_fit.export_directory), and so are checkpoints of a ModelCheckpoint without dirpath.
+    kw = dict(default_root_dir=tempfile.mkdtemp(prefix="snake-test-"), accelerator="cpu", devices=1, logger=False,
+              enable_checkpointing=False,
               enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
               limit_val_batches=0)
     kw.update(overrides)
