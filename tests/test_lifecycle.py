@@ -68,8 +68,8 @@ def _fit(root, steps: int = 2, module: GPTModule | None = None, budget: int | No
         storage={"ssd_dir": str(root / "ssd"), **SSD_STATES, "host_budget_bytes": budget, **storage},
         schedule={"num_micro_batches": 2}, hooks=hooks, progress=progress)
     checkpointing = any(isinstance(c, ModelCheckpoint) for c in callbacks)
-    trainer = L.Trainer(strategy=strategy, max_steps=steps, default_root_dir=str(root), callbacks=list(callbacks),
-                        **trainer_kwargs(enable_checkpointing=checkpointing))
+    trainer = L.Trainer(strategy=strategy, max_steps=steps, callbacks=list(callbacks),
+                        **trainer_kwargs(enable_checkpointing=checkpointing, default_root_dir=str(root)))
     trainer.fit(module, _loader())
     return module, strategy
 
@@ -229,7 +229,7 @@ def test_export_hf_after_a_mapped_fit(tmp_path):
         strategy = snake_strategy.GreedySnakeStrategy(
             storage={"ssd_dir": str(root / "ssd"), **SSD_STATES, "host_budget_bytes": budget},
             schedule={"num_micro_batches": 2})
-        L.Trainer(strategy=strategy, max_steps=2, default_root_dir=str(root), **trainer_kwargs()).fit(module, loader)
+        L.Trainer(strategy=strategy, max_steps=2, **trainer_kwargs(default_root_dir=str(root))).fit(module, loader)
         return module, strategy
 
     reference, _ = fit(None, tmp_path / "a")
