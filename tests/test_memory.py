@@ -47,6 +47,7 @@ class Plan(L.Callback):
 module = GPTModule(cfg)
 base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 trainer = L.Trainer(strategy=strategy, accelerator="cpu", max_steps=2, logger=False, enable_checkpointing=False,
+                    default_root_dir=ssd_dir + "-root",  # weights over the budget are written there after fit
                     enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0, callbacks=[Plan()])
 trainer.fit(module, train_dataloaders=loader)
 print(json.dumps({"peak": peak[0], "base": base, "planned": sum(plan.values()), "kept_graphs": plan.get("kept_graphs", 0),
