@@ -110,6 +110,9 @@ class StorageConfig:
     # "ssd". None: the planner puts it on the host when the budget allows (placement "auto"), else the
     # host (placement "manual").
     rollback: str | None = None
+    # Where the trained weights go after fit when they do not fit the host budget (a safetensors file the
+    # module's parameters then map); None: next to the last checkpoint, else the Trainer's default_root_dir.
+    export_dir: str | None = None
 
     def __post_init__(self) -> None:
         if self.placement not in PLACEMENTS:
@@ -140,6 +143,8 @@ class StorageConfig:
         if self.ssd_dir is not None:
             # "~/ssd" or "$SCRATCH/run1" as a shell would read it, not a directory literally named "~".
             self.ssd_dir = os.path.expandvars(os.path.expanduser(os.fspath(self.ssd_dir)))
+        if self.export_dir is not None:
+            self.export_dir = os.path.expandvars(os.path.expanduser(os.fspath(self.export_dir)))
 
     def uses_ssd(self) -> bool:
         return any(getattr(self, state).ssd > 0 for state in STATES) or self.rollback == "ssd"

@@ -75,8 +75,9 @@ class SnakeEngine:
         self.dtypes, self.device, self.clip = runtime.dtypes, runtime.device, clip
         self.master_dtype = runtime.dtypes.master  # the dtype of named_weights()' trained values
         self.scaler = runtime.scaler if runtime.scaler is not None else LossScaler(runtime.dtypes.loss_scaling)
-        # What keep_activations="auto" may fill: the hard budget, else the one the planner placed within.
-        self.planned_budget_bytes = storage.host_budget_bytes or plan.host_budget_bytes or None
+        # What keep_activations="auto" may fill: the plan's budget (planning/host_memory.host_budget decided
+        # it, a given one included); a plan made without a budget leaves only the hard one.
+        self.planned_budget_bytes = plan.host_budget_bytes or storage.host_budget_bytes or None
         self.hooks = runtime.hooks or EngineHooks()
         self.progress = or_quiet(runtime.progress)  # setup, long steps and export report here
         self.alpha = schedule.alpha  # the plan's, as its step mode (autoplan.resolve): not decided again here

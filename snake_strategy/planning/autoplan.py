@@ -6,10 +6,10 @@ Choices (docs/design.md, "The planner drives the run"; the measurements behind t
 
 - **placement**: everything on the host when the whole run fits the host budget (nothing is faster);
   otherwise ``planner.plan`` fills the budget with the states that move the most bytes per byte stored
-  (weights, then Adam moments) and puts the rest on the SSD. The budget is
-  ``storage.host_budget_bytes`` (per process), or ``AVAILABLE_MEMORY_SHARE`` of the memory the kernel
-  reports available at setup, divided among the processes of the node; ``ACTIVATION_RESERVE_SHARE`` of it is left for the activations (sized at the
-  first step, when the host budget is checked again with them).
+  (weights, then Adam moments) and puts the rest on the SSD. The budget is ``host_memory.host_budget``:
+  the tightest of ``storage.host_budget_bytes``, a share of MemAvailable and a share of what the memory
+  cgroup still allows (``RunPlan.host_budget_source`` says which); ``ACTIVATION_RESERVE_SHARE`` of it is
+  left for the activations (sized at the first step, when the host budget is checked again with them).
 - **order**: vertical (the horizontal order moves every unit's weights M times more).
 - **batching**: batched forward and backward passes when the module declares that its blocks treat
   samples independently (``LayeredModule.independent_samples``; the GPT and HuggingFace modules do): on
@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,6 +43,7 @@ from torch import nn
 from snake_strategy.config import STATES, ScheduleConfig, StorageConfig, TierSplit
 from snake_strategy.contract import check_trainable
 from snake_strategy.planning.hardware import matmul_flops_per_s, probe_hardware
+from snake_strategy.planning.host_memory import SOURCE_AVAILABLE, host_budget
 from snake_strategy.planning.memory import ROLLBACK_VECTORS, host_plan, rollback_elems
 from snake_strategy.planning.planner import (HardwareProfile, ModelShape, StepPrediction, choose_alpha, memory_inputs,
                                              plan, predict)
@@ -51,9 +51,6 @@ from snake_strategy.units import UnitLayout, build_layouts
 
 log = logging.getLogger(__name__)
 
-# Without storage.host_budget_bytes, auto placement plans within this share of MemAvailable at setup: the
-# rest is for Python, Lightning, the data pipeline and what the memory model does not see.
-AVAILABLE_MEMORY_SHARE = 0.6
 # Activation checkpoints and the compute workspace are sized only at the first step (they need the tokens
 # per micro-batch): the placement leaves this share of the budget for them (checked then, item by item).
 ACTIVATION_RESERVE_SHARE = 0.25
@@ -69,8 +66,10 @@ class RunPlan:
     storage: StorageConfig  # concrete: every state placed
     schedule: ScheduleConfig  # concrete: every field set
     reasons: dict[str, str]  # setting -> "given" or why the planner chose it
-    host_budget_bytes: int
+    host_budget_bytes: int  # host_memory.host_budget: the tightest bound, which every reader uses
     host_bytes: int  # memory.host_plan of the chosen settings (checkpoints not yet counted)
+    host_budget_source: str = SOURCE_AVAILABLE  # which bound it was (host_memory.SOURCE_*)
+    host_budget_detail: str = ""  # the numbers behind it
     prediction: StepPrediction | None = None  # the floor of one step, from the first batch's shapes
     kept_units: list[int] | None = None  # units whose forward graph is kept (known after the first step)
     # The model laid out in units and its shape before any batch (setup_layouts): what the engine builds
@@ -93,7 +92,8 @@ class RunPlan:
             step = f"speculative (rollback state {self.rollback_bytes / 2**30:.2f} GiB on the {st.rollback})"
         text = (f"{s.kind}, {s.num_micro_batches} micro-batches, {batching}, alpha {s.alpha}, optimizer step "
                 f"{step}, prefetch {s.prefetch_depth}, keep activations {kept}; {places}; host "
-                f"{self.host_bytes / 2**30:.2f} of {self.host_budget_bytes / 2**30:.2f} GiB")
+                f"{self.host_bytes / 2**30:.2f} of {self.host_budget_bytes / 2**30:.2f} GiB (bounded by "
+                f"{self.host_budget_source}: {self.host_budget_detail})")
         if self.prediction is not None:
             text += f"; predicted floor {self.prediction.roofline_s:.3f} s/step ({self.prediction.bound}-bound)"
         return text
@@ -103,21 +103,10 @@ class RunPlan:
                 "storage": {k: (dataclasses.asdict(v) if isinstance(v, TierSplit) else v)
                             for k, v in dataclasses.asdict(self.storage).items()},
                 "reasons": dict(self.reasons), "host_budget_bytes": self.host_budget_bytes,
+                "host_budget_source": self.host_budget_source, "host_budget_detail": self.host_budget_detail,
                 "host_bytes": self.host_bytes, "kept_units": self.kept_units, "step_mode": self.step_mode,
                 "rollback_bytes": self.rollback_bytes,
                 "prediction": self.prediction.as_dict() if self.prediction is not None else None}
-
-
-def available_memory_bytes() -> int:
-    """MemAvailable (Linux), else the free physical pages: what a new allocation can get without swapping."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 def setup_layouts(module: nn.Module, optimizer: torch.optim.Optimizer | None, blocks_per_unit: int, num_micro: int,
@@ -145,7 +134,8 @@ def resolve(module: nn.Module, optimizer: torch.optim.Optimizer | None, storage:
                                    compute_bytes, master_bytes)
     shape = dataclasses.replace(shape, optimizer_shards=optimizer_shards)
     hardware = dataclasses.replace(hardware, device_is_cpu=device.type == "cpu")
-    budget = storage.host_budget_bytes or int(AVAILABLE_MEMORY_SHARE * available_memory_bytes() / processes_per_node)
+    bounded = host_budget(storage.host_budget_bytes, processes_per_node)
+    budget = bounded.budget_bytes
     reasons: dict[str, str] = {}
     kind = "vertical" if schedule.kind == "auto" else schedule.kind
     reasons["kind"] = "given" if schedule.kind != "auto" else "vertical: one weight fetch per unit per pass"
@@ -161,7 +151,8 @@ def resolve(module: nn.Module, optimizer: torch.optim.Optimizer | None, storage:
     speculative = global_decision and speculation == "on" and alpha < 1.0
     step_mode = "speculative" if speculative else "deferred" if global_decision else "overlapped"
     rollback_given = storage.rollback  # None: placed after the states (placement sets every field)
-    storage, placed = _place(shape, hardware, storage, kind, alpha, budget, speculative)
+    storage, placed = _place(shape, hardware, storage, kind, alpha, budget, speculative,
+                             evaluating=optimizer is None)
     reasons.update(placed)
     if schedule.prefetch_depth is not None:
         depth, reasons["prefetch_depth"] = schedule.prefetch_depth, "given"
@@ -188,8 +179,8 @@ def resolve(module: nn.Module, optimizer: torch.optim.Optimizer | None, storage:
             "storage.checkpoint_host_ends=%d every micro-batch is a turning point kept on the host: no "
             "activation checkpoint will reach the SSD. Lower checkpoint_host_ends or raise num_micro_batches",
             100 * storage.checkpoints.ssd, concrete.num_micro_batches, storage.checkpoint_host_ends)
-    return RunPlan(storage, concrete, reasons, budget, host_bytes, layouts=layouts, shape=shape, step_mode=step_mode,
-                   rollback_bytes=rollback_bytes)
+    return RunPlan(storage, concrete, reasons, budget, host_bytes, bounded.source, bounded.detail, layouts=layouts,
+                   shape=shape, step_mode=step_mode, rollback_bytes=rollback_bytes)
 
 
 def prefetch_depth(storage: StorageConfig) -> tuple[int, str]:
@@ -219,9 +210,11 @@ def _place_rollback(shape: ModelShape, hw: HardwareProfile, storage: StorageConf
 
 
 def _place(shape: ModelShape, hw: HardwareProfile, storage: StorageConfig, kind: str, alpha: float,
-           budget: int, speculative: bool = False) -> tuple[StorageConfig, dict[str, str]]:
+           budget: int, speculative: bool = False, evaluating: bool = False) -> tuple[StorageConfig, dict[str, str]]:
     """(placed storage, reasons). States given explicitly keep their split. The rollback state is placed
-    afterwards (``_place_rollback``), so it is counted on the SSD here."""
+    afterwards (``_place_rollback``), so it is counted on the SSD here. ``evaluating``: only the compute
+    weights are stored (no moments, gradients or optimizer working set): over the budget they all stream
+    from the SSD, which the evaluation engine checks against its own, smaller plan."""
     unset = storage.unset()
     given = {state: getattr(storage, state) for state in STATES if state not in unset}
     reasons = {state: "given" for state in given}
@@ -236,6 +229,16 @@ def _place(shape: ModelShape, hw: HardwareProfile, storage: StorageConfig, kind:
         reasons.update({s: f"host: the run needs {needed / 2**30:.2f} GiB of the {budget / 2**30:.2f} GiB budget"
                         for s in unset})
         return all_host, reasons
+    if evaluating:  # planner.plan sizes a training step's working set, which evaluation never holds
+        unit_bytes = shape.params_per_unit * shape.weight_bytes
+        weights_bytes = shape.num_units * unit_bytes
+        # What the host keeps besides a share of the weights: the streamed units (1 + prefetch 2), the non-layer ones.
+        free = budget - 3 * unit_bytes - (shape.nonlayer_params + shape.nonlayer_frozen_params) * shape.weight_bytes
+        host = max(0.0, min(1.0, int(100 * free / weights_bytes) / 100)) if weights_bytes else 1.0
+        split = TierSplit(host=host, ssd=round(1.0 - host, 2))
+        reasons.update({s: f"evaluation: the compute weights ({weights_bytes / 2**30:.2f} GiB), {host:.0%} of them "
+                           f"in the {budget / 2**30:.2f} GiB budget" for s in unset})
+        return dataclasses.replace(storage, placement="manual", **{s: given.get(s, split) for s in STATES}), reasons
     # raises when not even the working set fits
     chosen = plan(shape, hw, budget, kind, storage.ssd_dir, alpha=alpha, speculative=speculative)
     placed = dataclasses.replace(storage, placement="manual",
