@@ -62,13 +62,16 @@ def read_range(root: Path, manifest: dict, u: int, state: str, lo: int, hi: int,
     raw = out.view(torch.uint8).numpy()
     size = dtype.itemsize
     covered = 0
-    for a, b, pattern in unit_pieces(manifest, u):
+    # A zero-copy checkpoint (format /3) names each state's pieces: [lo, hi, file, byte offset].
+    pieces = manifest["units"][u].get("pieces", {}).get(state)
+    for a, b, pattern, base in ([(a, b, name, at) for a, b, name, at in pieces] if pieces
+                                else [(a, b, pattern, 0) for a, b, pattern in unit_pieces(manifest, u)]):
         start, end = max(a, lo), min(b, hi)
         if start >= end:
             continue
         path = root / pattern.format(state=state)
         with open(path, "rb") as f:
-            f.seek((start - a) * size)
+            f.seek(base + (start - a) * size)
             got = f.readinto(memoryview(raw[(start - lo) * size:(end - lo) * size]))
         if got != (end - start) * size:
             raise ValueError(f"checkpoint file {path} is shorter than the manifest says: truncated after it was "

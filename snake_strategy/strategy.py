@@ -23,6 +23,9 @@ from lightning.pytorch.trainer.states import TrainerFn
 from torch import Tensor
 from typing_extensions import override
 
+from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+from snake_strategy import checkpoint_pins, preemption
 from snake_strategy.autoplan import RunPlan, example_batch, first_prediction, resolve
 from snake_strategy.config import ScheduleConfig, StorageConfig, coerce_config
 from snake_strategy.contract import check_contract
@@ -112,6 +115,10 @@ class GreedySnakeStrategy(DataParallelMixin, ParallelStrategy):
                          precision_plugin=precision_plugin)  # parallel_devices: filled by Lightning's connector
         self._init_data_parallel(process_group_backend, timeout)
         self.shard_optimizer_state = shard_optimizer_state
+        self._deferred = preemption.DeferredSaves()  # saves a signal handler asked for mid-step
+        self._preempted = False  # SIGTERM: the checkpoint is written, teardown exits fast
+        self._pinning_saves = 0  # zero-copy saves of this fit (the first one's growth is checked)
+        self.last_save: dict[str, Any] = {}  # written_bytes, seconds, methods of the last checkpoint save
 
     # ------------------------------------------------------------------ plugins and devices
     @property
@@ -195,6 +202,24 @@ class GreedySnakeStrategy(DataParallelMixin, ParallelStrategy):
         # attribute LightningModule.device reads, as model_to_device would have.
         module._device = self.root_device
         self.setup_precision_plugin()
+        self._preempted, self._pinning_saves = False, 0
+        self._setup_checkpoint_dirs(trainer)
+
+    def _setup_checkpoint_dirs(self, trainer: pl.Trainer) -> None:
+        """Sweep what killed saves left in the checkpoint directories (restoring a ``last`` set aside) and
+        check, before any step, that the kept checkpoints fit their disk."""
+        for callback in trainer.checkpoint_callbacks:
+            dirpath = getattr(callback, "dirpath", None)
+            if not dirpath:
+                continue
+            if self.is_global_zero:
+                for line in _checkpoint_module().sweep(dirpath):
+                    log.warning("checkpoint directory %s: %s", dirpath, line)
+            kept = checkpoint_pins.kept_checkpoints(callback)
+            if kept and self.engine.partition is None:
+                checkpoint_pins.check_space(self.engine, dirpath, kept,
+                                            f"ModelCheckpoint(dirpath={dirpath!r}, save_top_k={callback.save_top_k}, "
+                                            f"save_last={callback.save_last})")
 
     def _setup_eval(self, trainer: pl.Trainer) -> None:
         """validate/test/predict: a forward-only engine with the compute weights only (no optimizer, no
@@ -290,8 +315,10 @@ class GreedySnakeStrategy(DataParallelMixin, ParallelStrategy):
         if engine is not None:
             export_trace(self.trace_path, engine.trace)  # first: also after a failed step
             try:
-                engine.flush()
-                self._give_back_weights(engine)
+                if not self._preempted:  # preempted: the checkpoint holds the weights, the process exits
+                    engine.flush()
+                    checkpoint_pins.CHECKSUMS.wait()  # the pinned files' CRC-32s, read while training ran
+                    self._give_back_weights(engine)
             finally:
                 engine.close()  # releases files and locks even when the flush failed; re-raises
         self.precision_plugin.teardown()
@@ -325,6 +352,7 @@ class GreedySnakeStrategy(DataParallelMixin, ParallelStrategy):
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Tensor:
         batch = args[0] if args else kwargs["batch"]
+        self._deferred.in_step = True  # until optimizer_step: a save asked for now waits for the step's end
         loss = self.engine.train_step(batch)
         if not self._predicted_at_step_one:  # with what the first step measured (kept graphs, checkpoints)
             self._predicted_at_step_one = True
@@ -361,7 +389,24 @@ class GreedySnakeStrategy(DataParallelMixin, ParallelStrategy):
         # gradients and so changes nothing, then applies the engine's step over the tiers.
         result = super().optimizer_step(optimizer, closure, model, **kwargs)
         self.engine.optimizer_step()
+        self._deferred.in_step = False
         return result
+
+    @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        # The previous step is complete and counted: the moment for a save a signal handler asked for.
+        if self._deferred.pending:
+            self._deferred.run(self.lightning_module.trainer)
+        return super().on_train_batch_start(batch, batch_idx)
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        super().on_exception(exception)
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if isinstance(exception, SIGTERMException) and isinstance(self.engine, SnakeEngine) and trainer is not None:
+            self._deferred.pending = []  # the preemption save below covers them
+            preemption.save_on_preemption(trainer)
+            self._preempted = True
 
     def streamed_forward(self, batch: Any) -> Tensor:
         """Outputs of the whole model, blocks streamed from their tiers (used by LayeredModule.forward)."""
@@ -407,9 +452,36 @@ class GreedySnakeStrategy(DataParallelMixin, ParallelStrategy):
             if self.is_global_zero:  # as DDPStrategy: one writer
                 self.checkpoint_io.save_checkpoint(checkpoint, filepath)
             return
+        if self._deferred.in_step:
+            # A signal handler's save (Lightning's SLURM requeue) in the middle of a step: at its end.
+            log.warning("a checkpoint to %s was asked for in the middle of a step; it is written when the step "
+                        "completes", filepath)
+            self._deferred.pending.append(str(filepath))
+            return
         shards = self.engine.partition is not None  # every rank writes its shard, rank 0 the manifest last
+        if not shards and self.is_global_zero:
+            # Before the first byte: the growth this save's pinned versions may cause (the first one of the
+            # fit; each one when every checkpoint is kept), and what it writes.
+            keep_all = any(getattr(c, "save_top_k", 1) < 0 for c in self.lightning_module.trainer.checkpoint_callbacks)
+            if self._pinning_saves == 0 or keep_all:
+                checkpoint_pins.check_space(self.engine, os.path.dirname(os.path.abspath(filepath)), 1,
+                                            f"saving {filepath}")
+            self._pinning_saves += 1
         if shards or self.is_global_zero:  # else one writer, as DDPStrategy; Lightning barriers after
-            _checkpoint_module(shards).save(self.engine, checkpoint, filepath, self.progress)
+            if shards:
+                _checkpoint_module(shards).save(self.engine, checkpoint, filepath, self.progress)
+            else:
+                self.last_save = _checkpoint_module().save(self.engine, checkpoint, filepath, self.progress,
+                                                           zero_copy=True)
+
+    @override
+    def remove_checkpoint(self, filepath: Any) -> None:
+        """Top-k rotation: a directory checkpoint is renamed aside, then unlinked (checkpoint.release)."""
+        if self.is_global_zero:
+            if os.path.isdir(filepath):
+                _checkpoint_module().release(filepath)
+            else:
+                self.checkpoint_io.remove_checkpoint(filepath)
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
