@@ -2,9 +2,12 @@
 completed step.
 
 Lightning's own handler turns SIGTERM into a flag; the current step runs to its end (a step of the
-schedule cannot be cut: its units are updated while its backward runs), then Lightning raises
-``SIGTERMException`` and the strategy's ``on_exception`` commits ``last.ckpt`` (``last_checkpoint_path``)
-before teardown. Being zero-copy, that save writes the host-tier and non-layer state and the manifest
+schedule cannot be cut: its units are updated while its backward runs). At the end of that batch
+(``on_train_batch_end``, where ModelCheckpoint saves, so the loops' state is the one a resume expects)
+the ``PreemptionSaver`` callback the strategy adds commits ``last.ckpt`` (``last_checkpoint_path``);
+Lightning then raises ``SIGTERMException``. Should the signal land after that hook, the strategy's
+``on_exception`` saves instead (the loops then count the batch as complete: the weights are the same,
+the resumed data order may differ). Being zero-copy, that save writes the host-tier and non-layer state and the manifest
 only, and links the SSD files: seconds, not minutes. Teardown then skips giving the weights back to the
 module (the process is exiting; the checkpoint holds them). A second SIGTERM during that save only sets
 Lightning's flag again; a SIGKILL leaves the previous ``last`` intact (atomic replacement).
@@ -18,6 +21,8 @@ from __future__ import annotations
 import logging
 import os
 from typing import Any
+
+import lightning.pytorch as pl
 
 log = logging.getLogger(__name__)
 
@@ -58,3 +63,15 @@ class DeferredSaves:
         for path in pending:
             log.info("saving %s, asked for during the step that just ended", path)
             trainer.save_checkpoint(path)
+
+
+class PreemptionSaver(pl.Callback):
+    """Added by the strategy: at the end of the batch during which SIGTERM arrived, save ``last``."""
+
+    def __init__(self) -> None:
+        self.saved_step: int | None = None
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if trainer.received_sigterm and self.saved_step != trainer.global_step:
+            save_on_preemption(trainer)
+            self.saved_step = trainer.global_step

@@ -117,6 +117,7 @@ class GreedySnakeStrategy(DataParallelMixin, ParallelStrategy):
         self.shard_optimizer_state = shard_optimizer_state
         self._deferred = preemption.DeferredSaves()  # saves a signal handler asked for mid-step
         self._preempted = False  # SIGTERM: the checkpoint is written, teardown exits fast
+        self._preemption = preemption.PreemptionSaver()
         self._pinning_saves = 0  # zero-copy saves of this fit (the first one's growth is checked)
         self.last_save: dict[str, Any] = {}  # written_bytes, seconds, methods of the last checkpoint save
 
@@ -204,6 +205,9 @@ class GreedySnakeStrategy(DataParallelMixin, ParallelStrategy):
         self.setup_precision_plugin()
         self._preempted, self._pinning_saves = False, 0
         self._setup_checkpoint_dirs(trainer)
+        if not any(c is self._preemption for c in trainer.callbacks):
+            trainer.callbacks.append(self._preemption)  # saves last.ckpt at the end of a SIGTERMed batch
+        self._preemption.saved_step = None
 
     def _setup_checkpoint_dirs(self, trainer: pl.Trainer) -> None:
         """Sweep what killed saves left in the checkpoint directories (restoring a ``last`` set aside) and
@@ -404,8 +408,9 @@ class GreedySnakeStrategy(DataParallelMixin, ParallelStrategy):
         super().on_exception(exception)
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
         if isinstance(exception, SIGTERMException) and isinstance(self.engine, SnakeEngine) and trainer is not None:
-            self._deferred.pending = []  # the preemption save below covers them
-            preemption.save_on_preemption(trainer)
+            self._deferred.pending = []  # the preemption save covers them
+            if self._preemption.saved_step != trainer.global_step:  # the signal came after the batch's end
+                preemption.save_on_preemption(trainer)
             self._preempted = True
 
     def streamed_forward(self, batch: Any) -> Tensor:

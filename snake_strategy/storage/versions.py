@@ -124,14 +124,12 @@ class VersionedFile:
         finally:
             os.close(previous)  # frees the held version once its checkpoints are released too
 
-    def pin(self, dest: str | os.PathLike, path_hint: str | None = None) -> str:
+    def pin(self, dest: str | os.PathLike) -> str:
         """Make ``dest`` hold the current version (durable: fsynced); returns "link", "reflink" or "copy"."""
         self.settle()
         os.fsync(self.fd)
-        source = path_hint if path_hint is not None else f"/proc/self/fd/{self.fd}"
         try:
-            # AT_SYMLINK_FOLLOW: /proc/self/fd/N names the open file itself, also an anonymous O_TMPFILE one.
-            os.link(source, dest, follow_symlinks=True)
+            link_open_file(self.fd, dest)
             return "link"
         except OSError as err:
             if err.errno not in (errno.EXDEV, errno.EPERM, errno.EMLINK, errno.EOPNOTSUPP, errno.ENOENT):
@@ -146,6 +144,18 @@ class VersionedFile:
             if self.fd is not None:
                 os.close(self.fd)
                 self.fd = None
+
+
+def link_open_file(fd: int, dest: str | os.PathLike) -> None:
+    """A new name ``dest`` for the open file ``fd`` (also an anonymous O_TMPFILE one): ``linkat`` of
+    ``/proc/self/fd/N`` with AT_SYMLINK_FOLLOW, which resolves the magic link to the file itself. (CPython
+    calls plain ``link()``, which does not follow it, unless a directory descriptor is passed: the
+    descriptor of "/" is ignored for absolute paths and only selects ``linkat``.)"""
+    root = os.open("/", os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.link(f"/proc/self/fd/{fd}", os.path.abspath(dest), src_dir_fd=root, follow_symlinks=True)
+    finally:
+        os.close(root)
 
 
 def place_copy(src_fd: int, dest: str | os.PathLike, size_bytes: int) -> str:
