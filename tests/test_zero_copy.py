@@ -395,8 +395,10 @@ def test_every_checkpoint_file_is_fsynced_before_the_commit_rename(tmp_path, mon
         return real_fsync(fd)
 
     def rename(src, dst, *args, **kwargs):
-        if os.path.abspath(dst) == str(final):
+        if os.path.abspath(dst) == str(final):  # the commit: what each name is, and what was synced
             at_rename["synced"] = set(synced)
+            at_rename["inodes"] = {os.path.relpath(os.path.join(d, f), src): _inode(os.path.join(d, f))
+                                   for d, _, fs in os.walk(src) for f in fs}
         return real_rename(src, dst, *args, **kwargs)
 
     def save(trainer):
@@ -409,5 +411,6 @@ def test_every_checkpoint_file_is_fsynced_before_the_commit_rename(tmp_path, mon
     manifest = snake_checkpoint.read_manifest(final)
     names = list(manifest["files"]) + ["manifest.json"]
     assert "synced" in at_rename
-    missing = [n for n in names if _inode(final / n) not in at_rename["synced"]]
+    assert set(names) <= set(at_rename["inodes"])
+    missing = [n for n in names if at_rename["inodes"][n] not in at_rename["synced"]]
     assert not missing, missing
