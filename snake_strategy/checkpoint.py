@@ -115,11 +115,9 @@ def commit(engine: SnakeEngine, checkpoint: dict[str, Any], tmp: Path, final: Pa
               "frozen": {"names": [slot[0] for slot in engine.unit_slots(u, trainable=False)],
                          "crc32": frozen["units"][u]}, **(unit_extra[u] if unit_extra else {})}
              for u in range(engine.num_units)]
-    torch.save(engine.nonlayer_state(), tmp / "nonlayer.pt")
-    files["nonlayer.pt"] = _describe(tmp / "nonlayer.pt")
+    files["nonlayer.pt"] = _save_torch(engine.nonlayer_state(), tmp / "nonlayer.pt")
     tracker.advance(1, files["nonlayer.pt"]["bytes"])
-    torch.save(checkpoint, tmp / "meta.pt")
-    files["meta.pt"] = _describe(tmp / "meta.pt")
+    files["meta.pt"] = _save_torch(checkpoint, tmp / "meta.pt")
     tracker.advance(1, files["meta.pt"]["bytes"])
     manifest = {"format": ZERO_COPY_FORMAT if unit_extra is not None else FORMAT, "step_count": engine.step_count,
                 "master_dtype": str(engine.dtypes.master),
@@ -475,10 +473,29 @@ def _read_raw(path: Path, numel: int, dtype: torch.dtype) -> torch.Tensor:
     return value
 
 
-def _describe(path: Path) -> dict:
-    data = path.read_bytes()
-    _fsync_file(path)  # durable before the commit rename names it
-    return {"bytes": len(data), "crc32": zlib.crc32(data)}
+class _Checksummed:
+    """A file object that CRC-32s and counts what ``torch.save`` writes through it: no read-back (the
+    non-layer state of a large vocabulary is GBs; reading it back cost as much as writing it)."""
+
+    def __init__(self, f: Any) -> None:
+        self.f, self.crc32, self.bytes = f, 0, 0
+
+    def write(self, data: Any) -> int:
+        self.crc32 = zlib.crc32(data, self.crc32)
+        self.bytes += len(memoryview(data).cast("B"))
+        return self.f.write(data)
+
+    def flush(self) -> None:
+        self.f.flush()
+
+
+def _save_torch(obj: Any, path: Path) -> dict:
+    with open(path, "wb") as f:
+        out = _Checksummed(f)
+        torch.save(obj, out)
+        f.flush()
+        os.fsync(f.fileno())  # durable before the commit rename names it
+    return {"bytes": out.bytes, "crc32": out.crc32}
 
 
 def _fsync_file(path: Path) -> None:
