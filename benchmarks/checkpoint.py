@@ -3,7 +3,8 @@ after a save against a step with no pinned checkpoint, the pipelined copy's rate
 bandwidth, and (``--sigterm``) the seconds from SIGTERM to exit of a training process.
 
     python benchmarks/checkpoint.py --preset r1
-    flock /tmp/snake-bench.lock python benchmarks/checkpoint.py --preset gpt_1b --sigterm
+    flock /tmp/snake-bench.lock python benchmarks/checkpoint.py --preset gpt_1b --micro-batch-size 1
+    flock /tmp/snake-bench.lock python benchmarks/checkpoint.py --preset gpt_1b --micro-batch-size 1 --only-sigterm
     flock /tmp/snake-bench.lock python benchmarks/checkpoint.py --preset gpt_4b
 
 One fit, every state on the SSD tier (as benchmarks/scale.py): step 1 warms up; step 2 runs with no
@@ -100,7 +101,10 @@ def run(preset_name: str, context_len: int, micro_batch_size: int, num_micro: in
                 copy_dir.mkdir()
                 copied = 0
                 start = time.perf_counter()
+                budget = 4 * 2**30  # enough for a rate; a full copy of gpt_4b's state would not fit the disk
                 for path in pinned:
+                    if copied >= budget:
+                        break
                     src = os.open(path, os.O_RDONLY)
                     try:
                         size = os.fstat(src).st_size
@@ -212,15 +216,21 @@ def main() -> None:
     parser.add_argument("--num-micro", type=int, default=2)
     parser.add_argument("--root", default=None, help="directory for the SSD tier and checkpoints (default: $TMPDIR)")
     parser.add_argument("--sigterm", action="store_true", help="also measure SIGTERM -> exit in a child")
+    parser.add_argument("--only-sigterm", action="store_true", help="only the SIGTERM -> exit measurement "
+                        "(merged into an existing result file)")
     args = parser.parse_args()
-    result = run(args.preset, args.context_len, args.micro_batch_size, args.num_micro, args.root)
-    if args.sigterm:
+    out = RESULTS / f"checkpoint_{args.preset}.json"
+    if args.only_sigterm:
+        result = json.loads(out.read_text()) if out.exists() else {"preset": args.preset}
+    else:
+        result = run(args.preset, args.context_len, args.micro_batch_size, args.num_micro, args.root)
+    if args.sigterm or args.only_sigterm:
         result["sigterm"] = sigterm_to_exit(args.preset, args.context_len, args.micro_batch_size, args.num_micro,
                                             args.root)
     RESULTS.mkdir(exist_ok=True)
-    out = RESULTS / f"checkpoint_{args.preset}.json"
     out.write_text(json.dumps(result, indent=1, default=str))
-    plot(result, RESULTS / f"checkpoint_{args.preset}.png")
+    if "copy" in result:
+        plot(result, RESULTS / f"checkpoint_{args.preset}.png")
     print(json.dumps(result, indent=1, default=str))
 
 
