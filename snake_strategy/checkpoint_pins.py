@@ -71,7 +71,7 @@ def pin_units(engine: SnakeEngine, tmp: Path, tracker: Any, write_raw: Callable[
             files[name] = {"bytes": tier.ssd_bytes, "crc32": None}  # Checksums fills it in
             parts.append([tier.host_end, numel, name, 0])
             pieces[state] = parts
-            tracker.advance(1, files.get(f"units/unit{u:05d}.{state}.head.bin", {"bytes": 0})["bytes"])
+            tracker.advance(1, numel * tier.elem_bytes)  # the state's bytes now in the checkpoint (linked or written)
         extra.append({"pieces": pieces} if pieces else {})
     return files, extra, methods
 
