@@ -362,6 +362,14 @@ class SsdDirectory:
             os.unlink(full)
         return os.open(full, os.O_RDWR | os.O_CREAT | os.O_EXCL | direct, 0o600)
 
+    def file_sizes(self) -> dict[str, int]:
+        """Each state file's size in bytes (``fstat`` of its descriptor: a nameless one has no path to
+        stat), keyed as ``files()`` names them."""
+        with self._lock:
+            fds = list(self._fds.items()) + [(full, v.fd) for full, v in self._versioned.items()]
+        return {(os.readlink(f"/proc/self/fd/{fd}") if self.anonymous else full): os.fstat(fd).st_size
+                for full, fd in fds}
+
     def files(self) -> list[str]:
         """The state files by name; an anonymous one by what the kernel calls it (``/proc/self/fd/N``'s
         target: ``<dir>/#<inode> (deleted)``)."""
