@@ -1,4 +1,5 @@
 """Directory checkpoints of the tiered state, their verification, and consolidation to one file.
+(Over 500 lines: save, recovery and the CLI share the atomic-replacement helpers; issue 24 splits it.)
 
 Layout of ``<name>.ckpt/`` (a directory):
 

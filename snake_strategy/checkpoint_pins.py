@@ -187,3 +187,20 @@ def kept_checkpoints(callback: Any) -> int:
     top_k = getattr(callback, "save_top_k", 1)
     kept = max(top_k, 1) if top_k != 0 else 0
     return kept + (1 if getattr(callback, "save_last", False) else 0)
+
+
+def prepare_checkpoint_dirs(engine: SnakeEngine, callbacks: list, is_global_zero: bool,
+                            sweep: Callable[[str], list[str]]) -> None:
+    """At setup: sweep each ModelCheckpoint directory of what killed saves left (``sweep``: checkpoint.sweep,
+    rank 0 only; restores a ``last`` set aside), and check that its kept checkpoints fit their disk."""
+    for callback in callbacks:
+        dirpath = getattr(callback, "dirpath", None)
+        if not dirpath:
+            continue
+        if is_global_zero:
+            for line in sweep(dirpath):
+                log.warning("checkpoint directory %s: %s", dirpath, line)
+        kept = kept_checkpoints(callback)
+        if kept and engine.partition is None:  # per-rank shards are written, not pinned: not counted here
+            check_space(engine, dirpath, kept, f"ModelCheckpoint(dirpath={dirpath!r}, save_top_k="
+                                               f"{callback.save_top_k}, save_last={callback.save_last})")

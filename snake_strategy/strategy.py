@@ -1,4 +1,6 @@
 """Lightning glue: ``Trainer(strategy="greedysnake")``.
+(Over 500 lines: Lightning's Strategy interface is one class; the checkpoint and preemption logic it
+calls lives in checkpoint_pins.py and preemption.py.)
 
 One Lightning batch is one optimizer step: ``training_step`` splits the global batch into
 ``schedule.num_micro_batches`` micro-batches and runs the whole schedule through the engine;
@@ -204,26 +206,13 @@ class GreedySnakeStrategy(DataParallelMixin, ParallelStrategy):
         module._device = self.root_device
         self.setup_precision_plugin()
         self._preempted, self._pinning_saves = False, 0
-        self._setup_checkpoint_dirs(trainer)
+        self._deferred = preemption.DeferredSaves()
+        # Sweep what killed saves left in the checkpoint directories; check the kept checkpoints fit.
+        checkpoint_pins.prepare_checkpoint_dirs(self.engine, trainer.checkpoint_callbacks, self.is_global_zero,
+                                                _checkpoint_module().sweep)
         if not any(c is self._preemption for c in trainer.callbacks):
             trainer.callbacks.append(self._preemption)  # saves last.ckpt at the end of a SIGTERMed batch
         self._preemption.saved_step = None
-
-    def _setup_checkpoint_dirs(self, trainer: pl.Trainer) -> None:
-        """Sweep what killed saves left in the checkpoint directories (restoring a ``last`` set aside) and
-        check, before any step, that the kept checkpoints fit their disk."""
-        for callback in trainer.checkpoint_callbacks:
-            dirpath = getattr(callback, "dirpath", None)
-            if not dirpath:
-                continue
-            if self.is_global_zero:
-                for line in _checkpoint_module().sweep(dirpath):
-                    log.warning("checkpoint directory %s: %s", dirpath, line)
-            kept = checkpoint_pins.kept_checkpoints(callback)
-            if kept and self.engine.partition is None:
-                checkpoint_pins.check_space(self.engine, dirpath, kept,
-                                            f"ModelCheckpoint(dirpath={dirpath!r}, save_top_k={callback.save_top_k}, "
-                                            f"save_last={callback.save_last})")
 
     def _setup_eval(self, trainer: pl.Trainer) -> None:
         """validate/test/predict: a forward-only engine with the compute weights only (no optimizer, no

@@ -375,7 +375,7 @@ def test_setup_sweeps_dead_runs_leftovers_and_logs_them(tmp_path, two_steps, cap
     (partial / "units" / "unit00000.master.bin").write_bytes(b"\0" * 4096)
     alive = ckpts / f".epoch=0-step=8.ckpt.tmp-{os.getppid()}"  # a live process's save: left alone
     alive.mkdir()
-    with caplog.at_level(logging.WARNING, logger="snake_strategy.strategy"):
+    with caplog.at_level(logging.WARNING, logger="snake_strategy.checkpoint_pins"):
         _fit(1, tmp_path / "ssd", ckpt_dir=ckpts)
     assert not partial.exists() and alive.is_dir()
     assert f"removed {partial}" in caplog.text

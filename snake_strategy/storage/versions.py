@@ -94,9 +94,10 @@ class VersionedFile:
             self._tickets = [t for t in self._tickets if not t.done()] + [ticket]
 
     # ---------------------------------------------------------------------- versions
-    def settle(self) -> None:
+    def settle(self, keep: bool = True) -> None:
         """Wait for the submitted transfers; then close the previous version, copying first what the new one
-        never received (one ``copy_file_range`` per gap, in the kernel)."""
+        never received (one ``copy_file_range`` per gap, in the kernel; not when ``keep`` is False: the
+        file is being closed for good)."""
         with self._lock:
             tickets, self._tickets = self._tickets, []
         for ticket in tickets:
@@ -112,7 +113,7 @@ class VersionedFile:
                 at = max(at, b)
             self._written = []
         try:
-            if gaps:
+            if gaps and keep:
                 src, dst = _buffered(previous), _buffered(self.fd)
                 try:
                     for a, b in gaps:
@@ -139,7 +140,7 @@ class VersionedFile:
 
     def close(self) -> None:
         try:
-            self.settle()
+            self.settle(keep=False)
         finally:
             if self.fd is not None:
                 os.close(self.fd)
