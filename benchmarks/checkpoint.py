@@ -68,7 +68,7 @@ def run(preset_name: str, context_len: int, micro_batch_size: int, num_micro: in
     import lightning as L
 
     from snake_strategy import checkpoint as snake_checkpoint
-    from snake_strategy.hardware import _probe_ssd
+    from snake_strategy.planning.hardware import _probe_ssd
     from snake_strategy.storage import versions
 
     work = Path(tempfile.mkdtemp(prefix="snake-ckpt-bench-", dir=root))

@@ -61,7 +61,6 @@ def run_worker(system: str, preset: dict, ssd_dir: str, alpha: float, batched_ba
 
     import snake_strategy
     from snake_strategy.gpt import GPTModule, preset as gpt_preset
-    from snake_strategy.telemetry import step_traffic
 
     cfg = dataclasses.replace(gpt_preset(preset["model"]), **preset.get("overrides", {}))
     cfg.context_len = preset["context_len"]
@@ -69,7 +68,7 @@ def run_worker(system: str, preset: dict, ssd_dir: str, alpha: float, batched_ba
     torch.manual_seed(0)
     module = GPTModule(cfg, learning_rate=3e-4)
     step_marks: list[float] = []
-    stats: list[dict] = []
+    stats: list = []  # StepStats of each step
     io_marks: list[tuple[int, int]] = []
 
     class Timer(L.Callback):
@@ -85,7 +84,7 @@ def run_worker(system: str, preset: dict, ssd_dir: str, alpha: float, batched_ba
                 io_marks.append(_proc_io())
                 engine = getattr(trainer.strategy, "engine", None)
                 if engine is not None:
-                    stats.append(dict(engine.last_step_stats))
+                    stats.append(engine.last_step)
 
     common = dict(accelerator="cpu", devices=1, max_steps=steps, logger=False, enable_checkpointing=False,
                   enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
@@ -121,18 +120,18 @@ def run_worker(system: str, preset: dict, ssd_dir: str, alpha: float, batched_ba
                   ssd_write_bytes_per_step=int(statistics.median(writes)) if writes else 0)
     if strategy is not None:
         timed = stats[1:]
-        counted = [step_traffic(s) for s in timed]
+        counted = [s.step_traffic() for s in timed]
         result["engine_ssd_read_bytes_per_step"] = int(statistics.median(sum(v for k, v in c.items() if k.startswith("ssd/") and k.endswith("/read")) for c in counted))
         result["engine_ssd_write_bytes_per_step"] = int(statistics.median(sum(v for k, v in c.items() if k.startswith("ssd/") and k.endswith("/write")) for c in counted))
-        result["io_wait_s"] = statistics.median(s.get("io_wait_s", 0.0) for s in timed)
-        result["optimizer_wait_s"] = statistics.median(s.get("optimizer_wait_s", 0.0) for s in timed)
-        result["optimizer_s"] = statistics.median(s.get("optimizer_s", 0.0) for s in timed)
-        result["optimizer_busy_s"] = statistics.median(s.get("optimizer_busy_s", 0.0) for s in timed)
+        result["io_wait_s"] = statistics.median(s.io_wait_s for s in timed)
+        result["optimizer_wait_s"] = statistics.median(s.optimizer_wait_s for s in timed)
+        result["optimizer_s"] = statistics.median(s.optimizer_s for s in timed)
+        result["optimizer_busy_s"] = statistics.median(s.optimizer_busy_s for s in timed)
         result["exposed_io_fraction"] = result["io_wait_s"] / s_per_step
         result["prediction"] = strategy.prediction.as_dict()
         result["hardware"] = strategy.hardware_profile.__dict__
         result["plan"] = strategy.plan.as_dict()  # the concrete settings (what "auto" chose, with reasons)
-        result["weight_grad_products"] = statistics.median(s.get("weight_grad_products", 0) for s in timed)
+        result["weight_grad_products"] = statistics.median(s.weight_grad_products for s in timed)
         result["traffic_per_step"] = counted[len(counted) // 2] if counted else {}
     return result
 
@@ -171,7 +170,7 @@ def compare(preset_name: str, args) -> dict:
         preset["num_micro"] = args.num_micro
     systems = [s for s in args.systems.split(",") if not (s == "zero_infinity" and "overrides" in preset)]
     # Probe once here (cached on disk per filesystem) so no worker's peak RSS includes the probe buffers.
-    from snake_strategy.hardware import probe_hardware
+    from snake_strategy.planning.hardware import probe_hardware
     probe_hardware(args.ssd_root)
     results = {s: _spawn(s, preset_name, preset, args) for s in systems}
     ok = {s: r for s, r in results.items() if "s_per_step" in r}

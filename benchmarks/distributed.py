@@ -46,7 +46,6 @@ def run_worker(args) -> None:
     import snake_strategy
     from snake_strategy.data import ByteWindows, load_corpus
     from snake_strategy.gpt import GPTModule, preset as gpt_preset
-    from snake_strategy.telemetry import step_traffic
 
     preset = PRESETS[args.preset]
     cfg = gpt_preset(preset["model"])
@@ -64,7 +63,7 @@ def run_worker(args) -> None:
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             marks.append(time.perf_counter())
             io_marks.append(_proc_io())
-            stats.append(dict(trainer.strategy.engine.last_step_stats))
+            stats.append(trainer.strategy.engine.last_step)
             self.layout = trainer.strategy.engine.storage_layout()
             engine = trainer.strategy.engine  # the files are removed at teardown: measure them now
             self.files_bytes = sum(os.path.getsize(os.path.join(engine.ssd.path, f)) for f in engine.ssd_files())
@@ -102,7 +101,7 @@ def run_worker(args) -> None:
     def per_step(values):
         return int(statistics.median(values[1:])) if len(values) > 1 else int(values[0])
 
-    traffic = [step_traffic(s) for s in stats]
+    traffic = [s.step_traffic() for s in stats]
 
     def total(pred):
         return per_step([sum(v for k, v in t.items() if pred(k)) for t in traffic])

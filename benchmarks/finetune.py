@@ -72,7 +72,6 @@ def worker(args) -> dict:
 
     import snake_strategy
     from snake_strategy.hf import HFCausalLM
-    from snake_strategy.telemetry import step_traffic
 
     module = HFCausalLM(args.dir, learning_rate=1e-4)
     if args.worker == "lora":
@@ -101,8 +100,8 @@ def worker(args) -> dict:
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             steps_s.append(time.perf_counter() - marks["step"])
             losses.append(float(outputs["loss"]))
-            stats = trainer.strategy.engine.last_step_stats
-            traffic.append(step_traffic(stats))
+            stats = trainer.strategy.engine.last_step
+            traffic.append(stats.step_traffic())
             print(f"{args.worker} step {len(steps_s)}: loss {losses[-1]:.4f}, {steps_s[-1]:.1f} s", flush=True)
 
         def on_train_end(self, trainer, pl_module):

@@ -93,7 +93,6 @@ def _fit(shape: dict, system: str, storage: dict | None, precision: str, micro: 
 
     import snake_strategy
     from snake_strategy.gpt import GPTConfig, GPTModule
-    from snake_strategy.telemetry import step_traffic
 
     cfg = GPTConfig(**shape)
     torch.manual_seed(0)
@@ -113,7 +112,7 @@ def _fit(shape: dict, system: str, storage: dict | None, precision: str, micro: 
                 marks.append(time.perf_counter())
                 engine = getattr(trainer.strategy, "engine", None)
                 if engine is not None:
-                    stats.append(dict(engine.last_step_stats))
+                    stats.append(engine.last_step)
 
     common = dict(accelerator=accelerator, devices=1, max_steps=steps, logger=False, enable_checkpointing=False,
                   enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
@@ -141,10 +140,10 @@ def _fit(shape: dict, system: str, storage: dict | None, precision: str, micro: 
                params=cfg.num_params())
     if stats[1:]:
         timed = stats[1:]
-        traffic = [step_traffic(s) for s in timed]
+        traffic = [s.step_traffic() for s in timed]
         # Every host or SSD byte the engine moves crosses PCIe once (compute and optimizer are on the GPU).
         pcie = statistics.median(sum(v for k, v in t.items() if k.split("/")[0] in ("host", "ssd")) for t in traffic)
-        io_wait = statistics.median(s.get("io_wait_s", 0.0) for s in timed)
+        io_wait = statistics.median(s.io_wait_s for s in timed)
         out.update(pcie_bytes_per_step=int(pcie), pcie_GBps=pcie / s_per_step / 1e9, io_wait_s=io_wait,
                    exposed_io_engine=io_wait / s_per_step, traffic_per_step=traffic[len(traffic) // 2])
     return (out, params) if record_params else out

@@ -28,7 +28,6 @@ def worker(preset_name: str, half: bool, steps: int, ssd_root: str | None) -> di
     import snake_strategy
     from snake_strategy import GreedySnakePrecision
     from snake_strategy.gpt import GPTModule, preset
-    from snake_strategy.telemetry import step_traffic
 
     sys.path.insert(0, str(HERE))
     from compare import PRESETS, _loader
@@ -47,8 +46,8 @@ def worker(preset_name: str, half: bool, steps: int, ssd_root: str | None) -> di
 
         def on_train_batch_end(self, trainer, *args):
             marks.append(time.perf_counter())
-            s = trainer.strategy.engine.last_step_stats
-            stats.append({"io_wait_s": s["io_wait_s"], "traffic": step_traffic(s)})
+            s = trainer.strategy.engine.last_step
+            stats.append({"io_wait_s": s.io_wait_s, "traffic": s.step_traffic()})
 
     with tempfile.TemporaryDirectory(dir=ssd_root) as ssd_dir:
         storage = snake_strategy.StorageConfig(ssd_dir=ssd_dir, weights="ssd", master="ssd", optimizer="ssd",

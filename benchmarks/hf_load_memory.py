@@ -87,7 +87,7 @@ def read(args) -> None:
     import torch
 
     from snake_strategy.hf import HFCausalLM
-    from snake_strategy.pretrained import PretrainedSource
+    from snake_strategy.sources.pretrained import PretrainedSource
     from snake_strategy.units import build_layouts
     for name in os.listdir(args.dir):
         fd = os.open(os.path.join(args.dir, name), os.O_RDONLY)

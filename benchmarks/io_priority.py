@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
 
         def on_train_batch_end(self, trainer, *rest):
             marks.append(time.perf_counter())
-            stats.append(dict(trainer.strategy.engine.last_step_stats))
+            stats.append(trainer.strategy.engine.last_step)
 
     with tempfile.TemporaryDirectory(dir=args.ssd_root) as ssd_dir:
         storage = snake_strategy.StorageConfig(ssd_dir=ssd_dir, weights="ssd", optimizer="ssd", gradients="host",
@@ -72,12 +72,12 @@ def main(argv: list[str] | None = None) -> int:
         trainer.fit(module, train_dataloaders=_loader(cfg.context_len, micro * num_micro, args.steps))
     durations = [marks[i + 1] - marks[i] for i in range(0, len(marks), 2)][1:]
     timed = stats[1:]
-    io_wait = [s["io_wait_s"] for s in timed]
+    io_wait = [s.io_wait_s for s in timed]
     print(json.dumps({"preset": args.preset, "ssd_mb_s_per_thread": args.ssd_mb_s,
                       "s_per_step": statistics.median(durations), "step_s": durations, "io_wait_s": io_wait,
                       "exposed_io_fraction": statistics.median(w / d for w, d in zip(io_wait, durations)),
-                      "optimizer_wait_s": [s.get("optimizer_wait_s", 0.0) for s in timed],
-                      "backpressure_wait_s": [s.get("backpressure_wait_s", 0.0) for s in timed]}), flush=True)
+                      "optimizer_wait_s": [s.optimizer_wait_s for s in timed],
+                      "backpressure_wait_s": [s.backpressure_wait_s for s in timed]}), flush=True)
     return 0
 
 

@@ -34,7 +34,6 @@ def run_scale(preset_name: str, steps: int, context_len: int, micro_batch_size: 
     import snake_strategy
     from snake_strategy.data import ByteWindows, load_corpus
     from snake_strategy.gpt import GPTModule, preset
-    from snake_strategy.telemetry import step_traffic
 
     cfg = preset(preset_name)
     cfg.context_len = context_len
@@ -71,9 +70,9 @@ def run_scale(preset_name: str, steps: int, context_len: int, micro_batch_size: 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             steps_s.append(time.perf_counter() - marks["step"])
             losses.append(float(outputs["loss"]))
-            stats = trainer.strategy.engine.last_step_stats
-            traffic.append(step_traffic(stats))
-            backpressure_s.append(float(stats.get("backpressure_wait_s", 0.0)))
+            stats = trainer.strategy.engine.last_step
+            traffic.append(stats.step_traffic())
+            backpressure_s.append(float(stats.backpressure_wait_s))
             if not plan:
                 plan.update(trainer.strategy.engine.host_bytes_plan(trainer.strategy.engine.checkpoint_bytes))
             print(f"step {len(steps_s)}: loss {losses[-1]:.4f}, {steps_s[-1]:.1f} s, "

@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from snake_strategy.config import StorageConfig
-from snake_strategy.memory import checkpoint_tiers
+from snake_strategy.planning.memory import checkpoint_tiers
 from snake_strategy.storage import IOEngine, SsdDirectory, TrafficCounters, aligned_empty, round_up
 from snake_strategy.storage.aligned import padded_bytes
 from snake_strategy.storage.io_engine import Ticket

@@ -169,3 +169,27 @@ def _describe(value: Any) -> str:
     if isinstance(value, (tuple, list)):
         return f"a {type(value).__name__} of {[type(v).__name__ for v in value]}"
     return f"a {type(value).__name__}"
+
+
+def check_trainable(module: nn.Module, optimizer: torch.optim.Optimizer) -> dict[int, int]:
+    """Refuse what the engine cannot train exactly; return id(parameter) -> optimizer param-group index."""
+    group_of = {id(p): g for g, group in enumerate(optimizer.param_groups) for p in group["params"]}
+    # Frozen parameters (requires_grad=False) are only ever read: they need no optimizer group.
+    trainable = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+    if not trainable:
+        raise ValueError("every parameter has requires_grad=False: there is nothing to train. Unfreeze some "
+                         "parameters (or add adapters, e.g. peft.get_peft_model) before Trainer.fit")
+    missing = [n for n, p in trainable if id(p) not in group_of]
+    if missing:
+        raise ValueError(f"parameters {missing} are not in the optimizer; configure_optimizers must cover every "
+                         "parameter with requires_grad=True (or freeze them with requires_grad_(False))")
+    for i, block in enumerate(module.blocks):
+        for mod_name, mod in block.named_modules():
+            persistent = [b for b in mod._buffers if b not in mod._non_persistent_buffers_set and mod._buffers[b] is not None]
+            if persistent:
+                where = f"blocks[{i}]{'.' + mod_name if mod_name else ''}"
+                raise ValueError(
+                    f"{where} has buffers {persistent}: blocks must keep no state. Buffers that change in forward "
+                    "(BatchNorm running statistics) would be updated twice per micro-batch by the recompute. Use "
+                    "LayerNorm/GroupNorm, or register constant tables with persistent=False")
+    return group_of

@@ -10,7 +10,11 @@ import torch
 from lightning.fabric.plugins import CheckpointIO
 from torch import Tensor, nn
 
+from snake_strategy.checkpoint.consolidate import load_consolidated, load_consolidated_with_base
+from snake_strategy.checkpoint.format import is_checkpoint_dir
+from snake_strategy.checkpoint.store import wrong_strategy_error
 from snake_strategy.contract import check_block_output, unpack_pre_stage
+from snake_strategy.engine.view import running_engine
 
 
 class LayeredModule(pl.LightningModule):
@@ -53,14 +57,12 @@ class LayeredModule(pl.LightningModule):
         (consolidated in memory on the fly: the whole model is held about twice while loading). A
         fine-tuning checkpoint's frozen weights come from ``base`` (a HF directory, a state-dict or
         ``.ckpt`` file; checked against the checkpoint's CRC-32s)."""
-        if isinstance(checkpoint_path, (str, os.PathLike)) and _checkpoint_module().is_checkpoint_dir(checkpoint_path):
+        if isinstance(checkpoint_path, (str, os.PathLike)) and is_checkpoint_dir(checkpoint_path):
             buffer = io.BytesIO()
             if base is not None:
-                from snake_strategy.checkpoint_weights import load_consolidated_with_base  # imports checkpoint.py
-
                 consolidated = load_consolidated_with_base(checkpoint_path, base)
             else:
-                consolidated = _checkpoint_module().load_consolidated(checkpoint_path)
+                consolidated = load_consolidated(checkpoint_path)
             torch.save(consolidated, buffer)
             buffer.seek(0)
             checkpoint_path = buffer
@@ -76,11 +78,9 @@ class LayeredModule(pl.LightningModule):
             strategy.checkpoint_io = _SnakeDirAwareIO(strategy.checkpoint_io)
 
     def forward(self, batch: Any) -> Tensor:
-        strategy = self._trainer.strategy if self._trainer is not None else None
-        streamed = getattr(strategy, "streamed_forward", None)
-        if streamed is not None and getattr(strategy, "engine", None) is not None:
+        if running_engine(self) is not None:
             # Under greedysnake the blocks live in their tiers: the strategy streams them in.
-            return streamed(batch)
+            return self._trainer.strategy.streamed_forward(batch)
         hidden, side = unpack_pre_stage(self.pre_stage(batch))
         for i, block in enumerate(self.blocks):
             hidden = check_block_output(block(hidden, **side), i)
@@ -116,8 +116,8 @@ class _SnakeDirAwareIO(CheckpointIO):
         self.inner.save_checkpoint(checkpoint, path, storage_options)
 
     def load_checkpoint(self, path: Any, map_location: Any = None, weights_only: bool | None = None) -> dict[str, Any]:
-        if isinstance(path, (str, os.PathLike)) and _checkpoint_module().is_checkpoint_dir(path):
-            raise _checkpoint_module().wrong_strategy_error(path)
+        if isinstance(path, (str, os.PathLike)) and is_checkpoint_dir(path):
+            raise wrong_strategy_error(path)
         return self.inner.load_checkpoint(path, map_location=map_location, weights_only=weights_only)
 
     def remove_checkpoint(self, path: Any) -> None:
@@ -126,10 +126,3 @@ class _SnakeDirAwareIO(CheckpointIO):
     def teardown(self) -> None:
         self.inner.teardown()
 
-
-def _checkpoint_module():
-    # Imported on use, not at import time: `python -m snake_strategy.checkpoint` (the consolidation CLI)
-    # would otherwise find the module already imported by the package and runpy warns about it.
-    from snake_strategy import checkpoint
-
-    return checkpoint

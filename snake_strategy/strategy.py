@@ -1,6 +1,6 @@
 """Lightning glue: ``Trainer(strategy="greedysnake")``.
 (Over 500 lines: Lightning's Strategy interface is one class; the checkpoint and preemption logic it
-calls lives in checkpoint_pins.py and preemption.py.)
+calls lives in checkpoint/pins.py and preemption.py.)
 
 One Lightning batch is one optimizer step: ``training_step`` splits the global batch into
 ``schedule.num_micro_batches`` micro-batches and runs the whole schedule through the engine;
@@ -10,11 +10,12 @@ optimizer only holds hyper-parameters (see ``optim.py``), so LR schedulers keep 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime
 import os
 import logging
 from collections.abc import Generator
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 import lightning.pytorch as pl
 import torch
@@ -27,22 +28,20 @@ from typing_extensions import override
 
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-from snake_strategy import checkpoint_pins, preemption
-from snake_strategy.autoplan import RunPlan, example_batch, first_prediction, resolve
+from snake_strategy import preemption
+from snake_strategy.checkpoint import pins as checkpoint_pins, shards as checkpoint_shards, store as checkpoint_store
+from snake_strategy.checkpoint.consolidate import CheckpointWeights
 from snake_strategy.config import ScheduleConfig, StorageConfig, coerce_config
 from snake_strategy.contract import check_contract
 from snake_strategy.distributed import DataParallelMixin, build_engine, check_rank_loader, rank_storage, sync_initial_state
-from snake_strategy.engine import EngineHooks, SnakeEngine
-from snake_strategy.engine.evaluation import EvalEngine
-from snake_strategy.storage.counters import traffic_delta
+from snake_strategy.engine import EngineHooks, EngineRuntime, EvalEngine, SnakeEngine
 from snake_strategy.module import LayeredModule
-from snake_strategy.planner import HardwareProfile, StepPrediction
+from snake_strategy.planning.autoplan import RunPlan, example_batch, first_prediction, resolve
+from snake_strategy.planning.planner import HardwareProfile, StepPrediction
 from snake_strategy.precision import GreedySnakePrecision
 from snake_strategy.progress import Progress
+from snake_strategy.storage.counters import traffic_delta
 from snake_strategy.timeline import check_trace_path, export_trace
-
-if TYPE_CHECKING:
-    from snake_strategy.checkpoint_weights import CheckpointWeights
 
 log = logging.getLogger(__name__)
 
@@ -188,12 +187,16 @@ class GreedySnakeStrategy(DataParallelMixin, ParallelStrategy):
         self._resolve_plan(self.optimizers[0])
         # Once a run gave its weights back, they are the module's weights: pretrained= was the starting point.
         pretrained = None if self._gave_back_weights else self.pretrained
-        self.engine = build_engine(lambda: SnakeEngine(  # several ranks: layouts checked, one failure stops all
-            module, self.optimizers[0], self._rank_storage(), self.schedule, self.precision_plugin.dtypes,
-            self.root_device, clip=clip, pretrained=pretrained, scaler=self.precision_plugin.make_scaler(),
-            hooks=self.hooks, progress=self.progress, world_size=self.world_size, rank=self.global_rank,
-            shard_optimizer=self.shard_optimizer_state, planned_budget_bytes=self.plan.host_budget_bytes),
-            self.storage, self.global_rank, self.world_size)
+        runtime = EngineRuntime(self.precision_plugin.dtypes, self.root_device, clip=clip,
+                                scaler=self.precision_plugin.make_scaler(), pretrained=pretrained, hooks=self.hooks,
+                                progress=self.progress, world_size=self.world_size, rank=self.global_rank,
+                                shard_optimizer=self.shard_optimizer_state)
+
+        def build() -> SnakeEngine:
+            return SnakeEngine(module, self.optimizers[0], self._rank_plan(), runtime)
+
+        # Several ranks: every rank's storage is checked first, and a failure on one stops all.
+        self.engine = build_engine(build, self.storage, self.global_rank, self.world_size)
         if self.world_size > 1:
             sync_initial_state(self.engine, self.root_device)  # every rank starts from rank 0's weights
         self.engine.trace.enabled = self.trace_path is not None
@@ -209,7 +212,7 @@ class GreedySnakeStrategy(DataParallelMixin, ParallelStrategy):
         self._deferred = preemption.DeferredSaves()
         # Sweep what killed saves left in the checkpoint directories; check the kept checkpoints fit.
         checkpoint_pins.prepare_checkpoint_dirs(self.engine, trainer.checkpoint_callbacks, self.is_global_zero,
-                                                _checkpoint_module().sweep)
+                                                checkpoint_store.sweep)
         if not any(c is self._preemption for c in trainer.callbacks):
             trainer.callbacks.append(self._preemption)  # saves last.ckpt at the end of a SIGTERMed batch
         self._preemption.saved_step = None
@@ -230,13 +233,14 @@ class GreedySnakeStrategy(DataParallelMixin, ParallelStrategy):
         self._resolve_plan(None)
         source = (checkpoint.with_base(module, self.pretrained) if checkpoint is not None  # fine-tuning: + base
                   else None if self._gave_back_weights else self.pretrained)
-        self.engine = EvalEngine(module, self._rank_storage(), self.schedule, self.precision_plugin.dtypes, self.root_device,
-                                 source=source, hooks=self.hooks, progress=self.progress)
+        runtime = EngineRuntime(self.precision_plugin.dtypes, self.root_device, hooks=self.hooks, progress=self.progress)
+        self.engine = EvalEngine(module, self._rank_plan(), runtime, source=source)
         module._device = self.root_device  # as in setup(): the blocks must not move
         self.setup_precision_plugin()
 
-    def _rank_storage(self) -> StorageConfig:
-        return rank_storage(self.storage, self.global_rank, self.world_size)  # ssd_dir/rank{r}
+    def _rank_plan(self) -> RunPlan:
+        """The plan as this rank runs it: its own ``ssd_dir/rank{r}`` under data parallelism."""
+        return dataclasses.replace(self.plan, storage=rank_storage(self.storage, self.global_rank, self.world_size))
 
     @property
     def _evaluating(self) -> bool:
@@ -357,8 +361,11 @@ class GreedySnakeStrategy(DataParallelMixin, ParallelStrategy):
     def _predict(self, batch: Any, at_setup: bool = False) -> StepPrediction:
         """The planner's roofline for this run, from ``batch``'s shapes (at setup, before kept graphs and
         checkpoint sizes are measured; again after the first step)."""
-        prediction, self.hardware_profile, self.model_shape = first_prediction(
-            self.engine, self.hardware, self.root_device, batch, self.hardware_at_model_shape)
+        engine = self.engine
+        self.model_shape = engine.model_shape(engine.split(batch)[0][0])
+        prediction, self.hardware_profile = first_prediction(
+            self.plan, self.model_shape, engine.alpha, self.hardware, self.root_device,
+            engine.ssd.path if engine.ssd else None, engine.largest_block_matrix(), self.hardware_at_model_shape)
         if self.plan is not None:
             self.plan.prediction = prediction
             if not at_setup:  # "auto" decides at the first step
@@ -461,19 +468,17 @@ class GreedySnakeStrategy(DataParallelMixin, ParallelStrategy):
                 checkpoint_pins.check_space(self.engine, os.path.dirname(os.path.abspath(filepath)), 1,
                                             f"saving {filepath}")
             self._pinning_saves += 1
-        if shards or self.is_global_zero:  # else one writer, as DDPStrategy; Lightning barriers after
-            if shards:
-                _checkpoint_module(shards).save(self.engine, checkpoint, filepath, self.progress)
-            else:
-                self.last_save = _checkpoint_module().save(self.engine, checkpoint, filepath, self.progress,
-                                                           zero_copy=True)
+        if shards:  # every rank writes its shard, rank 0 the manifest last
+            checkpoint_shards.save(self.engine, checkpoint, filepath, self.progress)
+        elif self.is_global_zero:  # one writer, as DDPStrategy (replicated state); Lightning barriers after
+            self.last_save = checkpoint_store.save(self.engine, checkpoint, filepath, self.progress, zero_copy=True)
 
     @override
     def remove_checkpoint(self, filepath: Any) -> None:
         """Top-k rotation: a directory checkpoint is renamed aside, then unlinked (checkpoint.release)."""
         if self.is_global_zero:
             if os.path.isdir(filepath):
-                _checkpoint_module().release(filepath)
+                checkpoint_store.release(filepath)
             else:
                 self.checkpoint_io.remove_checkpoint(filepath)
 
@@ -487,15 +492,13 @@ class GreedySnakeStrategy(DataParallelMixin, ParallelStrategy):
         if self._evaluating:
             # Evaluation restores before setup (restore_checkpoint_after_setup): the engine is then built
             # straight from the checkpoint's master weights, with no init and nothing written twice.
-            from snake_strategy.checkpoint_weights import CheckpointWeights  # on use: see _checkpoint_module
-
             self._eval_checkpoint = CheckpointWeights(checkpoint_path)
             return self._eval_checkpoint.meta()
         if self.world_size > 1:  # rank 0 alone adopts a checkpoint a killed save left aside, then all read
             if self.is_global_zero:
-                _checkpoint_module().recover(checkpoint_path)
+                checkpoint_store.recover(checkpoint_path)
             self.barrier("greedysnake.load_checkpoint")
-        checkpoint = _checkpoint_module().load(self.engine, checkpoint_path, self.progress,
+        checkpoint = checkpoint_store.load(self.engine, checkpoint_path, self.progress,
                                                recover=self.world_size == 1)
         # Lightning restores the LR schedulers, but the current lr lives in the optimizer's param_groups.
         for optimizer, saved in zip(self.optimizers, checkpoint.get("optimizer_states", [])):
@@ -556,10 +559,3 @@ def _remove_weight_guard(module: torch.nn.Module) -> None:
     if hasattr(module, _GUARD_ATTR):
         delattr(module, _GUARD_ATTR)
 
-
-def _checkpoint_module(shards: bool = False):
-    # Imported on use, not at import time: `python -m snake_strategy.checkpoint` (the consolidation CLI)
-    # would otherwise find the module already imported by the package and runpy warns about it.
-    from snake_strategy import checkpoint, checkpoint_shards
-
-    return checkpoint_shards if shards else checkpoint

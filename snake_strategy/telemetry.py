@@ -24,6 +24,8 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 
+from snake_strategy.engine.view import StepStats, running_engine
+
 log = logging.getLogger(__name__)
 
 TIERS = ("device", "host", "ssd")
@@ -49,12 +51,6 @@ def _merge(*traffic: dict[str, int] | None) -> dict[str, int]:
         for key, value in (part or {}).items():
             out[key] += int(value)
     return dict(out)
-
-
-def step_traffic(stats: dict) -> dict[str, int]:
-    """One step's bytes per ``tier/state/direction`` from ``engine.last_step_stats``: the step's own traffic
-    plus the optimizer worker's (counted separately because the worker overlaps the next step)."""
-    return _merge(stats.get("traffic"), stats.get("optimizer_traffic"))
 
 
 def bytes_per_tier(flat: dict[str, int]) -> dict[str, int]:
@@ -127,9 +123,9 @@ class StepReport(pl.Callback):
         loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
         if isinstance(loss, torch.Tensor):
             self.losses.append(float(loss.detach()))
-        engine = getattr(trainer.strategy, "engine", None)
-        stats = getattr(engine, "last_step_stats", None) or {}
-        traffic = step_traffic(stats)
+        engine = running_engine(trainer)
+        stats = engine.last_step if engine is not None else StepStats()
+        traffic = stats.step_traffic()
         self.step_seconds.append(seconds)
         self.step_tokens.append(tokens)
         self.step_traffic.append(traffic)
@@ -139,11 +135,11 @@ class StepReport(pl.Callback):
             "io/ssd_bytes": float(per_tier["ssd"]),
             "io/host_bytes": float(per_tier["host"]),
             "io/ssd_gb_per_s": per_tier["ssd"] / seconds / 1e9 if seconds > 0 else 0.0,
-            "perf/io_wait_s": float(stats.get("io_wait_s", 0.0)),
-            "perf/optimizer_wait_s": float(stats.get("optimizer_wait_s", 0.0)),
-            "perf/optimizer_busy_s": float(stats.get("optimizer_busy_s", 0.0)),
+            "perf/io_wait_s": stats.io_wait_s,
+            "perf/optimizer_wait_s": stats.optimizer_wait_s,
+            "perf/optimizer_busy_s": stats.optimizer_busy_s,
             # producers that waited for a free pooled buffer (memory held to the budget, at this cost)
-            "perf/backpressure_wait_s": float(stats.get("backpressure_wait_s", 0.0)),
+            "perf/backpressure_wait_s": stats.backpressure_wait_s,
         }
         prediction = getattr(trainer.strategy, "prediction", None)
         hardware = getattr(trainer.strategy, "hardware_profile", None)
@@ -175,10 +171,9 @@ class StepReport(pl.Callback):
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # The last moment the engine is alive: the strategy's teardown closes it right after.
-        engine = getattr(trainer.strategy, "engine", None)
-        counters = getattr(engine, "counters", None)
-        if counters is not None:
-            self.total_traffic = counters.as_flat_dict()
+        engine = running_engine(trainer)
+        if engine is not None:
+            self.total_traffic = engine.counters.as_flat_dict()
 
     # ------------------------------------------------------------------ results
     def summary(self) -> dict[str, Any]:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, field
+from collections.abc import Iterable, Sequence
 from typing import Callable
 
 import torch
@@ -20,6 +21,21 @@ from torch import Tensor, nn
 from torch.func import functional_call
 
 from snake_strategy.storage.tiered import ALIGN_ELEMS
+
+
+def named_tensors(flat: Tensor, slots: Iterable[tuple[str, Sequence[int], int, int]], base: int = 0) -> dict[str, Tensor]:
+    """The parameters a flat unit vector holds, by name: views into ``flat`` (no copy). ``slots`` are
+    ``(name, shape, offset, numel)`` as the engines and checkpoint manifests list them; their offsets count
+    from the unit's start and ``flat`` starts at element ``base`` of it (a unit's frozen part starts at
+    ``train_end``). The one place a flat vector is cut into named parameters."""
+    return {name: flat[offset - base:offset - base + numel].view(tuple(shape)) for name, shape, offset, numel in slots}
+
+
+def nonlayer_numel(module: nn.Module) -> tuple[int, int]:
+    """(trainable, frozen) elements of the parameters outside ``module.blocks`` (embedding, head, norms)."""
+    block_ids = {id(p) for p in module.blocks.parameters()}
+    nonlayer = [p for p in module.parameters() if id(p) not in block_ids]
+    return sum(p.numel() for p in nonlayer if p.requires_grad), sum(p.numel() for p in nonlayer if not p.requires_grad)
 
 
 @dataclass(frozen=True)

@@ -32,7 +32,7 @@ from helpers import SMALL_GPT, ParamRecorder, token_data, trainer_kwargs  # noqa
 
 import snake_strategy  # noqa: E402
 from snake_strategy.gpt import GPTModule  # noqa: E402
-from snake_strategy.memory import ssd_plan  # noqa: E402
+from snake_strategy.planning.memory import ssd_plan  # noqa: E402
 from snake_strategy.precision import GreedySnakePrecision  # noqa: E402
 
 
@@ -43,7 +43,7 @@ class StepStats(L.Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         engine = trainer.strategy.engine
         reducer = engine.reducer
-        self.stats.append({**engine.last_step_stats,
+        self.stats.append({**engine.last_step.as_dict(),
                            "reductions": [vars(r).copy() for r in reducer.records] if reducer else [],
                            "tasks": [(t.kind, t.unit, tuple(t.micro_batches)) for t in engine.trace.last.tasks],
                            "layout": engine.storage_layout(), "batch_head": batch[0][:, 0].tolist(),

@@ -6,11 +6,11 @@ import pytest
 import torch
 
 import snake_strategy
-from snake_strategy import autoplan
+from snake_strategy.planning import autoplan
 from snake_strategy.config import ScheduleConfig, StorageConfig, TierSplit
-from snake_strategy.engine import SnakeEngine
+from snake_strategy.engine import EngineRuntime, SnakeEngine
 from snake_strategy.gpt import GPTModule
-from snake_strategy.planner import HardwareProfile
+from snake_strategy.planning.planner import HardwareProfile
 from snake_strategy.precision import GreedySnakePrecision
 from tests.helpers import SMALL_GPT, run_reference, run_snake
 
@@ -111,9 +111,9 @@ def test_the_engine_refuses_settings_left_to_the_planner():
     module = GPTModule(SMALL_GPT)
     module.configure_model()
     optimizer = torch.optim.AdamW(module.parameters())
+    plan = autoplan.RunPlan(StorageConfig(), ScheduleConfig(), {}, 0, 0)  # made by hand, not resolved
     with pytest.raises(ValueError, match=r"left to the planner.*autoplan.resolve"):
-        SnakeEngine(module, optimizer, StorageConfig(), ScheduleConfig(), GreedySnakePrecision().dtypes,
-                    torch.device("cpu"))
+        SnakeEngine(module, optimizer, plan, EngineRuntime(GreedySnakePrecision().dtypes, torch.device("cpu")))
 
 
 def test_bad_placement_is_refused():

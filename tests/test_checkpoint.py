@@ -13,6 +13,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import snake_strategy
 from snake_strategy import checkpoint as snake_checkpoint
+from snake_strategy.checkpoint import store as checkpoint_store
 from snake_strategy.gpt import GPTModule
 from tests.helpers import SMALL_GPT, ParamRecorder, token_data, trainer_kwargs
 
@@ -174,7 +175,7 @@ def _pause_after_touching(path, marker):
     wrap(shutil, "rmtree")
     wrap(os, "rename")
     wrap(os, "replace")
-    wrap(snake_checkpoint, "_exchange")  # the atomic swap (renameat2 RENAME_EXCHANGE) where Linux has it
+    wrap(checkpoint_store, "_exchange")  # the atomic swap (renameat2 RENAME_EXCHANGE) where Linux has it
 
 
 class _OverwriteAndPause(L.Callback):

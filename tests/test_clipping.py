@@ -14,7 +14,7 @@ class NormLog(L.Callback):
         self.norms, self.factors = [], []
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        stats = trainer.strategy.engine.last_step_stats
+        stats = trainer.strategy.engine.last_step.as_dict()
         self.norms.append(stats["grad_norm"])
         self.factors.append(stats["clip_factor"])
 

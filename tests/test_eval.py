@@ -10,7 +10,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 import snake_strategy
-from snake_strategy.checkpoint_weights import CheckpointWeights
+from snake_strategy.checkpoint.consolidate import CheckpointWeights
 from snake_strategy.engine.evaluation import EvalEngine
 from snake_strategy.gpt import GPTModule
 from tests.helpers import SMALL_GPT, token_data, trainer_kwargs

@@ -81,7 +81,7 @@ def test_optimizer_overlap_is_exact(precision, alpha, batched_backward, batched_
 
 def test_forward_parts_are_really_deferred():
     """With alpha > 0 each unit has a non-empty forward part, so the deferral above is exercised."""
-    from snake_strategy.memory import forward_split
+    from snake_strategy.planning.memory import forward_split
     from snake_strategy.gpt import Block
     numel = sum(p.numel() for p in Block(SMALL_GPT).parameters())
     assert 0 < forward_split(numel, 0.25) < numel

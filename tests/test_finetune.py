@@ -21,7 +21,7 @@ pytest.importorskip("transformers")
 
 from transformers import LlamaConfig  # noqa: E402
 
-from snake_strategy.adapters import save_adapter  # noqa: E402
+from snake_strategy.hf import save_adapter  # noqa: E402
 from snake_strategy.hf import HFCausalLM  # noqa: E402
 
 STEPS, MICRO, MICRO_SIZE, SEQ, VOCAB = 4, 4, 2, 16, 64
@@ -236,7 +236,7 @@ def test_units_below_the_first_trainable_one_get_no_backward(tmp_path):
 
 def test_memory_plans_count_only_what_exists():
     from snake_strategy.config import StorageConfig
-    from snake_strategy.memory import MemoryInputs, host_plan, ssd_plan
+    from snake_strategy.planning.memory import MemoryInputs, host_plan, ssd_plan
 
     storage = StorageConfig(ssd_dir="/tmp/x", weights="ssd", optimizer="ssd", gradients="ssd")
     full = MemoryInputs(unit_params=(40960,) * 4, nonlayer_params=1000, compute_bytes=4, master_bytes=4,
@@ -333,7 +333,7 @@ def test_merged_lora_export_streams_units_and_loads_with_from_pretrained(tmp_pat
 
     from transformers import AutoModelForCausalLM
 
-    from snake_strategy.adapters import export_merged_hf
+    from snake_strategy.hf import export_merged_hf
 
     class Export(L.Callback):
         def on_train_end(self, trainer, module):
@@ -353,7 +353,7 @@ def test_merged_lora_export_streams_units_and_loads_with_from_pretrained(tmp_pat
 
 
 def test_merged_export_refuses_dora(tmp_path):
-    from snake_strategy.adapters import export_merged_hf
+    from snake_strategy.hf import export_merged_hf
 
     torch.manual_seed(0)
     module = HFCausalLM(LLAMA)

@@ -12,7 +12,7 @@ from torch.utils.data import DataLoader
 
 import snake_strategy
 from snake_strategy import checkpoint as snake_checkpoint
-from snake_strategy.checkpoint_weights import CheckpointWeights
+from snake_strategy.checkpoint.consolidate import CheckpointWeights
 from snake_strategy.gpt import GPTModule
 from tests.helpers import SMALL_GPT, trainer_kwargs
 from tests.test_finetune import MICRO, MICRO_SIZE, STEPS, _data, build, run_snake

@@ -44,7 +44,7 @@ class StateLog(L.Callback):
         for i, name in enumerate(nonlayer["names"]):
             state[f"exp_avg/{name}"] = nonlayer["exp_avg"][i]
             state[f"exp_avg_sq/{name}"] = nonlayer["exp_avg_sq"][i]
-        self.states.append((state, engine.scaler.scale, engine.step_count, dict(engine.last_step_stats)))
+        self.states.append((state, engine.scaler.scale, engine.step_count, engine.last_step.as_dict()))
 
 
 def test_overflow_skips_exactly_that_step(tmp_path):
@@ -133,7 +133,7 @@ class _Fp16Log(L.Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         engine = trainer.strategy.engine
         self.states.append(engine.state_dict())
-        self.stats.append(dict(engine.last_step_stats))
+        self.stats.append(engine.last_step.as_dict())
 
 
 @pytest.mark.parametrize("overflow_step", [None, 1], ids=["no_overflow", "overflow_at_step_1"])
@@ -173,7 +173,7 @@ class _ScaleLog(L.Callback):
         self.scales, self.skipped = [], []
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        stats = trainer.strategy.engine.last_step_stats
+        stats = trainer.strategy.engine.last_step.as_dict()
         self.scales.append(stats["loss_scale"])
         self.skipped.append(bool(stats.get("skipped", False)))
 

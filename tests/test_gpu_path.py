@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from snake_strategy.config import StorageConfig
-from snake_strategy.memory import (WEIGHT_STAGING_BUFFERS, MemoryInputs, checkpoint_tiers, host_plan,
+from snake_strategy.planning.memory import (WEIGHT_STAGING_BUFFERS, MemoryInputs, checkpoint_tiers, host_plan,
                                    pinned_host_shares, weight_staging_elems)
 from snake_strategy.storage.aligned import PAGE_BYTES, aligned_allocation_bytes, pinned_allocation_bytes
 from snake_strategy.storage.pool import BufferPool

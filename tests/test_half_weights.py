@@ -34,7 +34,7 @@ class Grab(L.Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         engine = trainer.strategy.engine
-        self.traffic.append(dict(engine.last_step_stats["traffic"]))
+        self.traffic.append(dict(engine.last_step.traffic))
         self.units = engine.storage_layout()
         self.tasks = list(engine.trace.last.tasks)
         self.dtypes = {u.weights.dtype for u in engine.units}

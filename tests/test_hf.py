@@ -20,7 +20,7 @@ from transformers import GPT2Config, LlamaConfig, MistralConfig, Qwen2Config, Qw
 import snake_strategy  # noqa: E402
 from snake_strategy import checkpoint as snake_checkpoint  # noqa: E402
 from snake_strategy.hf import HFCausalLM, export_hf  # noqa: E402
-from snake_strategy.pretrained import PretrainedSource  # noqa: E402
+from snake_strategy.sources.pretrained import PretrainedSource  # noqa: E402
 from snake_strategy.units import build_layouts  # noqa: E402
 from tests.helpers import ParamRecorder, trainer_kwargs  # noqa: E402
 

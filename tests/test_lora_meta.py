@@ -10,7 +10,7 @@ import torch
 from torch.utils.data import DataLoader
 
 import snake_strategy
-from snake_strategy.adapters import trained_parameters
+from snake_strategy.hf.lora import trained_parameters
 from snake_strategy.gpt import GPTModule
 from tests.helpers import SMALL_GPT, ParamRecorder, trainer_kwargs
 
@@ -110,7 +110,7 @@ def test_lora_on_meta_gpt_initialises_base_and_adapters(tmp_path):
 
 
 def test_lora_inits_that_need_the_base_are_refused_on_meta():
-    from snake_strategy.adapters import adapter_initializer
+    from snake_strategy.sources.lora_init import adapter_initializer
 
     module = lora_on_meta(HFCausalLM(hf_model("llama").config))
     module.peft_config["default"].init_lora_weights = "olora"  # computed from the base weights
@@ -124,8 +124,12 @@ def test_planner_keeps_the_adapter_state_on_the_host_while_the_base_streams():
     unit (it leads the unit's flat vector) stay on the host, so a step writes nothing to the SSD and reads
     the frozen base once per fetch; full fine-tuning, even with three times the budget (its working set
     alone is 4.3 GiB), writes its state every step."""
-    from snake_strategy.planner import HardwareProfile, ModelShape, plan
+    from snake_strategy.planning.planner import HardwareProfile, ModelShape, plan, predict
     from snake_strategy.storage.tiered import tier_bytes
+
+    def planned(shape, budget_bytes):  # the placement and its predicted traffic
+        placed = plan(shape, HardwareProfile(), budget_bytes)
+        return placed, predict(shape, HardwareProfile(), placed.storage, "vertical", placed.alpha)
 
     units, per_unit, adapter = 16, 60_000_000, 4096 * 16
     lora = ModelShape(num_units=units, params_per_unit=per_unit, nonlayer_params=0, head_params=0,
@@ -134,11 +138,11 @@ def test_planner_keeps_the_adapter_state_on_the_host_while_the_base_streams():
     full = ModelShape(num_units=units, params_per_unit=per_unit, nonlayer_params=100_000_000, head_params=0,
                       tokens_per_micro=512, num_micro=4, checkpoint_bytes=0)
     budget = 2 * 2**30  # the weights alone are 3.6 GiB
-    chosen = plan(lora, HardwareProfile(), budget)
+    chosen, prediction = planned(lora, budget)
     storage = chosen.storage
     assert storage.optimizer.host == 1.0 and 0 < storage.weights.host < 1.0
     assert tier_bytes(per_unit, storage.weights, 4, 0, adapter)["ssd"] == 0  # the adapters' master copy
-    assert chosen.prediction.ssd_write_bytes == 0
+    assert prediction.ssd_write_bytes == 0
     fetches = 2 * units - 1
-    assert chosen.prediction.ssd_read_bytes == fetches * tier_bytes(per_unit, storage.weights, 4)["ssd"]
-    assert plan(full, HardwareProfile(), 3 * budget).prediction.ssd_write_bytes > 2**30
+    assert prediction.ssd_read_bytes == fetches * tier_bytes(per_unit, storage.weights, 4)["ssd"]
+    assert planned(full, 3 * budget)[1].ssd_write_bytes > 2**30

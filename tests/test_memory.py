@@ -11,7 +11,7 @@ import lightning as L
 
 import snake_strategy
 from snake_strategy.gpt import GPTConfig
-from snake_strategy.memory import RSS_SLACK_BYTES
+from snake_strategy.planning.memory import RSS_SLACK_BYTES
 from tests.helpers import SMALL_GPT, run_snake
 
 RSS_SCRIPT = r"""
@@ -36,7 +36,7 @@ class Plan(L.Callback):
     def on_train_batch_end(self, trainer, *args):
         engine = trainer.strategy.engine
         plan.update(engine.host_bytes_plan(engine.checkpoint_bytes))
-        waits.append(engine.last_step_stats.get("backpressure_wait_s", 0.0))
+        waits.append(engine.last_step.backpressure_wait_s)
     def on_train_end(self, trainer, *args):
         # The training peak, before teardown gives the trained weights back to the module (they are the
         # model's own size, not the engine's working set).
@@ -76,8 +76,8 @@ def test_peak_rss_does_not_grow_with_depth_when_a_consumer_is_slow(tmp_path, slo
 
 
 def test_budget_check_planner_and_activation_store_share_one_memory_model(tmp_path):
-    from snake_strategy.memory import checkpoint_tiers, host_plan
-    from snake_strategy.planner import HardwareProfile, memory_inputs
+    from snake_strategy.planning.memory import checkpoint_tiers, host_plan
+    from snake_strategy.planning.planner import HardwareProfile, memory_inputs
 
     storage = {"ssd_dir": str(tmp_path / "s"), "weights": "ssd", "optimizer": "ssd", "checkpoints": {"ssd": 0.5},
                "checkpoint_host_ends": 1}
@@ -89,7 +89,7 @@ def test_budget_check_planner_and_activation_store_share_one_memory_model(tmp_pa
             seen["budget"] = engine.host_bytes_plan(engine.checkpoint_bytes)
             seen["tiers"] = [engine.activations.tier_of(m) for m in range(6)]
             seen["shape"] = trainer.strategy.model_shape
-            seen["ssd_ckpt_writes"] = engine.last_step_stats["traffic"].get("ssd/checkpoints/write", 0)
+            seen["ssd_ckpt_writes"] = engine.last_step.traffic.get("ssd/checkpoints/write", 0)
             seen["storage"], seen["alpha"] = engine.storage, engine.alpha
 
     run_snake(SMALL_GPT, 1, 6, 1, "32-true", storage=storage, callbacks=[Capture()])
@@ -128,14 +128,18 @@ def test_host_budget_counts_checkpoints_at_first_step(tmp_path):
 
 
 def _static_plan(cfg):
-    from snake_strategy.engine import DtypePolicy, SnakeEngine
+    from snake_strategy.engine import DtypePolicy, EngineRuntime, SnakeEngine
     from snake_strategy.gpt import GPTModule
+    from snake_strategy.planning.autoplan import resolve
+    from snake_strategy.planning.planner import HardwareProfile
     module = GPTModule(cfg)
     with torch.device("meta"):
         module.configure_model()
     optimizer = module.configure_optimizers()
-    engine = SnakeEngine(module, optimizer, snake_strategy.StorageConfig(), snake_strategy.ScheduleConfig(kind="vertical"),
-                         DtypePolicy(torch.float32, torch.float32), torch.device("cpu"))
+    plan = resolve(module, optimizer, snake_strategy.StorageConfig(), snake_strategy.ScheduleConfig(kind="vertical"),
+                   4, 4, torch.device("cpu"), HardwareProfile())
+    engine = SnakeEngine(module, optimizer, plan, EngineRuntime(DtypePolicy(torch.float32, torch.float32),
+                                                                torch.device("cpu")))
     try:
         return sum(engine.host_bytes_plan().values())
     finally:

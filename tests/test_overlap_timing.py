@@ -36,7 +36,7 @@ class Fetches(L.Callback):
 
     def on_train_batch_end(self, trainer, *args):
         self.steps.append(list(trainer.strategy.engine.trace.last.fetches))
-        self.stats.append(dict(trainer.strategy.engine.last_step_stats))
+        self.stats.append(trainer.strategy.engine.last_step.as_dict())
 
 
 def _run(tmp_path, prefetch_depth):

@@ -2,8 +2,9 @@
 import pytest
 
 from snake_strategy.config import StorageConfig
-from snake_strategy.planner import (HardwareProfile, ModelShape, choose_alpha, plan, predict, step_flops,
-                                    weight_fetches_per_step)
+from snake_strategy.planning.memory import host_plan
+from snake_strategy.planning.planner import (HardwareProfile, ModelShape, choose_alpha, memory_inputs, plan, predict,
+                                             step_flops, weight_fetches_per_step)
 
 # 8192 parameters per unit: 32 KiB in fp32, whole pages (the engine page-rounds every SSD transfer), and
 # an alpha=0.5 forward part of exactly 4096 elements (forward parts are page-aligned).
@@ -70,7 +71,8 @@ def test_plan_fills_the_host_budget_weights_first():
     assert everything.storage.weights.host == 1.0 and everything.storage.optimizer.host == 1.0
     tight = plan(shape, HW, host_budget_bytes=100_000_000)  # working set ~36 MB, weights 40 MB, moments 80 MB
     assert tight.storage.weights.host == 1.0 and tight.storage.optimizer.host < 1.0
-    assert tight.host_bytes <= 100_000_000
+    needed = host_plan(memory_inputs(shape, HW, tight.storage, "vertical", tight.alpha, prefetch_depth=2))
+    assert sum(needed.values()) <= 100_000_000
 
 
 def test_plan_that_cannot_fit_names_the_numbers():

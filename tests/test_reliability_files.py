@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from snake_strategy import checkpoint as snake_checkpoint
+from snake_strategy.checkpoint import store as checkpoint_store
 from snake_strategy.gpt import GPTModule
 from snake_strategy.storage import PAGE_BYTES, IOEngine, SsdDirectory, aligned_empty
 from snake_strategy.storage.aligned import padded_bytes
@@ -85,13 +86,13 @@ def _kill_every_point(engine, base, exchange: bool, monkeypatch) -> list[str]:
         snake_checkpoint.save(engine, {"tag": "old"}, final)
         kill = KillAt(n)
         with monkeypatch.context() as m:
-            # Every way the module changes the file system (raising=False: a helper may not exist).
+            # Every way store.py changes the file system.
             if not exchange:
-                m.setattr(snake_checkpoint, "_exchange", lambda a, b: False, raising=False)  # e.g. NFS
-            for name in ("_exchange", "_write_raw", "_remove"):
-                m.setattr(snake_checkpoint, name, kill(getattr(snake_checkpoint, name, None)), raising=False)
-            m.setattr(snake_checkpoint, "os", types.SimpleNamespace(**{**vars(os), "rename": kill(os.rename)}))
-            m.setattr(snake_checkpoint, "shutil", types.SimpleNamespace(rmtree=kill(snake_checkpoint.shutil.rmtree)))
+                m.setattr(checkpoint_store, "_exchange", lambda a, b: False)  # e.g. NFS
+            for name in ("_exchange", "write_raw", "remove_path"):
+                m.setattr(checkpoint_store, name, kill(getattr(checkpoint_store, name)))
+            m.setattr(checkpoint_store, "os", types.SimpleNamespace(**{**vars(os), "rename": kill(os.rename)}))
+            m.setattr(checkpoint_store, "shutil", types.SimpleNamespace(rmtree=kill(checkpoint_store.shutil.rmtree)))
             try:
                 snake_checkpoint.save(engine, {"tag": "new"}, final)
             except _Killed:
@@ -134,7 +135,7 @@ def test_load_adopts_a_checkpoint_left_aside_by_a_killed_save(tmp_path, monkeypa
     def crash_between_renames(trainer):
         engine = trainer.strategy.engine
         snake_checkpoint.save(engine, {"tag": "old"}, final)
-        monkeypatch.setattr(snake_checkpoint, "_exchange", lambda a, b: False, raising=False)
+        monkeypatch.setattr(checkpoint_store, "_exchange", lambda a, b: False)
         renames = []
 
         def rename(src, dst):
@@ -143,8 +144,8 @@ def test_load_adopts_a_checkpoint_left_aside_by_a_killed_save(tmp_path, monkeypa
                 raise _Killed
             os.rename(src, dst)
 
-        monkeypatch.setattr(snake_checkpoint, "os", types.SimpleNamespace(**{**vars(os), "rename": rename}))
-        monkeypatch.setattr(snake_checkpoint, "shutil", types.SimpleNamespace(rmtree=lambda *a, **k: None))
+        monkeypatch.setattr(checkpoint_store, "os", types.SimpleNamespace(**{**vars(os), "rename": rename}))
+        monkeypatch.setattr(checkpoint_store, "shutil", types.SimpleNamespace(rmtree=lambda *a, **k: None))
         with pytest.raises(_Killed):
             snake_checkpoint.save(engine, {"tag": "new"}, final)
         monkeypatch.undo()
@@ -169,7 +170,7 @@ def test_leftovers_of_a_live_process_are_left_alone(saved, tmp_path):
     theirs.mkdir()
     dead = tmp_path / ".last.ckpt.tmp-999999999"  # above any pid_max: no such process
     dead.mkdir()
-    assert snake_checkpoint._recover(final, clean=True) == final
+    assert checkpoint_store._recover(final, clean=True) == final
     assert theirs.is_dir() and not dead.exists()
 
 

@@ -23,7 +23,7 @@ class Stats(L.Callback):
         self.steps, self.tasks = [], []
 
     def on_train_batch_end(self, trainer, *args):
-        self.steps.append(dict(trainer.strategy.engine.last_step_stats))
+        self.steps.append(trainer.strategy.engine.last_step.as_dict())
         self.tasks.append(list(trainer.strategy.engine.trace.last.tasks))
 
 

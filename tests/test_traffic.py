@@ -9,7 +9,7 @@
 - Optimizer: every unit's master weights and both moments are read and written once per step.
 
 The optimizer worker runs concurrently with the compute, so which phase's counters
-(``last_step_stats["traffic"]`` or ``["optimizer_traffic"]``) receive its bytes depends on timing.
+(``last_step.traffic`` or ``.optimizer_traffic``) receive its bytes depends on timing.
 Compute-weight fetches are only separable from optimizer traffic when the master copy is a separate
 store (bf16-true); otherwise the tests compare whole-step counter deltas, measured by a callback from
 ``on_train_batch_start`` to ``on_train_batch_end``, or whole-run totals.
@@ -62,8 +62,8 @@ class StepStats(L.Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         engine = trainer.strategy.engine
         self.step_deltas.append(_delta(self._batch_start, engine.counters.snapshot()))
-        self.traffic.append(dict(engine.last_step_stats["traffic"]))
-        self.optimizer_traffic.append(dict(engine.last_step_stats["optimizer_traffic"]))
+        self.traffic.append(dict(engine.last_step.traffic))
+        self.optimizer_traffic.append(dict(engine.last_step.optimizer_traffic))
         self.tasks = list(engine.trace.last.tasks)
         self.units = engine.storage_layout()
 

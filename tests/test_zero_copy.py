@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from snake_strategy import checkpoint as snake_checkpoint
+from snake_strategy.checkpoint import store as checkpoint_store
 from snake_strategy.storage import versions
 from tests.test_checkpoint import _fit
 
@@ -123,11 +124,11 @@ def test_kill_at_every_point_of_a_zero_copy_save(tmp_path, monkeypatch, exchange
             kill = KillAt(n)
             with monkeypatch.context() as m:
                 if not exchange:
-                    m.setattr(snake_checkpoint, "_exchange", lambda a, b: False)
-                for name in ("_exchange", "_write_raw", "_remove"):
-                    m.setattr(snake_checkpoint, name, kill(getattr(snake_checkpoint, name)))
-                m.setattr(snake_checkpoint, "os", types.SimpleNamespace(**{**vars(os), "rename": kill(os.rename)}))
-                m.setattr(snake_checkpoint, "shutil", types.SimpleNamespace(rmtree=kill(shutil.rmtree)))
+                    m.setattr(checkpoint_store, "_exchange", lambda a, b: False)
+                for name in ("_exchange", "write_raw", "remove_path"):
+                    m.setattr(checkpoint_store, name, kill(getattr(checkpoint_store, name)))
+                m.setattr(checkpoint_store, "os", types.SimpleNamespace(**{**vars(os), "rename": kill(os.rename)}))
+                m.setattr(checkpoint_store, "shutil", types.SimpleNamespace(rmtree=kill(shutil.rmtree)))
                 m.setattr(versions, "os", types.SimpleNamespace(**{**vars(os), "link": kill(os.link)}))
                 try:
                     snake_checkpoint.save(engine, {"tag": "new"}, final, zero_copy=True)
@@ -375,7 +376,7 @@ def test_setup_sweeps_dead_runs_leftovers_and_logs_them(tmp_path, two_steps, cap
     (partial / "units" / "unit00000.master.bin").write_bytes(b"\0" * 4096)
     alive = ckpts / f".epoch=0-step=8.ckpt.tmp-{os.getppid()}"  # a live process's save: left alone
     alive.mkdir()
-    with caplog.at_level(logging.WARNING, logger="snake_strategy.checkpoint_pins"):
+    with caplog.at_level(logging.WARNING, logger="snake_strategy.checkpoint.pins"):
         _fit(1, tmp_path / "ssd", ckpt_dir=ckpts)
     assert not partial.exists() and alive.is_dir()
     assert f"removed {partial}" in caplog.text

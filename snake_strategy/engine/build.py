@@ -12,16 +12,17 @@ from typing import Callable
 import torch
 from torch import nn
 
-from snake_strategy.adapters import adapter_initializer, nonlayer_adapter_values
-from snake_strategy.config import StorageConfig
 from snake_strategy.engine.half_weights import WeightFormat, tail_split
 from snake_strategy.engine.partition import ShardView
+from snake_strategy.engine.runtime import EngineRuntime
 from snake_strategy.engine.state import NonLayerState, UnitStore
-from snake_strategy.memory import forward_split
+from snake_strategy.planning.autoplan import RunPlan
+from snake_strategy.planning.memory import forward_split
 from snake_strategy.precision import DtypePolicy
-from snake_strategy.pretrained import PretrainedSource
-from snake_strategy.progress import Progress, or_quiet
-from snake_strategy.storage import IOEngine, SsdDirectory, TieredTensor, TrafficCounters
+from snake_strategy.progress import or_quiet
+from snake_strategy.sources.lora_init import adapter_initializer, nonlayer_adapter_values
+from snake_strategy.sources.pretrained import PretrainedSource
+from snake_strategy.storage.tiered import Tiers
 from snake_strategy.units import UnitLayout, materialize_unit_blocks
 
 
@@ -33,46 +34,18 @@ class BuiltModel:
     nonlayer: NonLayerState
 
 
-def check_trainable(module: nn.Module, optimizer: torch.optim.Optimizer) -> dict[int, int]:
-    """Refuse what the engine cannot train exactly; return id(parameter) -> optimizer param-group index."""
-    group_of = {id(p): g for g, group in enumerate(optimizer.param_groups) for p in group["params"]}
-    # Frozen parameters (requires_grad=False) are only ever read: they need no optimizer group.
-    trainable = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
-    if not trainable:
-        raise ValueError("every parameter has requires_grad=False: there is nothing to train. Unfreeze some "
-                         "parameters (or add adapters, e.g. peft.get_peft_model) before Trainer.fit")
-    missing = [n for n, p in trainable if id(p) not in group_of]
-    if missing:
-        raise ValueError(f"parameters {missing} are not in the optimizer; configure_optimizers must cover every "
-                         "parameter with requires_grad=True (or freeze them with requires_grad_(False))")
-    for i, block in enumerate(module.blocks):
-        for mod_name, mod in block.named_modules():
-            persistent = [b for b in mod._buffers if b not in mod._non_persistent_buffers_set and mod._buffers[b] is not None]
-            if persistent:
-                where = f"blocks[{i}]{'.' + mod_name if mod_name else ''}"
-                raise ValueError(
-                    f"{where} has buffers {persistent}: blocks must keep no state. Buffers that change in forward "
-                    "(BatchNorm running statistics) would be updated twice per micro-batch by the recompute. Use "
-                    "LayerNorm/GroupNorm, or register constant tables with persistent=False")
-    return group_of
 
-
-def build_model(module: nn.Module, optimizer: torch.optim.Optimizer, layouts: list[UnitLayout], storage: StorageConfig,
-                blocks_per_unit: int, alpha: float, dtypes: DtypePolicy, device: torch.device,
-                counters: TrafficCounters, io: IOEngine | None, ssd: SsdDirectory | None,
-                pretrained: str | None, progress: Progress | None = None,
-                shard: Callable[[int], tuple[int, int]] | None = None) -> BuiltModel:
-    """Materialize ``layouts`` (from ``units.build_layouts`` over ``check_trainable``'s groups), reporting
-    units done to ``progress`` (phase "materialize", or "load_pretrained" when streaming weights in).
-    ``shard(train_end) -> (lo, hi)``: partitioned optimizer state, this rank keeps the moments of [lo, hi)."""
+def build_model(module: nn.Module, optimizer: torch.optim.Optimizer, plan: RunPlan, runtime: EngineRuntime,
+                tiers: Tiers, alpha: float, shard: Callable[[int], tuple[int, int]] | None = None) -> BuiltModel:
+    """Materialize the plan's layouts into ``tiers``, reporting units done to ``runtime.progress`` (phase
+    "materialize", or "load_pretrained" when streaming ``runtime.pretrained`` in). ``alpha``: the forward
+    share each unit's update is cut at. ``shard(train_end) -> (lo, hi)``: partitioned optimizer state, this
+    rank keeps the moments of [lo, hi)."""
+    layouts, dtypes, device, storage = plan.layouts, runtime.dtypes, runtime.device, tiers.storage
     group_of = {id(p): g for g, group in enumerate(optimizer.param_groups) for p in group["params"]}
     blocks_prefix = next(name for name, mod in module.named_modules() if mod is module.blocks)
     block_ids = {id(p) for p in module.blocks.parameters()}
     named = [(n, p) for n, p in module.named_parameters() if id(p) not in block_ids]
-
-    def tiered(name: str, state: str, numel: int, dtype: torch.dtype) -> TieredTensor:
-        split = getattr(storage, "optimizer" if state in ("exp_avg", "exp_avg_sq") else state)
-        return TieredTensor(name, state, numel, dtype, split, device, counters, io, ssd)
 
     def store_unit(layout: UnitLayout, flat: torch.Tensor) -> UnitStore:
         layout.buffers = [{k: v.to(device) for k, v in d.items()} for d in layout.buffers]
@@ -83,23 +56,22 @@ def build_model(module: nn.Module, optimizer: torch.optim.Optimizer, layouts: li
             # Mixed precision: matmul weights stored in half, the rest in a full-precision tail kept in
             # memory (engine/half_weights.py); the master copy is separate.
             fmt = WeightFormat.for_layout(layout, dtypes.half_weights, dtypes.master)
-            tail = TieredTensor(f"{name}.tail", "weights", fmt.tail_numel, dtypes.master,
-                                tail_split(storage.weights), device, counters, io, ssd)
-        weights = tiered(name, "weights", n if fmt is None else fmt.main_numel, dtypes.weights)
+            tail = tiers.tensor(f"{name}.tail", "weights", fmt.tail_numel, dtypes.master, tail_split(storage.weights))
+        weights = tiers.tensor(name, "weights", n if fmt is None else fmt.main_numel, dtypes.weights)
         if dtypes.weights == dtypes.master:
             master = weights  # fp32/fp64 training: the compute copy is the master copy, stored once
         else:
-            master = tiered(name, "master", t, dtypes.master)
+            master = tiers.tensor(name, "master", t, dtypes.master)
             master.evict(flat[:t])
         lo, hi = shard(t) if shard is not None else (0, t)
         zeros = torch.zeros(hi - lo, dtype=dtypes.master)
-        exp_avg = tiered(name, "exp_avg", hi - lo, dtypes.master)
+        exp_avg = tiers.tensor(name, "exp_avg", hi - lo, dtypes.master)
         exp_avg.evict(zeros)
-        exp_avg_sq = tiered(name, "exp_avg_sq", hi - lo, dtypes.master)
+        exp_avg_sq = tiers.tensor(name, "exp_avg_sq", hi - lo, dtypes.master)
         exp_avg_sq.evict(zeros)
         if shard is not None:
             exp_avg, exp_avg_sq = ShardView(exp_avg, lo), ShardView(exp_avg_sq, lo)
-        grads = tiered(name, "gradients", t, dtypes.master)
+        grads = tiers.tensor(name, "gradients", t, dtypes.master)
         unit = UnitStore(layout, weights, master, exp_avg, exp_avg_sq, grads, forward_split(t, alpha), fmt, tail)
         unit.store_weights(flat)
         tracker.advance(1, weight_bytes(layout) + t * state_bytes_per_elem)
@@ -116,14 +88,14 @@ def build_model(module: nn.Module, optimizer: torch.optim.Optimizer, layouts: li
     state_bytes_per_elem = 2 * dtypes.bytes_per("master")
     if dtypes.weights != dtypes.master:
         state_bytes_per_elem += dtypes.bytes_per("master")
-    progress = or_quiet(progress)
-    source = PretrainedSource(pretrained) if pretrained else None
+    progress = or_quiet(runtime.progress)
+    source = PretrainedSource(runtime.pretrained) if runtime.pretrained else None
     tracker = progress.phase("load_pretrained" if source else "materialize", len(layouts),
                              total_bytes=sum(weight_bytes(layout) + layout.train_end * state_bytes_per_elem
                                              for layout in layouts))
     try:
-        units = _materialize(module, layouts, named, device, source, dtypes, blocks_prefix, blocks_per_unit,
-                             store_unit)
+        units = materialize(module, layouts, named, device, source, dtypes, blocks_prefix,
+                            plan.schedule.blocks_per_unit, store_unit)
     finally:
         if source is not None:
             source.close()
@@ -134,7 +106,7 @@ def build_model(module: nn.Module, optimizer: torch.optim.Optimizer, layouts: li
     return BuiltModel(blocks_prefix, layouts, units, nonlayer)
 
 
-def _materialize(module: nn.Module, layouts: list[UnitLayout], named: list[tuple[str, nn.Parameter]],
+def materialize(module: nn.Module, layouts: list[UnitLayout], named: list[tuple[str, nn.Parameter]],
                  device: torch.device, source: PretrainedSource | None, dtypes: DtypePolicy, blocks_prefix: str,
                  blocks_per_unit: int, store_unit: Callable[[UnitLayout, torch.Tensor], UnitStore]) -> list[UnitStore]:
     init_fn = getattr(module, "init_module_weights", None) or _reset_parameters

@@ -1,4 +1,7 @@
-"""``SnakeEngine``: the facade the strategy talks to. It owns every offloaded state of the blocks and the
+"""Longer than the guide: one class, the training engine, whose step and whose state API (what checkpoints
+and export read) share every part it owns.
+
+``SnakeEngine``: the facade the strategy talks to. It owns every offloaded state of the blocks and the
 non-layer parameters' optimizer state, and exposes a small API: ``train_step``, ``optimizer_step``,
 ``flush``, ``forward`` (evaluation), the state API (per unit and non-layer, for checkpoints), the memory
 plan, and ``close``.
@@ -10,75 +13,82 @@ runner -> gradients -> overlap -> tiers.
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 import zlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from snake_strategy.activations import ActivationStore
-from snake_strategy.config import ScheduleConfig, StorageConfig
-from snake_strategy.contract import batch_size, batch_tensors, check_contract, slice_batch, split_micro_batches, unpack_pre_stage
-from snake_strategy.engine.build import build_model, check_trainable
+from snake_strategy.contract import (batch_size, batch_tensors, check_contract, slice_batch, split_micro_batches,
+                                     unpack_pre_stage)
+from snake_strategy.engine.build import build_model
 from snake_strategy.engine.gradients import GradientPath, defers_whole_units
 from snake_strategy.engine.half_weights import WeightFormat
-from snake_strategy.engine.hooks import EngineHooks
 from snake_strategy.engine.kept import KeptGraphs
 from snake_strategy.engine.overlap import OptimizerOverlap
 from snake_strategy.engine.partition import Partition, shard_range
 from snake_strategy.engine.reduce import GradientReducer
-from snake_strategy.engine.runner import StepRunner, StepState
+from snake_strategy.engine.runner import StepParts, StepRunner, StepState
+from snake_strategy.engine.runtime import EngineHooks, EngineRuntime
 from snake_strategy.engine.streaming import stream_blocks, streamed_forward
 from snake_strategy.engine.trace import TaskTrace
+from snake_strategy.engine.view import StepStats
 from snake_strategy.engine.weights import WeightStreamer
-from snake_strategy.memory import MemoryInputs, format_plan, host_plan, pool_sizes, ssd_plan
+from snake_strategy.planning.memory import MemoryInputs, format_plan, host_plan, pool_sizes, ssd_plan
 from snake_strategy.optim import check_optimizer, snapshot_hyper_params
-from snake_strategy.planner import ModelShape
-from snake_strategy.precision import DtypePolicy, LossScaler
-from snake_strategy.progress import Progress, or_quiet
+from snake_strategy.planning.autoplan import RunPlan
+from snake_strategy.planning.planner import HardwareProfile, ModelShape, memory_inputs
+from snake_strategy.precision import LossScaler
+from snake_strategy.progress import or_quiet
 from snake_strategy.schedule import build_tasks
 from snake_strategy.storage import IOEngine, SsdDirectory, TrafficCounters
 from snake_strategy.storage.counters import traffic_delta
 from snake_strategy.storage.aligned import return_large_frees_to_os
 from snake_strategy.storage.pool import BufferPool
-from snake_strategy.units import build_layouts
+from snake_strategy.storage.tiered import Tiers
+from snake_strategy.units import named_tensors
 
 
 class SnakeEngine:
-    def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer, storage: StorageConfig,
-                 schedule: ScheduleConfig, dtypes: DtypePolicy, device: torch.device,
-                 clip: tuple[str, float] | None = None, pretrained: str | None = None,
-                 scaler: LossScaler | None = None, hooks: EngineHooks | None = None,
-                 progress: Progress | None = None, world_size: int = 1, rank: int = 0,
-                 shard_optimizer: bool = False, planned_budget_bytes: int | None = None) -> None:
+    """Trains ``module`` with the plan's storage and schedule (``planning.autoplan.resolve``); the engine
+    decides none of the plan's settings again. ``EngineView`` (engine/view.py) is what other code may use."""
+
+    def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer, plan: RunPlan,
+                 runtime: EngineRuntime) -> None:
+        storage, schedule, clip = plan.storage, plan.schedule, runtime.clip
         if clip is not None and clip[0] not in ("norm", "value"):
             raise ValueError(f"gradient_clip_algorithm='{clip[0]}' is not supported; use 'norm' or 'value'")
         check_contract(module)
         check_optimizer(optimizer)
         if schedule.unset() or storage.unset():
             raise ValueError(f"SnakeEngine runs concrete settings, but schedule {schedule.unset()} and storage "
-                             f"{storage.unset()} are left to the planner: resolve them first (snake_strategy.autoplan."
-                             "resolve, as GreedySnakeStrategy does) or set them")
+                             f"{storage.unset()} are left to the planner: resolve them first (snake_strategy.planning."
+                             "autoplan.resolve, as GreedySnakeStrategy does) or set them")
         self.module, self.optimizer, self.storage, self.schedule = module, optimizer, storage, schedule
-        self.dtypes, self.device, self.clip = dtypes, device, clip
-        self.scaler = scaler if scaler is not None else LossScaler(dtypes.loss_scaling)
+        self.plan, self.runtime = plan, runtime
+        self.dtypes, self.device, self.clip = runtime.dtypes, runtime.device, clip
+        self.scaler = runtime.scaler if runtime.scaler is not None else LossScaler(runtime.dtypes.loss_scaling)
         # What keep_activations="auto" may fill: the hard budget, else the one the planner placed within.
-        self.planned_budget_bytes = storage.host_budget_bytes or planned_budget_bytes
-        self.hooks = hooks or EngineHooks()
-        self.progress = or_quiet(progress)  # setup, long steps and export report here
+        self.planned_budget_bytes = storage.host_budget_bytes or plan.host_budget_bytes or None
+        self.hooks = runtime.hooks or EngineHooks()
+        self.progress = or_quiet(runtime.progress)  # setup, long steps and export report here
         # Norm clipping and loss scaling defer each unit's whole update to the next forward.
         self.alpha = 1.0 if defers_whole_units(clip, self.scaler.enabled) else schedule.alpha
+        world_size, rank = runtime.world_size, runtime.rank
         self.counters = TrafficCounters()
         self.trace = TaskTrace()
         # Data parallel (world_size > 1, a process group set up): unit gradients summed across ranks.
         self.world_size = world_size
-        self.reducer = GradientReducer(world_size, self.counters, self.trace, device) if world_size > 1 else None
+        self.reducer = GradientReducer(world_size, self.counters, self.trace, self.device) if world_size > 1 else None
         # ZeRO-1: this rank keeps 1/N of the moments (engine/partition.py).
-        self.partition = Partition(world_size, rank, self.counters, dtypes, device) \
-            if shard_optimizer and world_size > 1 else None
+        self.partition = Partition(world_size, rank, self.counters, self.dtypes, self.device) \
+            if runtime.shard_optimizer and world_size > 1 else None
         self.step_count = 0
-        self.last_step_stats: dict[str, Any] = {}
+        self.last_step = StepStats()
         self.checkpoint_bytes = 0  # one unit input of one micro-batch, known after the first forward
         self.global_batch_size: int | None = None  # samples per full step (set from the loader or batch 1)
         self.io: IOEngine | None = None
@@ -92,33 +102,31 @@ class SnakeEngine:
                 self.ssd = SsdDirectory(storage.ssd_dir, storage.use_o_direct, storage.keep_ssd_files)
                 self.io = IOEngine(storage.num_io_threads, before_transfer=self.hooks.before_ssd_transfer,
                                    trace=self.trace)
-            self._build(pretrained)
+            self._build()
         except BaseException:
             self.close()
             raise
 
     # ------------------------------------------------------------------ setup
-    def _build(self, pretrained: str | None) -> None:
+    def _build(self) -> None:
         s = self.schedule
-        # The SSD and host checks need the unit sizes: lay the units out first (cheap, no allocation),
-        # check, then materialize.
-        layouts = build_layouts(self.module.blocks, s.blocks_per_unit, check_trainable(self.module, self.optimizer))
-        self._unit_params = tuple(layout.numel for layout in layouts)
-        self._unit_trainable = tuple(layout.train_end for layout in layouts)  # the rest is frozen
+        # The planner laid the model out and checked it (autoplan.setup_layouts); the SSD and host checks
+        # need only those sizes, so they run before anything is allocated.
+        layouts = self.plan.layouts
+        assert layouts, "a plan from planning.autoplan.resolve carries the model's layouts"
         half = self.dtypes.half_weights
         fmts = [WeightFormat.for_layout(layout, half, self.dtypes.master) for layout in layouts] if half else []
-        self._weight_elems = tuple(f.main_numel for f in fmts)  # stored weight vectors (half-precision storage)
-        self._weight_tails = tuple(f.tail_bytes for f in fmts)
-        block_ids = {id(p) for p in self.module.blocks.parameters()}
-        nonlayer = [p for p in self.module.parameters() if id(p) not in block_ids]
-        self._nonlayer_numel = sum(p.numel() for p in nonlayer if p.requires_grad)
-        self._nonlayer_frozen = sum(p.numel() for p in nonlayer if not p.requires_grad)
+        self.shape = dataclasses.replace(
+            ModelShape.from_layouts(layouts, self.module, s.num_micro_batches, self.dtypes.bytes_per("weights"),
+                                    self.dtypes.bytes_per("master"), compute_bytes=self.dtypes.bytes_per("compute"),
+                                    weight_formats=[(f.main_numel, f.tail_bytes) for f in fmts]),
+            optimizer_shards=self.world_size if self.partition else 1)
         if self.ssd is not None:
             self.ssd.check_free_space(sum(ssd_plan(self.memory_inputs()).values()),
                                       "weights, master weights, optimizer moments and gradients")
         self.check_host_budget()
-        built = build_model(self.module, self.optimizer, layouts, self.storage, s.blocks_per_unit, self.alpha, self.dtypes,
-                            self.device, self.counters, self.io, self.ssd, pretrained, self.progress,
+        tiers = Tiers(self.storage, self.device, self.counters, self.io, self.ssd)
+        built = build_model(self.module, self.optimizer, self.plan, self.runtime, tiers, self.alpha,
                             shard=self.partition.bounds if self.partition is not None else None)
         self.blocks_prefix, self.units, self.nonlayer = built.blocks_prefix, built.units, built.nonlayer
         pools = pool_sizes(self.memory_inputs())
@@ -133,17 +141,16 @@ class SnakeEngine:
                                            pools.checkpoint_staging, self.device, self.counters, self.io, self.ssd,
                                            trace=self.trace)
         # Partitioned: the buffer is padded to N equal shards for the reduce-scatter (< N pages more).
-        grad_elems = [self.partition.padded(t) if self.partition else t for t in self._unit_trainable]
+        grad_elems = [self.partition.padded(t) if self.partition else t for t in self.shape.trainable]
         self.grad_pool = BufferPool("gradients", pools.grad_buffers, max(grad_elems + [1]),
                                     self.dtypes.master, self.device, trace=self.trace)
         self.gradients = GradientPath(self.units, self.overlap, self.grad_pool, self.clip, self.scaler, self.reducer,
                                       self.partition)
         if self.partition is not None:
             self.overlap.gather = lambda u: self.partition.gather_weights(self.units[u])
-        self.runner = StepRunner(self.module, self.units, self.nonlayer, self.weights, self.activations,
-                                 self.gradients, self.trace, self.device, self.dtypes.autocast,
-                                 KeptGraphs.for_schedule(s, self.device), lambda ckpt: None if self.planned_budget_bytes
-                                 is None else self.planned_budget_bytes - sum(self.host_bytes_plan(ckpt).values()))
+        parts = StepParts(self.units, self.nonlayer, self.weights, self.activations, self.gradients,
+                          KeptGraphs.for_schedule(s, self.device), self.trace)
+        self.runner = StepRunner(self.module, parts, self.device, self.dtypes.autocast, self._free_host_bytes)
         self._tasks: dict[int, list] = {}
         self._frozen_crc: dict[str, Any] | None = None
         self._backward_planned = False
@@ -160,18 +167,12 @@ class SnakeEngine:
     # ------------------------------------------------------------------ memory plan
     def memory_inputs(self, checkpoint_bytes: int = 0) -> MemoryInputs:
         s = self.schedule
-        return MemoryInputs(
-            unit_params=self._unit_params, nonlayer_params=self._nonlayer_numel,
-            unit_trainable=self._unit_trainable, nonlayer_frozen=self._nonlayer_frozen,
-            compute_bytes=self.dtypes.bytes_per("compute"), master_bytes=self.dtypes.bytes_per("master"),
-            unit_weight_elems=self._weight_elems, weight_bytes=self.dtypes.bytes_per("weights"),
-            unit_weight_tail_bytes=self._weight_tails,
-            device_is_cpu=self.device.type == "cpu", storage=self.storage, kind=s.kind,
-            num_micro=s.num_micro_batches, alpha=self.alpha, prefetch_depth=s.prefetch_depth,
-            blocks_per_unit=s.blocks_per_unit,
+        return memory_inputs(
+            dataclasses.replace(self.shape, checkpoint_bytes=checkpoint_bytes),
+            HardwareProfile(device_is_cpu=self.device.type == "cpu"), self.storage, s.kind, self.alpha,
+            s.prefetch_depth, blocks_per_unit=s.blocks_per_unit,
             # the split backward keeps every micro-batch's Linear inputs and output gradients until W(u)
             micro_per_backward_task=s.num_micro_batches if s.batched_backward or s.split_backward else 1,
-            checkpoint_bytes=checkpoint_bytes, shard_world_size=self.world_size if self.partition else 1,
             shard_rank=self.partition.rank if self.partition else 0)
 
     def host_bytes_plan(self, checkpoint_bytes: int = 0) -> dict[str, int]:
@@ -180,6 +181,13 @@ class SnakeEngine:
         if getattr(self, "runner", None) is not None and self.runner.kept.planned_bytes:
             plan["kept_graphs"] = self.runner.kept.planned_bytes  # measured at the first step
         return plan
+
+    def _free_host_bytes(self, checkpoint_bytes: int) -> int | None:
+        """What the budget leaves once the plan with checkpoints of this size is placed (kept graphs fill it);
+        None when no budget is known."""
+        if self.planned_budget_bytes is None:
+            return None
+        return self.planned_budget_bytes - sum(self.host_bytes_plan(checkpoint_bytes).values())
 
     def check_host_budget(self, checkpoint_bytes: int = 0) -> None:
         budget = self.storage.host_budget_bytes
@@ -202,15 +210,9 @@ class SnakeEngine:
                 if isinstance(m, nn.Linear) and id(m.weight) not in block_ids}
         tensors = batch_tensors(micro_batch)
         tokens = max((t.numel() for t in tensors if not t.is_floating_point()), default=0) or tensors[0].shape[0]
-        return ModelShape(
-            num_units=len(self.units), params_per_unit=max(self._unit_params), nonlayer_params=self._nonlayer_numel,
-            head_params=sum(head.values()), tokens_per_micro=tokens, num_micro=self.schedule.num_micro_batches,
-            checkpoint_bytes=self.checkpoint_bytes, weight_bytes=self.dtypes.bytes_per("weights"),
-            weight_elems_per_unit=max(self._weight_elems, default=0),
-            weight_tail_bytes_per_unit=max(self._weight_tails, default=0),
-            master_bytes=self.dtypes.bytes_per("master"), trainable_per_unit=self._unit_trainable,
-            first_backward_unit=self.runner.first_backward, nonlayer_frozen_params=self._nonlayer_frozen,
-            kept_units=len(self.runner.kept.units or ()))
+        return dataclasses.replace(self.shape, head_params=sum(head.values()), tokens_per_micro=tokens,
+                                   checkpoint_bytes=self.checkpoint_bytes, first_backward_unit=self.runner.first_backward,
+                                   kept_units=len(self.runner.kept.units or ()))
 
     def largest_block_matrix(self) -> tuple[int, int]:
         """(out, in) of the largest 2-D block parameter: the matmul shape the compute roof is probed at."""
@@ -292,22 +294,18 @@ class SnakeEngine:
         # its hooks, and those bytes belong to this step too.
         self._train_end_snapshot = self.counters.snapshot()
         io_wait_s, weight_backpressure_s = self.weights.take_wait_s()
-        self.last_step_stats = {
-            "train_s": time.perf_counter() - start_s,
-            "io_wait_s": io_wait_s + self.activations.wait_s,
-            "backpressure_wait_s": weight_backpressure_s + self.activations.backpressure_s,
-            "weight_grad_products": state.weight_grad_products,  # split backward: one per Linear call site
-            # kept graphs (schedule.keep_activations): backward tasks without / with a recompute
-            "kept_tasks": state.kept_tasks, "recomputed_tasks": state.recomputed_tasks,
-            "traffic": traffic_delta(before, self._train_end_snapshot),
-        }
+        self.last_step = StepStats(
+            train_s=time.perf_counter() - start_s, io_wait_s=io_wait_s + self.activations.wait_s,
+            backpressure_wait_s=weight_backpressure_s + self.activations.backpressure_s,
+            weight_grad_products=state.weight_grad_products, kept_tasks=state.kept_tasks,
+            recomputed_tasks=state.recomputed_tasks, traffic=traffic_delta(before, self._train_end_snapshot))
         return torch.stack(state.losses).mean()
 
     @torch.no_grad()
     def optimizer_step(self) -> None:
         """Finish the step: the last backward parts, the non-layer parameters; defer the forward parts."""
         start_s = time.perf_counter()
-        stats = self.last_step_stats
+        stats = self.last_step
         before = self._train_end_snapshot or self.counters.snapshot()
         wait_s = self.overlap.wait_backward_parts()
         pending, self._nonlayer_sum = self._nonlayer_sum, None
@@ -323,11 +321,11 @@ class SnakeEngine:
             # Lightning steps the LR scheduler right after this returns: the forward parts keep this snapshot.
             self.overlap.defer_forward_parts(self._hps, self.step_count, factor)
             self.step_count += 1
-        stats["optimizer_s"] = time.perf_counter() - start_s
-        stats["optimizer_wait_s"] = wait_s
-        stats["optimizer_busy_s"] = self.overlap.take_busy_s()
-        stats["backpressure_wait_s"] = stats.get("backpressure_wait_s", 0.0) + self.grad_pool.take_wait_s()
-        stats["optimizer_traffic"] = traffic_delta(before, self.counters.snapshot())
+        stats.optimizer_s = time.perf_counter() - start_s
+        stats.optimizer_wait_s = wait_s
+        stats.optimizer_busy_s = self.overlap.take_busy_s()
+        stats.backpressure_wait_s += self.grad_pool.take_wait_s()
+        stats.optimizer_traffic = traffic_delta(before, self.counters.snapshot())
         self._train_end_snapshot = None
         self.trace.end_step()
 
@@ -404,26 +402,39 @@ class SnakeEngine:
         if "step_count" in state:
             self.step_count = int(state["step_count"])
 
-    def state_dict(self) -> dict[str, Tensor]:
-        """Every parameter by its module name: trainable ones' master values, frozen ones' stored values
-        (CPU copies, one unit at a time)."""
+    def named_weights(self) -> Iterator[tuple[str, Tensor]]:
+        """Every parameter by its module name (EngineView): trainable ones' master values, frozen ones'
+        stored values; CPU tensors, one unit in memory at a time."""
         self.flush()
-        out = {name: master.detach().cpu().clone() for name, master in zip(self.nonlayer.names, self.nonlayer.master)}
-        out.update({name: p.detach().cpu().clone() for name, p in zip(self.nonlayer.frozen_names, self.nonlayer.frozen)})
+        yield from zip(self.nonlayer.names, (m.detach().cpu() for m in self.nonlayer.master))
+        yield from zip(self.nonlayer.frozen_names, (p.detach().cpu() for p in self.nonlayer.frozen))
         for u in range(len(self.units)):
-            out.update(self.unit_weights(u))
-        return out
+            yield from self.unit_weights(u).items()
+
+    def trainable_named_weights(self) -> Iterator[tuple[str, Tensor]]:
+        """The trainable parameters by module name (EngineView), master values, one unit at a time."""
+        state = self.nonlayer_state()  # flushes pending updates first
+        yield from zip(state["names"], state["master"])
+        for u, unit in enumerate(self.units):
+            views = named_tensors(unit.master.read_copy(0, unit.train_end), self.unit_slots(u))
+            yield from ((name, value.clone()) for name, value in views.items())  # see unit_weights
+
+    def state_dict(self) -> dict[str, Tensor]:
+        """Every parameter by its module name, fresh CPU copies (the whole model in memory: tests, small models)."""
+        return {name: value.clone() for name, value in self.named_weights()}
 
     def unit_weights(self, u: int) -> dict[str, Tensor]:
-        """Unit ``u``'s parameters by module name (CPU): trainable ones from the master copy, frozen ones from
-        the compute weights (their only copy)."""
+        """Unit ``u``'s parameters by module name (fresh CPU copies): trainable ones from the master copy,
+        frozen ones from the compute weights (their only copy)."""
         unit = self.units[u]
-        out = {}
-        for flat, trainable in ((unit.master.read_copy(0, unit.train_end), True), (unit.read_frozen(), False)):
-            base = 0 if trainable else unit.train_end
-            out.update({name: flat[offset - base:offset - base + numel].view(shape).clone()
-                        for name, shape, offset, numel in self.unit_slots(u, trainable)})
-        return out
+        views = {**named_tensors(unit.master.read_copy(0, unit.train_end), self.unit_slots(u, trainable=True)),
+                 **named_tensors(unit.read_frozen(), self.unit_slots(u, trainable=False), base=unit.train_end)}
+        # Copies, not views of the unit's vector: a saved view would carry the whole vector's storage.
+        return {name: value.clone() for name, value in views.items()}
+
+    @property
+    def autocast_dtype(self) -> torch.dtype | None:
+        return self.dtypes.autocast
 
     def frozen_checksums(self) -> dict[str, Any]:
         """CRC-32 of every frozen parameter's stored bytes, per unit and for the non-layer ones: what a
@@ -444,8 +455,9 @@ class SnakeEngine:
 
     def master_bytes(self) -> int:
         """Bytes of the weights given back to the module after fit (frozen ones in the compute dtype)."""
-        frozen = sum(self._unit_params) - sum(self._unit_trainable) + self._nonlayer_frozen
-        return ((sum(self._unit_trainable) + self._nonlayer_numel) * self.dtypes.bytes_per("master")
+        shape = self.shape
+        frozen = sum(shape.unit_params) - sum(shape.trainable) + shape.nonlayer_frozen_params
+        return ((sum(shape.trainable) + shape.nonlayer_params) * self.dtypes.bytes_per("master")
                 + frozen * self.dtypes.bytes_per("compute"))
 
     @torch.no_grad()

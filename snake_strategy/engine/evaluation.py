@@ -17,26 +17,28 @@ meta device).
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from snake_strategy.config import ScheduleConfig, StorageConfig
 from snake_strategy.contract import check_contract
-from snake_strategy.engine.build import _materialize
-from snake_strategy.engine.hooks import EngineHooks
+from snake_strategy.engine.build import materialize
+from snake_strategy.engine.runtime import EngineHooks, EngineRuntime
 from snake_strategy.engine.streaming import split_eval_batch, stream_blocks, streamed_forward
 from snake_strategy.engine.trace import TaskTrace
+from snake_strategy.engine.view import StepStats
 from snake_strategy.engine.weights import WeightStreamer
-from snake_strategy.memory import format_plan
-from snake_strategy.precision import DtypePolicy
-from snake_strategy.pretrained import PretrainedSource
-from snake_strategy.progress import Progress, or_quiet
+from snake_strategy.planning.autoplan import RunPlan
+from snake_strategy.planning.memory import format_plan
+from snake_strategy.sources.pretrained import PretrainedSource
+from snake_strategy.progress import or_quiet
 from snake_strategy.storage import IOEngine, SsdDirectory, TieredTensor, TrafficCounters
+from snake_strategy.storage.tiered import Tiers
 from snake_strategy.storage.aligned import return_large_frees_to_os, round_up
-from snake_strategy.units import UnitLayout, build_layouts
+from snake_strategy.units import UnitLayout, named_tensors
 
 
 @dataclass
@@ -65,14 +67,15 @@ class EvalEngine:
     The engine closes the source once the weights are in their tiers.
     """
 
-    def __init__(self, module: nn.Module, storage: StorageConfig, schedule: ScheduleConfig, dtypes: DtypePolicy,
-                 device: torch.device, source: Any = None, hooks: EngineHooks | None = None,
-                 progress: Progress | None = None) -> None:
+    def __init__(self, module: nn.Module, plan: RunPlan, runtime: EngineRuntime, source: Any = None) -> None:
         check_contract(module)
-        self.module, self.storage, self.schedule, self.dtypes, self.device = module, storage, schedule, dtypes, device
-        self.hooks = hooks or EngineHooks()
-        self.progress = or_quiet(progress)
+        self.module, self.plan, self.storage, self.schedule = module, plan, plan.storage, plan.schedule
+        self.dtypes, self.device = runtime.dtypes, runtime.device
+        self.hooks = runtime.hooks or EngineHooks()
+        self.progress = or_quiet(runtime.progress)
+        storage = self.storage
         self.counters = TrafficCounters()
+        self.last_step = StepStats()  # evaluation runs no training step
         self.trace = TaskTrace()
         self.step_count = 0
         self.io: IOEngine | None = None
@@ -97,9 +100,10 @@ class EvalEngine:
     # ------------------------------------------------------------------ setup
     def _build(self, source: Any) -> None:
         s, module = self.schedule, self.module
-        # No optimizer, so no parameter groups: one group, slots in registration order. A checkpoint
+        # Laid out by the planner without an optimizer: one group, slots in registration order. A checkpoint
         # written by training may order a unit's slots by group; CheckpointWeights maps them by name.
-        layouts = build_layouts(module.blocks, s.blocks_per_unit, {id(p): 0 for p in module.parameters()})
+        layouts = self.plan.layouts
+        assert layouts, "a plan from planning.autoplan.resolve carries the model's layouts"
         self._unit_params = tuple(layout.numel for layout in layouts)
         self.blocks_prefix = next(name for name, mod in module.named_modules() if mod is module.blocks)
         block_ids = {id(p) for p in module.blocks.parameters()}
@@ -113,15 +117,16 @@ class EvalEngine:
         tracker = self.progress.phase("materialize" if source is None else "load_weights", len(layouts),
                                       total_bytes=sum(self._unit_params) * e_c)
 
+        tiers = Tiers(self.storage, self.device, self.counters, self.io, self.ssd)
+
         def store_unit(layout: UnitLayout, flat: Tensor) -> EvalUnit:
             layout.buffers = [{k: v.to(self.device) for k, v in d.items()} for d in layout.buffers]
-            weights = TieredTensor(f"unit{layout.index:05d}", "weights", layout.numel, self.dtypes.compute,
-                                   self.storage.weights, self.device, self.counters, self.io, self.ssd)
+            weights = tiers.tensor(f"unit{layout.index:05d}", "weights", layout.numel, self.dtypes.compute)
             weights.evict(flat.to(self.dtypes.compute))
             tracker.advance(1, layout.numel * e_c)
             return EvalUnit(layout, weights)
 
-        self.units = _materialize(module, layouts, named, self.device, source, self.dtypes, self.blocks_prefix,
+        self.units = materialize(module, layouts, named, self.device, source, self.dtypes, self.blocks_prefix,
                                   s.blocks_per_unit, store_unit)
         tracker.finish()
         for _, p in named:
@@ -198,14 +203,25 @@ class EvalEngine:
     def nonlayer_state(self) -> dict[str, Any]:
         return {"names": [n for n, _ in self._nonlayer], "master": [p.detach().cpu().clone() for _, p in self._nonlayer]}
 
-    def state_dict(self) -> dict[str, Tensor]:
-        """Every parameter by its module name (CPU copies, one unit at a time)."""
-        out = dict(zip(*self.nonlayer_state().values()))
+    def named_weights(self) -> Iterator[tuple[str, Tensor]]:
+        """Every parameter by its module name (EngineView), CPU copies, one unit in memory at a time."""
+        yield from ((name, p.detach().cpu()) for name, p in self._nonlayer)
         for u in range(self.num_units):
-            flat = self.unit_state(u)["master"]
-            out.update({name: flat[offset:offset + numel].view(shape).clone()
-                        for name, shape, offset, numel in self.unit_slots(u)})
-        return out
+            views = named_tensors(self.unit_state(u)["master"], self.unit_slots(u))
+            yield from ((name, value.clone()) for name, value in views.items())  # see SnakeEngine.unit_weights
+
+    def trainable_named_weights(self) -> Iterator[tuple[str, Tensor]]:
+        """The parameters that require grad in the module (EngineView): what a fit would train."""
+        trainable = {name for name, p in self.module.named_parameters() if p.requires_grad}
+        yield from ((name, value) for name, value in self.named_weights() if name in trainable)
+
+    def state_dict(self) -> dict[str, Tensor]:
+        """Every parameter by its module name (CPU copies, the whole model in memory: tests, small models)."""
+        return dict(self.named_weights())
+
+    @property
+    def autocast_dtype(self) -> torch.dtype | None:
+        return self.dtypes.autocast
 
     def master_bytes(self) -> int:
         """What giving the weights back to the module costs in host memory."""
@@ -219,12 +235,10 @@ class EvalEngine:
             self.weights.pool.clear()
         for unit in self.units:
             flat = unit.weights.read_full()
-            for j, block in enumerate(unit.layout.blocks):
-                params = dict(block.named_parameters())
-                for s in unit.layout.slots:
-                    if s.block == j:
-                        value = flat[s.offset:s.offset + s.numel].view(s.shape).clone()
-                        torch.utils.swap_tensors(params[s.name], nn.Parameter(value, params[s.name].requires_grad))
+            for s in unit.layout.slots:
+                p = unit.layout.blocks[s.block].get_parameter(s.name)
+                value = flat[s.offset:s.offset + s.numel].view(s.shape).clone()  # see SnakeEngine.unit_weights
+                torch.utils.swap_tensors(p, nn.Parameter(value, p.requires_grad))
 
     # ------------------------------------------------------------------ teardown
     def ssd_files(self) -> list[str]:

@@ -20,6 +20,7 @@ from snake_strategy.engine.overlap import OptimizerOverlap
 from snake_strategy.engine.partition import Partition, shard_range
 from snake_strategy.engine.reduce import GradientReducer
 from snake_strategy.engine.state import NonLayerState, UnitStore
+from snake_strategy.engine.view import StepStats
 from snake_strategy.optim import AdamHyperParams
 from snake_strategy.precision import LossScaler
 from snake_strategy.storage.pool import BufferPool
@@ -147,7 +148,7 @@ class GradientPath:
             self._pool.release(self._acc[1])
             self._acc = None
 
-    def finish(self, nonlayer: NonLayerState, stats: dict) -> tuple[bool, float | None]:
+    def finish(self, nonlayer: NonLayerState, stats: StepStats) -> tuple[bool, float | None]:
         """After every backward part is submitted and waited: (skip the step?, factor for deferred parts).
 
         Applies the same factor to the non-layer gradients. Updates the loss scaler (16-mixed).
@@ -159,9 +160,9 @@ class GradientPath:
             if self._partition is not None:  # one all-reduce of the inf flag: every rank saw its shards only
                 flag = torch.tensor([float(self._found_inf)], dtype=torch.float64)
                 self._found_inf = bool(self._reducer.all_reduce_now(flag, dist.ReduceOp.MAX).item())
-            stats["loss_scale"] = scale_used
+            stats.loss_scale = scale_used
             if self._scaler.update(self._found_inf):
-                stats["skipped"] = True
+                stats.skipped = True
                 return True, None
         unscale = 1.0 / scale_used if self._scaler.enabled else None
         if unscale is not None:
@@ -184,5 +185,5 @@ class GradientPath:
         factor = min(1.0, value / (total_norm + 1e-6))
         for g in used:
             g.mul_(factor)
-        stats["grad_norm"], stats["clip_factor"] = total_norm, factor
+        stats.grad_norm, stats.clip_factor = total_norm, factor
         return False, factor * unscale if unscale is not None else factor

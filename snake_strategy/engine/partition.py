@@ -27,7 +27,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 # The shard geometry is a sizing rule: it lives with the memory model, which plans each rank's bytes.
-from snake_strategy.memory import SHARD_ALIGN_ELEMS, shard_bounds, shard_size  # noqa: F401
+from snake_strategy.planning.memory import shard_bounds, shard_size
 
 
 class ShardView:

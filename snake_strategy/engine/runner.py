@@ -50,16 +50,32 @@ class StepState:
     kept_tasks: int = 0  # backward tasks that started from the forward's kept graph
 
 
+@dataclass
+class StepParts:
+    """The engine's parts a step runs on: the unit states and the non-layer ones, and the producers and
+    consumers around them (weights in, activations kept, gradients out, kept graphs, the trace)."""
+
+    units: list[UnitStore]
+    nonlayer: NonLayerState
+    weights: WeightStreamer
+    activations: ActivationStore
+    gradients: GradientPath
+    kept: KeptGraphs
+    trace: TaskTrace
+
+
 class StepRunner:
-    def __init__(self, module: nn.Module, units: list[UnitStore], nonlayer: NonLayerState, weights: WeightStreamer,
-                 activations: ActivationStore, gradients: GradientPath, trace: TaskTrace, device: torch.device,
-                 autocast: torch.dtype | None, kept: KeptGraphs, free_host_bytes: Callable[[int], int | None]) -> None:
-        self.module, self.units, self.nonlayer = module, units, nonlayer
-        self.weights, self.activations, self.gradients, self.trace = weights, activations, gradients, trace
+    """Runs one step's task list (schedule.py) over ``parts``, one task at a time, in order."""
+
+    def __init__(self, module: nn.Module, parts: StepParts, device: torch.device, autocast: torch.dtype | None,
+                 free_host_bytes: Callable[[int], int | None]) -> None:
+        self.module = module
+        self.units, self.nonlayer, self.weights = parts.units, parts.nonlayer, parts.weights
+        self.activations, self.gradients, self.trace = parts.activations, parts.gradients, parts.trace
         self.device, self._autocast_dtype = device, autocast
         # Kept forward graphs (engine/kept.py); ``free_host_bytes(checkpoint_bytes)``: what the host budget
         # leaves once the plan with checkpoints of that size is placed (the "auto" choice).
-        self.kept, self._free_host_bytes = kept, free_host_bytes
+        self.kept, self._free_host_bytes = parts.kept, free_host_bytes
         # Frozen parameters (docs/design.md, "Frozen parameters"): units below ``first_backward`` get no
         # backward at all; ``pre_trains`` says whether pre_stage's output depends on a trainable parameter.
         self.first_backward, self.pre_trains = 0, True

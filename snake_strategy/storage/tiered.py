@@ -13,13 +13,15 @@ A tensor that lives entirely on the device is handed out in place (``resident``)
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from snake_strategy.storage.aligned import PAGE_BYTES, aligned_empty, padded_bytes, round_up
 from snake_strategy.storage.counters import TrafficCounters
 from snake_strategy.storage.io_engine import DONE, IOEngine, SsdDirectory, Ticket
 from snake_strategy.storage.versions import VersionedFile
-from snake_strategy.config import TierSplit
+from snake_strategy.config import StorageConfig, TierSplit
 
 # Range boundaries (the SSD segment's start, the forward/backward split of a unit) are multiples of
 # this many elements: a whole number of pages for every dtype of 1 to 8 bytes.
@@ -233,3 +235,23 @@ class _StagedFetch(Ticket):
 def _storage_reaches(t: torch.Tensor) -> bool:
     start = t.storage_offset() * t.element_size()
     return start + round_up(t.numel() * t.element_size()) <= t.untyped_storage().nbytes()
+
+
+@dataclass(frozen=True)
+class Tiers:
+    """What every tiered tensor of one engine shares: the placement, the device, the byte counters, the I/O
+    engine and the SSD directory (None when nothing is on the SSD)."""
+
+    storage: StorageConfig
+    device: torch.device
+    counters: TrafficCounters
+    io: IOEngine | None
+    ssd: SsdDirectory | None
+
+    def tensor(self, name: str, state: str, numel: int, dtype: torch.dtype,
+               split: TierSplit | None = None) -> TieredTensor:
+        """A tiered tensor of ``state`` ("weights", "master", "exp_avg", ...), split as the placement says
+        (the moments follow ``storage.optimizer``) unless ``split`` is given."""
+        if split is None:
+            split = getattr(self.storage, "optimizer" if state in ("exp_avg", "exp_avg_sq") else state)
+        return TieredTensor(name, state, numel, dtype, split, self.device, self.counters, self.io, self.ssd)

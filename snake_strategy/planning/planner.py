@@ -1,5 +1,5 @@
-"""The planner: predict a step's time from the model's shape and the hardware, and choose alpha,
-placement and prefetch depth. Pure functions of plain data, so every choice can be checked by hand.
+"""The planner: predict a step's time from the model's shape and the hardware, and choose alpha and a
+placement. Pure functions of plain data, so every choice can be checked by hand.
 
 Traffic per optimizer step (docs/design.md, "Traffic model"; P = block params, L = units, M = micro-batches):
 
@@ -20,11 +20,15 @@ Roofline, per resource: the step cannot be faster than the busiest resource's to
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
+from torch import nn
+
 from snake_strategy.config import StorageConfig, TierSplit
-from snake_strategy.memory import MemoryInputs, checkpoint_tiers, forward_split, host_plan, shard_bounds
+from snake_strategy.planning.memory import MemoryInputs, checkpoint_tiers, forward_split, host_plan, shard_bounds
 from snake_strategy.storage.tiered import tier_bytes
+from snake_strategy.units import UnitLayout, nonlayer_numel
 
 
 @dataclass(frozen=True)
@@ -64,6 +68,31 @@ class ModelShape:
     # Partitioned optimizer state (data parallel): the ranks the moments are cut over. Placement is planned
     # for rank 0, whose shards are the largest, so every rank makes the same choice.
     optimizer_shards: int = 1
+    # Exact per-unit sizes of a laid-out model (``from_layouts``): the memory model sums them unit by unit.
+    # Empty: every unit has ``params_per_unit`` parameters (a model planned on paper).
+    unit_params: tuple[int, ...] = ()
+    unit_weight_elems: tuple[int, ...] = ()  # half-precision weight storage: a unit's stored vector
+    unit_weight_tail_bytes: tuple[int, ...] = ()
+    compute_bytes: int = 0  # bytes per compute-dtype element when it differs from ``weight_bytes``; 0: the same
+
+    @classmethod
+    def from_layouts(cls, layouts: Sequence[UnitLayout], module: nn.Module, num_micro: int, weight_bytes: int,
+                     master_bytes: int, compute_bytes: int = 0,
+                     weight_formats: Sequence[tuple[int, int]] = ()) -> ModelShape:
+        """The shape of ``module`` laid out in units (``units.build_layouts``), before any batch: tokens,
+        checkpoint sizes and the head are filled in from the first micro-batch (``dataclasses.replace``).
+        ``weight_formats``: per unit, (stored weight elements, full-precision tail bytes) under half-precision
+        weight storage. The planner at setup and the engine read the same shape from here."""
+        trainable, frozen = nonlayer_numel(module)
+        unit_params = tuple(layout.numel for layout in layouts)
+        return cls(num_units=len(layouts), params_per_unit=max(unit_params, default=0), nonlayer_params=trainable,
+                   head_params=0, tokens_per_micro=0, num_micro=num_micro, checkpoint_bytes=0,
+                   weight_bytes=weight_bytes, master_bytes=master_bytes,
+                   trainable_per_unit=tuple(layout.train_end for layout in layouts), nonlayer_frozen_params=frozen,
+                   weight_elems_per_unit=max((e for e, _ in weight_formats), default=0),
+                   weight_tail_bytes_per_unit=max((b for _, b in weight_formats), default=0),
+                   unit_params=unit_params, unit_weight_elems=tuple(e for e, _ in weight_formats),
+                   unit_weight_tail_bytes=tuple(b for _, b in weight_formats), compute_bytes=compute_bytes)
 
     @property
     def trainable(self) -> tuple[int, ...]:
@@ -176,11 +205,11 @@ def predict(shape: ModelShape, hw: HardwareProfile, storage: StorageConfig, kind
 
 @dataclass(frozen=True)
 class Plan:
+    """A placement: where each state lives, planned for the forward share ``alpha``. The prefetch depth,
+    the host bytes and the prediction of a run are the autoplan's (``resolve``), from this placement."""
+
     storage: StorageConfig
     alpha: float
-    prefetch_depth: int
-    prediction: StepPrediction
-    host_bytes: int
 
 
 def choose_alpha(shape: ModelShape) -> float:
@@ -195,16 +224,22 @@ def choose_alpha(shape: ModelShape) -> float:
 
 
 def memory_inputs(shape: ModelShape, hw: HardwareProfile, storage: StorageConfig, kind: str, alpha: float,
-                  prefetch_depth: int = 1) -> MemoryInputs:
-    """The memory model's view of a planned run (uniform units)."""
+                  prefetch_depth: int = 1, *, blocks_per_unit: int = 1, micro_per_backward_task: int = 1,
+                  shard_rank: int = 0) -> MemoryInputs:
+    """The memory model's view of a run: the one place ``MemoryInputs`` is built, for the planner (a shape
+    planned on paper: uniform units) and for the engine (its laid-out shape: exact units)."""
+    L = shape.num_units
+    uniform_elems = (shape.weight_elems_per_unit,) * L if shape.weight_elems_per_unit else ()
     return MemoryInputs(
-        unit_params=(shape.params_per_unit,) * shape.num_units, nonlayer_params=shape.nonlayer_params,
-        compute_bytes=shape.weight_bytes, master_bytes=shape.master_bytes, device_is_cpu=hw.device_is_cpu,
-        unit_weight_elems=(shape.weight_elems_per_unit,) * shape.num_units if shape.weight_elems_per_unit else (),
-        unit_weight_tail_bytes=(shape.weight_tail_bytes_per_unit,) * shape.num_units,
+        unit_params=shape.unit_params or (shape.params_per_unit,) * L, nonlayer_params=shape.nonlayer_params,
+        compute_bytes=shape.compute_bytes or shape.weight_bytes, master_bytes=shape.master_bytes,
+        device_is_cpu=hw.device_is_cpu, unit_weight_elems=shape.unit_weight_elems or uniform_elems,
+        weight_bytes=shape.weight_bytes if shape.compute_bytes else 0,
+        unit_weight_tail_bytes=shape.unit_weight_tail_bytes or (shape.weight_tail_bytes_per_unit,) * L,
         unit_trainable=shape.trainable_per_unit, nonlayer_frozen=shape.nonlayer_frozen_params,
         storage=storage, kind=kind, num_micro=shape.num_micro, alpha=alpha, prefetch_depth=prefetch_depth,
-        checkpoint_bytes=shape.checkpoint_bytes, shard_world_size=shape.optimizer_shards)
+        blocks_per_unit=blocks_per_unit, micro_per_backward_task=micro_per_backward_task,
+        checkpoint_bytes=shape.checkpoint_bytes, shard_world_size=shape.optimizer_shards, shard_rank=shard_rank)
 
 
 def plan(shape: ModelShape, hw: HardwareProfile, host_budget_bytes: int, kind: str = "vertical",
@@ -218,7 +253,6 @@ def plan(shape: ModelShape, hw: HardwareProfile, host_budget_bytes: int, kind: s
     even the working set does not fit.
     """
     P = shape.params_per_unit * shape.num_units
-    unit_w = shape.params_per_unit * shape.weight_bytes
     alpha = choose_alpha(shape)
     separate_master = shape.weight_bytes != shape.master_bytes
     all_ssd = StorageConfig(ssd_dir=ssd_dir, weights="ssd", master="ssd", optimizer="ssd", gradients="host",
@@ -254,9 +288,4 @@ def plan(shape: ModelShape, hw: HardwareProfile, host_budget_bytes: int, kind: s
     storage = StorageConfig(ssd_dir=ssd_dir, weights=fractions["weights"], master=fractions["weights"],
                             optimizer=fractions["optimizer"], gradients=TierSplit(host=1.0),
                             checkpoints=fractions["checkpoints"])
-    prediction = predict(shape, hw, storage, kind, alpha)
-    compute_per_unit = prediction.compute_s / max(1, 2 * shape.num_units)
-    fetch_per_unit = unit_w * storage.weights.ssd / (hw.ssd_read_gb_per_s * 1e9)
-    depth = 1 if fetch_per_unit <= compute_per_unit else 2
-    host_bytes = sum(host_plan(memory_inputs(shape, hw, storage, kind, alpha, depth)).values())
-    return Plan(storage, alpha, depth, prediction, host_bytes)
+    return Plan(storage, alpha)

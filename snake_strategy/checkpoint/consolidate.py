@@ -1,9 +1,11 @@
-"""The weights of a checkpoint directory without its optimizer state, one unit at a time.
+"""The weights of a checkpoint directory without its optimizer state: one unit at a time, or consolidated.
 
-``CheckpointWeights`` reads the master weights of a greedysnake checkpoint (see checkpoint.py for the
-layout) and nothing else: evaluation from ``ckpt_path`` builds its tiers straight from it, and
-``export_hf_checkpoint`` (``python -m snake_strategy.checkpoint DIR OUT --format hf``) streams it into
-a HuggingFace directory. Neither ever holds more than one unit of the model in memory.
+``CheckpointWeights`` reads the master weights of a greedysnake checkpoint (format.py has the layout)
+and nothing else: evaluation from ``ckpt_path`` builds its tiers straight from it, and
+``hf.export.export_hf_checkpoint`` (``python -m snake_strategy.checkpoint DIR OUT --format hf``) streams it
+into a HuggingFace directory. Neither ever holds more than one unit of the model in memory.
+``consolidate`` / ``load_consolidated`` instead build one ordinary Lightning checkpoint (every parameter
+in one ``state_dict``), which holds the whole model in memory once.
 
 A fine-tuning checkpoint (frozen parameters: LoRA, a frozen embedding, frozen lower blocks) holds the
 trained parameters only, plus the names and CRC-32s of the frozen base weights. Its frozen values come
@@ -13,7 +15,6 @@ and a different base is refused, naming the parameters that differ.
 """
 from __future__ import annotations
 
-import json
 import os
 import zlib
 from collections.abc import Iterator, Mapping
@@ -23,10 +24,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from snake_strategy.checkpoint import _DTYPES, _read_manifest, load_consolidated, locate
-from snake_strategy.checkpoint_shards import read_range
-from snake_strategy.pretrained import PretrainedSource
-from snake_strategy.progress import Progress
+from snake_strategy.checkpoint.format import DTYPES, read_range, verified_manifest
+from snake_strategy.checkpoint.store import locate
+from snake_strategy.progress import Progress, or_quiet
+from snake_strategy.sources.pretrained import PretrainedSource
+from snake_strategy.units import named_tensors
 
 BASE_HELP = ("the base model the run started from: a HuggingFace model directory, a torch.save'd state dict or a "
              "Lightning .ckpt file")
@@ -80,11 +82,11 @@ class CheckpointWeights:
 
     def __init__(self, path: str | os.PathLike, progress: Progress | None = None, base: Any = None) -> None:
         self.root = locate(path)
-        self.manifest = _read_manifest(self.root, progress,
+        self.manifest = verified_manifest(self.root, progress,
                                        verify=lambda name: not name.endswith((".exp_avg.bin", ".exp_avg_sq.bin")))
-        self.dtype = _DTYPES[self.manifest["master_dtype"]]
+        self.dtype = DTYPES[self.manifest["master_dtype"]]
         # The frozen CRC-32s are of the training run's compute weights (older checkpoints: master dtype).
-        self.compute_dtype = _DTYPES[self.manifest.get("compute_dtype", self.manifest["master_dtype"])]
+        self.compute_dtype = DTYPES[self.manifest.get("compute_dtype", self.manifest["master_dtype"])]
         self._frozen_units = [unit.get("frozen", {}).get("names", []) for unit in self.manifest["units"]]
         self._frozen_nonlayer: dict[str, int] = dict(self.manifest.get("frozen_nonlayer", {}))
         self.frozen_names = {n for names in self._frozen_units for n in names} | set(self._frozen_nonlayer)
@@ -232,27 +234,50 @@ def load_consolidated_with_base(path: str | os.PathLike, base: Any, progress: Pr
         weights.close()
 
 
-def export_hf_checkpoint(path: str | os.PathLike, out_dir: str | os.PathLike, config: Any = None,
-                         dtype: torch.dtype | None = None, progress: Progress | None = None,
-                         base: Any = None) -> list[str]:
-    """Write a HF model directory from a checkpoint directory of an ``HFCausalLM``, streamed unit by unit.
+def consolidate(path: str | os.PathLike, out_path: str | os.PathLike,
+                progress: Progress | None = None, base: Any = None) -> dict[str, Any]:
+    """Write one ordinary Lightning checkpoint file with every parameter (master values).
 
-    ``config``: a HF model directory, a ``config.json`` path, a dict or a ``PretrainedConfig``; by default
-    the one the module saved in its hyper-parameters. ``dtype``: of the files (default: the master dtype).
-    ``base``: the frozen weights of a fine-tuning checkpoint (a HF directory, a state-dict file, ...).
+    ``LightningModule.load_from_checkpoint(out_path)`` and ``torch.load(out_path)`` read it.
+    Holds the whole model in memory once: that is what a single-file state dict is. A fine-tuning
+    checkpoint holds no frozen base weights: ``base`` (``open_base``) supplies them.
     """
-    from snake_strategy.hf import export_hf  # the optional [hf] extra
+    out = Path(out_path)
+    if out.is_dir():
+        raise ValueError(f"the output {out} is a directory; name the file to write, e.g. {out / 'model.ckpt'}")
+    if not out.parent.is_dir():
+        raise ValueError(f"the output directory {out.parent} does not exist; create it or write elsewhere")
+    progress = or_quiet(progress)
+    if base is not None:
+        checkpoint = load_consolidated_with_base(path, base, progress)
+    else:
+        checkpoint = load_consolidated(path, progress)
+    # One torch.save of the whole model: no progress inside it, but its size and rate when it ends.
+    tensor_bytes = sum(v.numel() * v.element_size() for v in checkpoint["state_dict"].values()
+                       if isinstance(v, torch.Tensor))
+    with progress.phase("consolidate_write", 1, what="files", total_bytes=tensor_bytes) as tracker:
+        torch.save(checkpoint, out)
+        tracker.advance(1, out.stat().st_size)
+    return checkpoint
 
-    weights = CheckpointWeights(path, progress, base=base)
-    try:
-        if config is None:
-            config = weights.meta().get("hyper_parameters", {}).get("config")
-            if not isinstance(config, dict) or "model_type" not in config:
-                raise ValueError(f"{weights.root} holds no HF config in its hyper-parameters (not an HFCausalLM "
-                                 "checkpoint?); pass the model's config: --config HF_DIR_OR_CONFIG_JSON")
-        elif isinstance(config, (str, os.PathLike)) and os.path.isfile(config):
-            config = json.loads(Path(config).read_text())
-        return export_hf(weights.named_tensors(), out_dir, config=config, dtype=dtype or weights.dtype,
-                         progress=progress)
-    finally:
-        weights.close()
+
+def load_consolidated(path: str | os.PathLike, progress: Progress | None = None) -> dict[str, Any]:
+    """The checkpoint at ``path`` as the dict of one ordinary Lightning checkpoint file (every parameter
+    in ``state_dict``, no optimizer state), in memory: what ``consolidate`` writes, and what
+    ``load_from_checkpoint`` can read from a buffer without a file on disk. A sharded checkpoint's
+    shards are merged (each unit's master weights read from the shards that hold them)."""
+    root = locate(path)
+    manifest = verified_manifest(root, progress)
+    checkpoint = torch.load(root / "meta.pt", map_location="cpu", weights_only=False)
+    dtype = DTYPES[manifest["master_dtype"]]
+    state = dict(checkpoint.get("state_dict", {}))
+    tracker = or_quiet(progress).phase("consolidate", len(manifest["units"]),
+                                       total_bytes=dtype.itemsize * sum(unit["numel"] for unit in manifest["units"]))
+    for u, unit in enumerate(manifest["units"]):
+        flat = read_range(root, manifest, u, "master", 0, unit["numel"], dtype)
+        state.update({name: value.clone() for name, value in named_tensors(flat, unit["slots"]).items()})
+        tracker.advance(1, flat.numel() * flat.element_size())
+    tracker.finish()
+    checkpoint["state_dict"] = state
+    checkpoint.pop("optimizer_states", None)
+    return checkpoint

@@ -18,7 +18,7 @@ follows it through the renames of ``last``). Loading verifies a file's CRC-32 wh
 its size always. A process killed before its checksums are done leaves sizes only.
 
 Release (``release``): a checkpoint directory is first renamed aside (``.<name>.del-<pid>``, atomic), then
-unlinked; a kill in between leaves a hidden directory that the next start sweeps (checkpoint.sweep). The
+unlinked; a kill in between leaves a hidden directory that the next start sweeps (store.sweep). The
 space of a pinned version comes back when the engine has moved past it and no checkpoint links it.
 """
 from __future__ import annotations
@@ -191,7 +191,7 @@ def kept_checkpoints(callback: Any) -> int:
 
 def prepare_checkpoint_dirs(engine: SnakeEngine, callbacks: list, is_global_zero: bool,
                             sweep: Callable[[str], list[str]]) -> None:
-    """At setup: sweep each ModelCheckpoint directory of what killed saves left (``sweep``: checkpoint.sweep,
+    """At setup: sweep each ModelCheckpoint directory of what killed saves left (``sweep``: store.sweep,
     rank 0 only; restores a ``last`` set aside), and check that its kept checkpoints fit their disk."""
     for callback in callbacks:
         dirpath = getattr(callback, "dirpath", None)

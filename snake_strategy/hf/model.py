@@ -26,7 +26,7 @@ from __future__ import annotations
 import copy
 import functools
 import os
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,11 +41,9 @@ try:
 except ImportError as err:  # the adapter is an optional extra
     raise ImportError("snake_strategy.hf needs transformers>=5 and safetensors: pip install -e '.[hf]'") from err
 
-from snake_strategy.generation import greedy_generate
+from snake_strategy.hf.generation import greedy_generate
 from snake_strategy.module import LayeredModule
-from snake_strategy.pretrained import PretrainedSource
-from snake_strategy.progress import Progress, or_quiet
-from snake_strategy.safetensors_io import ShardedSafetensorsWriter
+from snake_strategy.sources.pretrained import PretrainedSource
 
 IGNORE_INDEX = -100  # HF's label value for "no loss here" (padding, prompts)
 ATTENTION_IMPLEMENTATIONS = ("sdpa", "eager")
@@ -353,71 +351,3 @@ class HFCausalLM(LayeredModule):
         return greedy_generate(self, input_ids, max_new_tokens, attention_mask, eos_token_id, pad_token_id)
 
 
-# ---------------------------------------------------------------------- export
-def module_weights(module: HFCausalLM) -> Iterator[tuple[str, Tensor]]:
-    """The module's trained weights by HF name, one unit at a time under greedysnake (master copies)."""
-    trainer = module._trainer
-    engine = getattr(trainer.strategy, "engine", None) if trainer is not None else None
-    if engine is None:
-        for name, p in module.named_parameters():
-            yield name, p.detach()
-        return
-    state = engine.nonlayer_state()  # the non-layer master weights only
-    yield from zip(state["names"], state["master"])
-    if not hasattr(engine, "unit_weights"):  # the evaluation engine: every weight is in its units' copy
-        for u in range(engine.num_units):
-            flat = engine.unit_state(u)["master"]  # one unit in memory at a time
-            for name, shape, offset, numel in engine.unit_slots(u):
-                yield name, flat[offset:offset + numel].view(shape)
-        return
-    # The training engine: frozen parameters have no master copy; they come from the compute weights.
-    yield from ((name, p.detach()) for name, p in zip(engine.nonlayer.frozen_names, engine.nonlayer.frozen))
-    for u in range(engine.num_units):
-        yield from engine.unit_weights(u).items()  # one unit in memory at a time
-
-
-def export_hf(source: HFCausalLM | Mapping[str, Tensor] | Iterable[tuple[str, Tensor]], out_dir: str | os.PathLike,
-              config: PretrainedConfig | Mapping[str, Any] | str | os.PathLike | None = None, *,
-              dtype: torch.dtype = torch.float32, max_shard_bytes: int = 5 * 2**30,
-              progress: Progress | None = None) -> list[str]:
-    """Write ``config.json`` + (sharded) safetensors that ``AutoModelForCausalLM.from_pretrained`` loads.
-
-    ``source``: an ``HFCausalLM`` (inside or after ``Trainer.fit``; under greedysnake its units are read
-    one at a time), a state dict (e.g. a consolidated checkpoint's ``state_dict``) or an iterable of
-    ``(name, tensor)`` pairs; the latter two need ``config``. Names are HF names; tied output weights
-    (``lm_head.weight`` of GPT-2) are written once, as HF does. Returns the weight files written.
-    ``progress`` reports tensors written (phase "export"; silent by default).
-    """
-    if isinstance(source, HFCausalLM):
-        cfg = source.hf_config if config is None else resolve_config(config)[0]
-        weights: Iterable[tuple[str, Tensor]] = module_weights(source)
-    else:
-        if config is None:
-            raise ValueError("export_hf(state, out_dir) needs config=<PretrainedConfig, dict or model directory> "
-                             "when the source is not an HFCausalLM")
-        cfg = resolve_config(config)[0]
-        weights = source.items() if isinstance(source, Mapping) else source
-    # The plan (names, shapes) comes from the model built on meta: headers can then be written first.
-    planner = HFCausalLM(cfg)
-    with torch.device("meta"):
-        planner.configure_model()
-    params = dict(planner.named_parameters())
-    aliases = set(planner.state_dict()) - set(params)  # tied duplicates such as lm_head.weight
-    plan = [(name, dtype if p.is_floating_point() else p.dtype, p.shape) for name, p in params.items()]
-    writer = ShardedSafetensorsWriter(out_dir, plan, max_shard_bytes)
-    file_bytes = {name: shape.numel() * dt.itemsize for name, dt, shape in plan}
-    tracker = or_quiet(progress).phase("export", len(plan), what="tensors", total_bytes=sum(file_bytes.values()))
-    try:
-        for name, tensor in weights:
-            if name not in aliases:
-                writer.write(name, tensor)
-                tracker.advance(1, file_bytes.get(name, 0))
-    except BaseException:
-        writer.abort()
-        raise
-    files = writer.close()
-    tracker.finish()
-    saved = copy.deepcopy(planner.hf_config)
-    saved.dtype = dtype  # the files' dtype, so from_pretrained(dtype="auto") agrees with them
-    saved.save_pretrained(out_dir)
-    return files

@@ -16,8 +16,8 @@ Choices (docs/design.md, "The planner drives the run"; the measurements behind t
   the measured presets they are the fastest. Otherwise the unbatched passes, which are exact for any block,
   with ``split_backward`` when ``SPLIT_BACKWARD_WINS`` (measured, see docs/LOG.md).
 - **alpha**: ``planner.choose_alpha`` (the forward's share of the block compute).
-- **prefetch depth**: 2 when the weights are partly on the SSD (a unit's read then takes longer than a
-  unit's compute on the measured machines), else 1.
+- **prefetch depth**: ``prefetch_depth``: 2 when the weights are partly on the SSD (a unit's read then takes
+  longer than a unit's compute on the measured machines), else 1.
 - **kept activations** (``keep_activations="auto"``): decided by the engine at the first step, once a unit's
   graph has been measured: the top units whose graphs fit the budget left after the plan (engine/kept.py).
 
@@ -35,11 +35,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from snake_strategy.engine.build import check_trainable
 from snake_strategy.config import STATES, ScheduleConfig, StorageConfig, TierSplit
-from snake_strategy.memory import host_plan
-from snake_strategy.planner import HardwareProfile, ModelShape, StepPrediction, choose_alpha, memory_inputs, plan, predict
-from snake_strategy.units import build_layouts
+from snake_strategy.contract import check_trainable
+from snake_strategy.planning.hardware import matmul_flops_per_s, probe_hardware
+from snake_strategy.planning.memory import host_plan
+from snake_strategy.planning.planner import (HardwareProfile, ModelShape, StepPrediction, choose_alpha, memory_inputs,
+                                             plan, predict)
+from snake_strategy.units import UnitLayout, build_layouts
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +67,10 @@ class RunPlan:
     host_bytes: int  # memory.host_plan of the chosen settings (checkpoints not yet counted)
     prediction: StepPrediction | None = None  # the floor of one step, from the first batch's shapes
     kept_units: list[int] | None = None  # units whose forward graph is kept (known after the first step)
+    # The model laid out in units and its shape before any batch (setup_layouts): what the engine builds
+    # from, so the model is laid out and checked once. Not part of as_dict (module references).
+    layouts: list[UnitLayout] = dataclasses.field(default_factory=list, repr=False)
+    shape: ModelShape | None = dataclasses.field(default=None, repr=False)
 
     def describe(self) -> str:
         s, st = self.schedule, self.storage
@@ -100,21 +106,16 @@ def available_memory_bytes() -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
-def setup_shape(module: nn.Module, optimizer: torch.optim.Optimizer | None, blocks_per_unit: int, num_micro: int,
-                compute_bytes: int, master_bytes: int) -> ModelShape:
-    """The planner's view of the model before any batch is seen (tokens and checkpoint sizes are 0)."""
+def setup_layouts(module: nn.Module, optimizer: torch.optim.Optimizer | None, blocks_per_unit: int, num_micro: int,
+                  compute_bytes: int, master_bytes: int) -> tuple[list[UnitLayout], ModelShape]:
+    """The model's units and the planner's view of them before any batch is seen (tokens and checkpoint
+    sizes are 0). The only place a run lays its model out: the engine takes these layouts from the plan."""
     if optimizer is not None:
-        groups = check_trainable(module, optimizer)  # the engine's own refusals, with its messages
+        groups = check_trainable(module, optimizer)  # the engine's refusals, with their messages
     else:  # evaluation: no optimizer, the weights are all that is stored
         groups = {id(p): 0 for p in module.parameters()}
     layouts = build_layouts(module.blocks, blocks_per_unit, groups)
-    block_ids = {id(p) for p in module.blocks.parameters()}
-    nonlayer = [p for p in module.parameters() if id(p) not in block_ids]
-    return ModelShape(num_units=len(layouts), params_per_unit=max(layout.numel for layout in layouts),
-                      nonlayer_params=sum(p.numel() for p in nonlayer if p.requires_grad), head_params=0,
-                      tokens_per_micro=0, num_micro=num_micro, checkpoint_bytes=0, weight_bytes=compute_bytes,
-                      master_bytes=master_bytes, trainable_per_unit=tuple(layout.train_end for layout in layouts),
-                      nonlayer_frozen_params=sum(p.numel() for p in nonlayer if not p.requires_grad))
+    return layouts, ModelShape.from_layouts(layouts, module, num_micro, compute_bytes, master_bytes)
 
 
 def resolve(module: nn.Module, optimizer: torch.optim.Optimizer | None, storage: StorageConfig,
@@ -123,8 +124,8 @@ def resolve(module: nn.Module, optimizer: torch.optim.Optimizer | None, storage:
     """Concrete storage and schedule for this run (explicit settings kept), with the reasons.
     ``processes_per_node``: the ranks sharing this machine's memory split the default budget.
     ``optimizer_shards``: partitioned moments, cut over that many ranks (each plans its share)."""
-    shape = setup_shape(module, optimizer, schedule.blocks_per_unit, schedule.num_micro_batches, compute_bytes,
-                        master_bytes)
+    layouts, shape = setup_layouts(module, optimizer, schedule.blocks_per_unit, schedule.num_micro_batches,
+                                   compute_bytes, master_bytes)
     shape = dataclasses.replace(shape, optimizer_shards=optimizer_shards)
     hardware = dataclasses.replace(hardware, device_is_cpu=device.type == "cpu")
     budget = storage.host_budget_bytes or int(AVAILABLE_MEMORY_SHARE * available_memory_bytes() / processes_per_node)
@@ -133,10 +134,12 @@ def resolve(module: nn.Module, optimizer: torch.optim.Optimizer | None, storage:
     reasons["kind"] = "given" if schedule.kind != "auto" else "vertical: one weight fetch per unit per pass"
     alpha = schedule.alpha if schedule.alpha is not None else choose_alpha(shape)
     reasons["alpha"] = "given" if schedule.alpha is not None else "the forward's share of the block compute"
-    storage, depth, placed = _place(shape, hardware, storage, kind, alpha, budget)
+    storage, placed = _place(shape, hardware, storage, kind, alpha, budget)
     reasons.update(placed)
     if schedule.prefetch_depth is not None:
         depth, reasons["prefetch_depth"] = schedule.prefetch_depth, "given"
+    else:
+        depth, reasons["prefetch_depth"] = prefetch_depth(storage)
     batching, why = _batching(module, schedule, kind)
     reasons.update(why)
     reasons["keep_activations"] = "given (0 is an explicit kind's default)" if schedule.keep_activations != "auto" else (
@@ -153,17 +156,25 @@ def resolve(module: nn.Module, optimizer: torch.optim.Optimizer | None, storage:
             "storage.checkpoint_host_ends=%d every micro-batch is a turning point kept on the host: no "
             "activation checkpoint will reach the SSD. Lower checkpoint_host_ends or raise num_micro_batches",
             100 * storage.checkpoints.ssd, concrete.num_micro_batches, storage.checkpoint_host_ends)
-    return RunPlan(storage, concrete, reasons, budget, host_bytes)
+    return RunPlan(storage, concrete, reasons, budget, host_bytes, layouts=layouts, shape=shape)
+
+
+def prefetch_depth(storage: StorageConfig) -> tuple[int, str]:
+    """(units fetched ahead of the one computing, why): 2 when the weights are partly on the SSD (a unit's read
+    then takes longer than a unit's compute on the measured machines, docs/LOG.md), else 1."""
+    if storage.weights.ssd > 0:
+        return 2, "weights on the SSD: a unit's read outlasts a unit's compute"
+    return 1, "weights in memory: one unit ahead hides a copy"
 
 
 def _place(shape: ModelShape, hw: HardwareProfile, storage: StorageConfig, kind: str, alpha: float,
-           budget: int) -> tuple[StorageConfig, int, dict[str, str]]:
-    """(placed storage, prefetch depth, reasons). States given explicitly keep their split."""
+           budget: int) -> tuple[StorageConfig, dict[str, str]]:
+    """(placed storage, reasons). States given explicitly keep their split."""
     unset = storage.unset()
     given = {state: getattr(storage, state) for state in STATES if state not in unset}
     reasons = {state: "given" for state in given}
     if not unset:
-        return storage, 2 if storage.weights.ssd > 0 else 1, reasons
+        return storage, reasons
     host = TierSplit()
     all_host = dataclasses.replace(storage, placement="manual", **{s: given.get(s, host) for s in STATES})
     needed = sum(host_plan(memory_inputs(shape, hw, all_host, kind, alpha, 1)).values())
@@ -171,13 +182,13 @@ def _place(shape: ModelShape, hw: HardwareProfile, storage: StorageConfig, kind:
     if needed <= budget:
         reasons.update({s: f"host: the run needs {needed / 2**30:.2f} GiB of the {budget / 2**30:.2f} GiB budget"
                         for s in unset})
-        return all_host, 2 if all_host.weights.ssd > 0 else 1, reasons
+        return all_host, reasons
     chosen = plan(shape, hw, budget, kind, storage.ssd_dir)  # raises when not even the working set fits
     placed = dataclasses.replace(storage, placement="manual",
                                  **{s: given.get(s, getattr(chosen.storage, s)) for s in STATES})
     reasons.update({s: f"planner.plan: {needed / 2**30:.2f} GiB all on the host exceeds the "
                        f"{budget / 2**30:.2f} GiB budget" for s in unset})
-    return placed, 2 if placed.weights.ssd > 0 else 1, reasons
+    return placed, reasons
 
 
 def _batching(module: nn.Module, schedule: ScheduleConfig, kind: str) -> tuple[dict[str, bool], dict[str, str]]:
@@ -227,29 +238,25 @@ def example_batch(trainer: Any) -> Any | None:
         return None
 
 
-def first_prediction(engine: Any, hardware: HardwareProfile | str | None, device: torch.device, batch: Any,
-                     at_model_shape: bool) -> tuple[StepPrediction, HardwareProfile, ModelShape]:
-    """The planner's roofline for this run, from the shapes seen in the first step: (prediction, the
-    machine's profile, the model's shape). ``hardware="probe"`` measures the machine (cached on disk)."""
+def first_prediction(plan: RunPlan, shape: ModelShape, alpha: float, hardware: HardwareProfile | str | None,
+                     device: torch.device, ssd_path: str | None, largest_block_matrix: tuple[int, int],
+                     at_model_shape: bool) -> tuple[StepPrediction, HardwareProfile]:
+    """The planner's roofline for this run from ``shape`` (the engine's, for the first micro-batch): the
+    prediction and the machine's profile. ``hardware="probe"`` measures the machine (cached on disk, a
+    scratch file in ``ssd_path``); ``at_model_shape`` probes the compute roof at this model's own matmul."""
     if hardware == "probe":
-        from snake_strategy.hardware import probe_hardware  # on use: the probe writes a scratch file
-
-        hardware = probe_hardware(engine.ssd.path if engine.ssd else None, device)
+        hardware = probe_hardware(ssd_path, device)
     elif hardware is None:
         hardware = HardwareProfile(device_is_cpu=device.type == "cpu")
-    micro = engine.split(batch)[0][0]
-    shape = engine.model_shape(micro)
     if at_model_shape and shape.tokens_per_micro:
         # The compute roof at this model's own matmul shape (tokens x in) @ (in x out).
-        from snake_strategy.hardware import matmul_flops_per_s
-
-        out_dim, in_dim = engine.largest_block_matrix()
+        out_dim, in_dim = largest_block_matrix
         hardware = dataclasses.replace(
             hardware, flops_per_s=matmul_flops_per_s(shape.tokens_per_micro, in_dim, out_dim, device))
-    prediction = predict(shape, hardware, engine.storage, engine.schedule.kind, engine.alpha)
+    prediction = predict(shape, hardware, plan.storage, plan.schedule.kind, alpha)
     log.info("planner: predicted floor %.3f s/step (%s-bound; compute %.3f s, ssd %.3f s, optimizer %.3f s)",
              prediction.roofline_s, prediction.bound, prediction.compute_s, prediction.ssd_s, prediction.optimizer_s)
-    return prediction, hardware, shape
+    return prediction, hardware
 
 
 def _split_text(split: TierSplit) -> str:

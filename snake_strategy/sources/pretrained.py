@@ -21,8 +21,8 @@ from collections.abc import Callable, Mapping
 import torch
 from torch import Tensor, nn
 
-from snake_strategy.adapters import fresh_adapter_values
-from snake_strategy.safetensors_io import SafetensorsDirectory
+from snake_strategy.sources.lora_init import fresh_adapter_values
+from snake_strategy.sources.safetensors_io import SafetensorsDirectory
 from snake_strategy.units import UnitLayout
 
 

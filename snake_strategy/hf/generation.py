@@ -24,6 +24,7 @@ from torch import Tensor
 from transformers import DynamicCache
 
 from snake_strategy.contract import check_block_output
+from snake_strategy.engine.view import running_engine
 
 
 class HostKVCache(DynamicCache):
@@ -47,10 +48,9 @@ class HostKVCache(DynamicCache):
 def _block_runner(module: Any) -> tuple[Callable[[Tensor, dict[str, Any]], Tensor], torch.dtype | None]:
     """How one pass runs the blocks: the greedysnake engine's ``stream_blocks`` (every unit fetched once,
     read-only) when one is set up, else the module's own blocks; and the autocast dtype to run under."""
-    trainer = getattr(module, "_trainer", None)
-    engine = getattr(trainer.strategy, "engine", None) if trainer is not None else None
+    engine = running_engine(module)
     if engine is not None:
-        return (lambda hidden, side: engine.stream_blocks([hidden], [side])[0]), engine.dtypes.autocast
+        return (lambda hidden, side: engine.stream_blocks([hidden], [side])[0]), engine.autocast_dtype
 
     def run(hidden: Tensor, side: dict[str, Any]) -> Tensor:
         for i, block in enumerate(module.blocks):

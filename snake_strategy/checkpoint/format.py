@@ -1,0 +1,212 @@
+"""The on-disk format of a checkpoint directory, at the bottom of the checkpoint package: constants, raw tensor
+files, the verified manifest, and the reader every unit file goes through.
+
+Layout of ``<name>.ckpt/`` (a directory):
+
+    meta.pt          Lightning's checkpoint dict (loops, callbacks, LR schedulers, hparams); its
+                     ``state_dict`` holds the non-layer parameters only
+    nonlayer.pt      the non-layer parameters' master weights and Adam moments
+    units/unitNNNNN.{master,exp_avg,exp_avg_sq}.bin   raw little-endian tensors, one unit per file
+                     (data parallel with partitioned optimizer state: shards/rank{r}/..., see shards.py)
+    manifest.json    written last: format, step, layouts (names, shapes, offsets), sizes and CRC-32s
+
+A zero-copy save (format /3, pins.py) links the SSD-tier part of each unit state as ``<state>.bin`` and
+writes the rest as ``<state>.head.bin``; the unit's manifest entry then names the ``pieces``
+(``[lo, hi, file, byte offset]``) per state, and ``read_range`` follows them.
+
+Frozen parameters (``requires_grad=False``: a fine-tuning run's base weights) are not copied: the unit
+files hold the trainable part only, and the manifest records each unit's frozen parameter names and
+the CRC-32 of their stored bytes (``frozen``), and those of the frozen non-layer parameters
+(``frozen_nonlayer``). Every file's size and CRC-32 is verified before use, naming the file that fails.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import zlib
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from snake_strategy.checkpoint.pins import CHECKSUMS, ZERO_COPY_FORMAT
+from snake_strategy.progress import Progress, or_quiet
+
+FORMAT = "greedysnake-checkpoint/1"
+SHARDED_FORMAT = "greedysnake-checkpoint/2"  # per-rank shards instead of units/ (shards.py)
+STATES = ("master", "exp_avg", "exp_avg_sq")
+DTYPES = {str(d): d for d in (torch.float32, torch.float64, torch.bfloat16, torch.float16)}
+
+
+def is_checkpoint_dir(path: str | os.PathLike) -> bool:
+    """True for a greedysnake checkpoint directory (complete or not), which plain Lightning cannot read."""
+    root = Path(path)
+    return root.is_dir() and ((root / "manifest.json").exists() or (root / "meta.pt").exists()
+                              or (root / "units").is_dir() or (root / "shards").is_dir())
+
+
+def verified_manifest(root: Path, progress: Progress | None = None,
+                      verify: Callable[[str], bool] | None = None) -> dict:
+    """The manifest, after checking the size and CRC-32 of every file (of those ``verify`` accepts)."""
+    manifest_path = root / "manifest.json"
+    if not manifest_path.exists():
+        raise ValueError(f"{root} is not a complete greedysnake checkpoint (no manifest.json): an interrupted save "
+                         "or another format")
+    try:
+        manifest = json.loads(manifest_path.read_text())
+    except ValueError as err:
+        raise ValueError(f"{manifest_path} is corrupt: {err}") from None
+    if not isinstance(manifest, dict) or manifest.get("format") not in (FORMAT, SHARDED_FORMAT, ZERO_COPY_FORMAT):
+        found = manifest.get("format") if isinstance(manifest, dict) else None
+        raise ValueError(f"{manifest_path} has format {found!r}, expected {FORMAT!r}")
+    missing = [k for k in ("step_count", "master_dtype", "blocks_per_unit", "units", "files") if k not in manifest]
+    if missing:
+        raise ValueError(f"{manifest_path} is corrupt: it lacks {missing}")
+    files = {name: info for name, info in manifest["files"].items() if verify is None or verify(name)}
+    tracker = or_quiet(progress).phase("checkpoint_verify", len(files), what="files",
+                                       total_bytes=sum(info["bytes"] for info in files.values()))
+    for name, info in files.items():
+        verify_file(root / name, info)
+        tracker.advance(1, info["bytes"])
+    tracker.finish()
+    return manifest
+
+
+def write_raw(path: Path, value: torch.Tensor) -> dict:
+    data = value.contiguous().view(torch.uint8).numpy()
+    with open(path, "wb") as f:
+        f.write(memoryview(data))
+        f.flush()
+        os.fsync(f.fileno())
+    return {"bytes": data.nbytes, "crc32": zlib.crc32(memoryview(data))}
+
+
+def read_raw(path: Path, numel: int, dtype: torch.dtype) -> torch.Tensor:
+    value = torch.empty(numel, dtype=dtype)
+    raw = value.view(torch.uint8).numpy()
+    with open(path, "rb") as f:
+        got = f.readinto(memoryview(raw))
+    if got != raw.nbytes:
+        raise ValueError(f"checkpoint file {path} is shorter than the manifest says ({got} of {raw.nbytes} "
+                         "bytes): truncated after it was written")
+    return value
+
+
+class _Checksummed:
+    """A file object that CRC-32s and counts what ``torch.save`` writes through it: no read-back (the
+    non-layer state of a large vocabulary is GBs; reading it back cost as much as writing it)."""
+
+    def __init__(self, f) -> None:
+        self.f, self.crc32, self.bytes = f, 0, 0
+
+    def write(self, data) -> int:
+        self.crc32 = zlib.crc32(data, self.crc32)
+        self.bytes += len(memoryview(data).cast("B"))
+        return self.f.write(data)
+
+    def flush(self) -> None:
+        self.f.flush()
+
+
+def save_torch(obj, path: Path) -> dict:
+    """``torch.save(obj, path)``, fsynced (durable before a commit rename names it); its size and CRC-32."""
+    with open(path, "wb") as f:
+        out = _Checksummed(f)
+        torch.save(obj, out)
+        f.flush()
+        os.fsync(f.fileno())
+    return {"bytes": out.bytes, "crc32": out.crc32}
+
+
+def fsync_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def verify_file(path: Path, info: dict) -> None:
+    if not path.exists():
+        raise ValueError(f"checkpoint file {path} is missing")
+    size = path.stat().st_size
+    if size < info["bytes"]:
+        raise ValueError(f"checkpoint file {path} is shorter than the manifest says ({size} of {info['bytes']} "
+                         "bytes): truncated, e.g. an interrupted copy or a full disk; use another checkpoint")
+    if size != info["bytes"]:
+        raise ValueError(f"checkpoint file {path} is longer than the manifest says ({size}, not {info['bytes']} "
+                         "bytes): overwritten or appended to; use another checkpoint")
+    if info["crc32"] is None:
+        return  # a pinned file whose checksum the saving run did not complete (pins.Checksums)
+    crc = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(16 * 2**20):
+            crc = zlib.crc32(chunk, crc)
+    if crc != info["crc32"]:
+        raise ValueError(f"checkpoint file {path} is corrupt (CRC-32 {crc:#010x}, manifest {info['crc32']:#010x})")
+
+
+def remove_path(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        with CHECKSUMS.remove_lock:  # not while the checksum thread rewrites a manifest in it
+            shutil.rmtree(path, ignore_errors=True)
+    else:
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+
+
+def fsync_parent(path: Path) -> None:
+    # A rename is durable only once the directory that holds the names is on disk.
+    fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_tree(path: Path) -> None:
+    for root, _, names in os.walk(path):
+        fd = os.open(root, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def unit_pieces(manifest: dict, u: int) -> list[tuple[int, int, str]]:
+    """``(lo, hi, file name pattern with {state})`` of the files that hold unit ``u``'s trainable state."""
+    shards = manifest.get("shards")
+    if shards is None:  # one process's format: one file per unit and state
+        return [(0, manifest["units"][u]["numel"], f"units/unit{u:05d}.{{state}}.bin")]
+    return [(lo, hi, f"shards/rank{r}/unit{u:05d}.{{state}}.bin")
+            for r, (lo, hi) in enumerate(shards["ranges"][u]) if hi > lo]
+
+
+def read_range(root: Path, manifest: dict, u: int, state: str, lo: int, hi: int, dtype: torch.dtype) -> torch.Tensor:
+    """Elements ``[lo, hi)`` of unit ``u``'s ``state`` (master, exp_avg, exp_avg_sq), read from the parts of
+    the files that hold them (seek + read: a rank reads its own range only, whatever the files' cut)."""
+    out = torch.empty(hi - lo, dtype=dtype)
+    raw = out.view(torch.uint8).numpy()
+    size = dtype.itemsize
+    covered = 0
+    # A zero-copy checkpoint (format /3) names each state's pieces: [lo, hi, file, byte offset].
+    pieces = manifest["units"][u].get("pieces", {}).get(state)
+    for a, b, pattern, base in ([(a, b, name, at) for a, b, name, at in pieces] if pieces
+                                else [(a, b, pattern, 0) for a, b, pattern in unit_pieces(manifest, u)]):
+        start, end = max(a, lo), min(b, hi)
+        if start >= end:
+            continue
+        path = root / pattern.format(state=state)
+        with open(path, "rb") as f:
+            f.seek(base + (start - a) * size)
+            got = f.readinto(memoryview(raw[(start - lo) * size:(end - lo) * size]))
+        if got != (end - start) * size:
+            raise ValueError(f"checkpoint file {path} is shorter than the manifest says: truncated after it was "
+                             "written; use another checkpoint")
+        covered += end - start
+    if covered != hi - lo:
+        raise ValueError(f"{root}: the files of unit {u} do not cover elements [{lo}, {hi}) (the manifest's shard "
+                         "ranges are inconsistent): the checkpoint is corrupt; use another one")
+    return out
