@@ -29,14 +29,16 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import mmap
 import os
 import threading
 from pathlib import Path
 from typing import Callable
 
+PAGE_BYTES = 4096
 FICLONE = 0x40049409  # linux/fs.h: _IOW(0x94, 9, int)
 COPY_CHUNK_BYTES = 16 * 2**20
-COPY_THREADS = 4
+COPY_THREADS = 8  # x COPY_CHUNK_BYTES = 128 MiB of buffers at most
 
 
 class VersionedFile:
@@ -185,34 +187,60 @@ def place_copy(src_fd: int, dest: str | os.PathLike, size_bytes: int) -> str:
 
 def copy_file(src: int, dst: int, size_bytes: int, chunk_bytes: int = COPY_CHUNK_BYTES,
               num_threads: int = COPY_THREADS) -> None:
-    """Copy ``size_bytes`` from ``src`` to ``dst`` with ``num_threads`` threads, each one buffer of
-    ``chunk_bytes`` (memory bound: threads x chunk). pread/pwrite release the GIL, so one thread's read
-    overlaps another's write: the copy runs at the slower of the two disks, not at their sum."""
+    """Copy ``size_bytes`` from ``src`` to ``dst`` with ``num_threads`` threads, each one page-aligned buffer
+    of ``chunk_bytes`` (memory bound: threads x chunk). pread/pwrite release the GIL, so one thread's read
+    overlaps another's write: the copy runs at the slower of the two disks, not at their sum.
+
+    Both sides go through O_DIRECT descriptors where the filesystems allow it (not tmpfs): buffered writes
+    would leave the data to an fsync that, on a journaling filesystem, also waits for every other
+    process's dirty pages (measured: 0.1 GB/s on a disk that probes at 1.2). Unaligned tails go through
+    the buffered descriptors."""
     errors: list[BaseException] = []
     chunks = list(range(0, size_bytes, chunk_bytes))
+    direct_src, direct_dst = _direct(src, os.O_RDONLY), _direct(dst, os.O_WRONLY)
 
     def work(k: int) -> None:
-        buffer = bytearray(chunk_bytes)
+        buffer = mmap.mmap(-1, chunk_bytes)  # anonymous: page-aligned, as O_DIRECT needs
         view = memoryview(buffer)
         try:
             for start in chunks[k::num_threads]:
                 length = min(chunk_bytes, size_bytes - start)
-                got = os.preadv(src, [view[:length]], start)
+                aligned = length % PAGE_BYTES == 0
+                reader = direct_src if aligned and direct_src is not None else src
+                got = os.preadv(reader, [view[:length]], start)
                 if got < length:  # a sparse tail the source never wrote: zeros, as the file reads
                     view[got:length] = bytes(length - got)
+                writer = direct_dst if aligned and direct_dst is not None else dst
                 done = 0
                 while done < length:
-                    done += os.pwritev(dst, [view[done:length]], start + done)
+                    done += os.pwritev(writer, [view[done:length]], start + done)
+            view.release()
+            buffer.close()
         except BaseException as err:  # noqa: BLE001 - re-raised in the caller's thread
             errors.append(err)
 
-    threads = [threading.Thread(target=work, args=(k,), name=f"snake-copy_{k}") for k in range(num_threads)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
+    try:
+        threads = [threading.Thread(target=work, args=(k,), name=f"snake-copy_{k}") for k in range(num_threads)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    finally:
+        for fd in (direct_src, direct_dst):
+            if fd is not None:
+                os.close(fd)
     if errors:
         raise errors[0]
+
+
+def _direct(fd: int, flags: int) -> int | None:
+    """A second, O_DIRECT descriptor on ``fd``'s file; None where the filesystem refuses O_DIRECT."""
+    if not hasattr(os, "O_DIRECT"):
+        return None
+    try:
+        return os.open(f"/proc/self/fd/{fd}", flags | os.O_DIRECT)
+    except OSError:
+        return None
 
 
 def _buffered(fd: int) -> int:
