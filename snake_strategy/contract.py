@@ -72,6 +72,62 @@ def unpack_pre_stage(out: Any) -> tuple[Tensor, dict[str, Any]]:
                      f"{_describe(out)}")
 
 
+def check_not_empty(batch: Any, batch_idx: int | None, module: Any) -> None:
+    """Refuse a training batch of 0 samples by its index (and ``module.trainer``'s epoch), before the
+    engine touches the step. Refused, not skipped: a skipped step would put
+    global_step, LR schedules and checkpoint cadence one off the loader (and, with several ranks, leave
+    the others waiting in a collective); nothing of the step has run, checkpoints saved so far stand."""
+    if batch_size(batch) == 0:
+        raise ValueError(f"training batch {batch_idx} of epoch {module.trainer.current_epoch} holds 0 samples; "
+                         "strategy='greedysnake' cannot take an optimizer step on an empty batch. Remove empty "
+                         "batches in the DataLoader (a filtering collate_fn or sampler), or set drop_last=True "
+                         "when a last partial batch comes out empty")
+
+
+def check_outputs_on_meta(module: nn.Module, batch: Any, num_micro_batches: int) -> bool:
+    """Run ``pre_stage`` and every block once on meta copies of the first micro-batch of ``batch`` and of
+    the parameters (no FLOP, no memory) and check what they return, so a tuple-returning block or a
+    malformed ``pre_stage`` is refused at setup, before any weight is materialized. Best effort: no batch
+    (None), one that never splits (refused later by the check that names it), or a model that cannot run
+    on the meta device (a kernel without a meta implementation, a table built on the CPU inside
+    ``pre_stage``) is left to the same checks at the first batch. Returns whether the check ran."""
+    if batch is None:
+        return False
+    try:
+        micro_batch = split_micro_batches(batch, num_micro_batches)[0]
+    except ValueError:
+        return False
+
+    def meta(t: Tensor) -> Tensor:
+        return torch.empty_like(t, device="meta").requires_grad_(t.requires_grad)
+
+    class _PreStage(nn.Module):  # functional_call calls forward: this forward is pre_stage
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = module
+
+        def forward(self, batch: Any) -> Any:
+            return self.inner.pre_stage(batch)
+
+    block_ids = {id(t) for t in (*module.blocks.parameters(), *module.blocks.buffers())}
+    nonlayer = {f"inner.{n}": meta(t) for n, t in (*module.named_parameters(), *module.named_buffers())
+                if id(t) not in block_ids}
+    batch = apply_to_collection(micro_batch, Tensor, lambda t: t.to("meta"))
+    try:
+        out = torch.func.functional_call(_PreStage(), nonlayer, (batch,))
+    except Exception:  # noqa: BLE001 - not runnable on meta: the first batch checks the same contract
+        return False
+    hidden, side = unpack_pre_stage(out)  # only the contract's own refusals propagate
+    for i, block in enumerate(module.blocks):
+        tensors = {n: meta(t) for n, t in (*block.named_parameters(), *block.named_buffers())}
+        try:
+            out = torch.func.functional_call(block, tensors, (hidden,), side)
+        except Exception:  # noqa: BLE001 - as above
+            return False
+        hidden = check_block_output(out, i)
+    return True
+
+
 def check_block_output(out: Any, block_index: int) -> Tensor:
     if not isinstance(out, Tensor):
         raise ValueError(f"blocks[{block_index}] returned {_describe(out)}; every block must return the hidden "

@@ -141,19 +141,28 @@ def rank_storage(storage: StorageConfig, rank: int, world_size: int) -> StorageC
     return dataclasses.replace(storage, ssd_dir=os.path.join(storage.ssd_dir, f"rank{rank}"))
 
 
-def check_rank_storage(storage: StorageConfig, rank: int, world_size: int) -> None:
+def check_rank_storage(storage: StorageConfig, rank: int, world_size: int) -> list[str]:
     """Refuse, on every rank and before any rank takes its lock, SSD layouts where the ranks' directories
     are not one per rank: ranks of one machine given different ``ssd_dir`` roots (a rank-dependent variable
     or a relative path seen from different working directories), a root or rank directory that resolves to
     another rank's (symbolic links), a rank directory or root in use by a live run (another run's lock, or
     a one-process run on the root itself), and a variable left unexpanded. One small gather of each rank's
-    host and paths (a sync point)."""
+    host and paths (a sync point).
+
+    Returns the directories this run creates above the rank directories (the root ``ssd_dir`` and its
+    missing parents, deepest first): those no rank of this machine found before the gather, so no rank
+    has created them yet. Each rank's engine removes only what it created itself, which leaves the shared
+    root behind; ``remove_empty_dirs`` after the engine closes removes it as a single process does."""
     mine = rank_storage(storage, rank, world_size).ssd_dir
-    local = {"rank": rank, "host": socket.gethostname(), "root": None, "dir": None, "problem": None}
+    local = {"rank": rank, "host": socket.gethostname(), "root": None, "dir": None, "problem": None, "missing": []}
     if storage.ssd_dir is not None:
         local["root"] = os.path.abspath(storage.ssd_dir)
         local["dir"] = os.path.realpath(mine)
         local["problem"] = _layout_problem(storage.ssd_dir, local["root"], mine)
+        level = local["root"]
+        while not os.path.exists(level) and os.path.dirname(level) != level:
+            local["missing"].append(level)
+            level = os.path.dirname(level)
     gathered: list[Any] = [None] * world_size
     dist.all_gather_object(gathered, local)
     for g in gathered:
@@ -173,6 +182,28 @@ def check_rank_storage(storage: StorageConfig, rank: int, world_size: int) -> No
                 raise ValueError(f"ranks {a['rank']} and {b['rank']} on host {a['host']} would share the SSD directory "
                                  f"{a['dir']} (a symbolic link between the rank directories under storage.ssd_dir="
                                  f"{a['root']!r}?): give every rank its own directory; remove the link")
+    same_host = [g for g in gathered if g["host"] == local["host"]]
+    return [level for level in local["missing"] if all(level in g["missing"] for g in same_host)]
+
+
+def close_engine(engine: Any, created_dirs: list[str]) -> None:
+    """``engine.close()`` (re-raising its error), then ``remove_empty_dirs(created_dirs)`` even when it failed:
+    with several ranks each engine removes only its rank's directory, not the shared root this run made."""
+    try:
+        engine.close()
+    finally:
+        remove_empty_dirs(created_dirs)
+
+
+def remove_empty_dirs(levels: list[str]) -> None:
+    """Remove ``levels`` (deepest first) where they are empty; each rank calls it after its engine closed.
+    The rank that closes last finds the root empty and removes it; a rank that closes earlier, or a file a
+    user put there, leaves it (rmdir never removes content)."""
+    for level in levels:
+        try:
+            os.rmdir(level)
+        except OSError:
+            return  # not empty (another rank still runs, or a user's file) or already gone: stop there
 
 
 def _layout_problem(given: str, root: str, mine: str) -> str | None:
@@ -216,12 +247,13 @@ def check_rank_loader(loader: Any, batch_size: int, world_size: int) -> None:
             "(world size x per-rank batch), or set drop_last=True in the DataLoader")
 
 
-def build_engine(build: Callable[[], Any], storage: StorageConfig, rank: int, world_size: int) -> Any:
-    """``build()``; with several ranks, after ``check_rank_storage``, and through ``build_together``."""
+def build_engine(build: Callable[[], Any], storage: StorageConfig, rank: int, world_size: int) -> tuple[Any, list[str]]:
+    """(``build()``, the shared SSD directories this run creates; see ``check_rank_storage``); with several
+    ranks, after ``check_rank_storage``, and through ``build_together``."""
     if world_size == 1:
-        return build()
-    check_rank_storage(storage, rank, world_size)  # before any rank takes its lock
-    return build_together(build)
+        return build(), []  # the engine's own SsdDirectory removes everything it created
+    created = check_rank_storage(storage, rank, world_size)  # before any rank takes its lock
+    return build_together(build), created
 
 
 def build_together(build: Callable[[], Any]) -> Any:

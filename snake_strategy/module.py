@@ -30,6 +30,9 @@ class LayeredModule(pl.LightningModule):
     # the batch): the planner (``schedule.kind="auto"``) may then run a unit's micro-batches as one batched
     # pass, which is only exact for such blocks. False (the default) keeps passes per micro-batch.
     independent_samples: bool = False
+    # A ``pretrained`` source holding tensors the model has no parameter for is refused (loading would drop
+    # them silently, e.g. a config with fewer layers than the checkpoint); True loads the rest (logged).
+    ignore_unexpected_keys: bool = False
 
     def pre_stage(self, batch: Any) -> Tensor | tuple[Tensor, dict[str, Any]]:
         raise NotImplementedError("implement pre_stage(batch) -> hidden (the embedding), or (hidden, side_inputs)")

@@ -1,6 +1,7 @@
-"""Lightning glue: ``Trainer(strategy="greedysnake")``.
-(Over 500 lines: Lightning's Strategy interface is one class; the checkpoint and preemption logic it
-calls lives in checkpoint/pins.py and preemption.py.)
+"""Longer than 500 lines: Lightning's Strategy interface is one class (the checkpoint and preemption logic
+it calls lives in checkpoint/pins.py and preemption.py).
+
+Lightning glue: ``Trainer(strategy="greedysnake")``.
 
 One Lightning batch is one optimizer step: ``training_step`` splits the global batch into
 ``schedule.num_micro_batches`` micro-batches and runs the whole schedule through the engine;
@@ -32,8 +33,8 @@ from snake_strategy import preemption
 from snake_strategy.checkpoint import pins as checkpoint_pins, shards as checkpoint_shards, store as checkpoint_store
 from snake_strategy.checkpoint.consolidate import CheckpointWeights
 from snake_strategy.config import ScheduleConfig, StorageConfig, coerce_config
-from snake_strategy.contract import check_contract
-from snake_strategy.distributed import DataParallelMixin, build_engine, check_rank_loader, rank_storage, sync_initial_state
+from snake_strategy.contract import check_contract, check_not_empty, check_outputs_on_meta
+from snake_strategy.distributed import DataParallelMixin, build_engine, check_rank_loader, close_engine, rank_storage, sync_initial_state
 from snake_strategy.engine import EngineHooks, EngineRuntime, EvalEngine, SnakeEngine
 from snake_strategy.module import LayeredModule
 from snake_strategy.planning.autoplan import RunPlan, example_batch, first_prediction, resolve
@@ -109,7 +110,7 @@ class GreedySnakeStrategy(DataParallelMixin, ParallelStrategy):
         self.eval_traffic: dict[str, int] = {}  # bytes moved by the last validate/test/predict loop, per tier/state/direction
         self._eval_start: dict | None = None
         self._eval_checkpoint: CheckpointWeights | None = None  # ckpt_path of an eval stage
-        self._gave_back_weights = False  # the module holds the weights a run of this strategy gave back
+        self._gave_back_weights, self._created_ssd_dirs = False, []  # weights a run gave back; ssd_dir levels several ranks made
         self.progress = progress if isinstance(progress, Progress) else Progress(log=progress)
         self.trace_path = None if trace_path is None else check_trace_path(trace_path)  # refused now, not at the end
         super().__init__(accelerator=accelerator, cluster_environment=cluster_environment,
@@ -185,6 +186,8 @@ class GreedySnakeStrategy(DataParallelMixin, ParallelStrategy):
             raise ValueError(f"strategy='greedysnake' needs exactly one optimizer; configure_optimizers "
                              f"returned {len(self.optimizers)}")
         self._resolve_plan(self.optimizers[0])
+        batch = example_batch(trainer)  # map-style loader (nothing iterated): for the check and the floor at setup
+        check_outputs_on_meta(module, batch, self.schedule.num_micro_batches)  # before any weight exists
         # Once a run gave its weights back, they are the module's weights: pretrained= was the starting point.
         pretrained = None if self._gave_back_weights else self.pretrained
         runtime = EngineRuntime(self.precision_plugin.dtypes, self.root_device, clip=clip,
@@ -196,13 +199,12 @@ class GreedySnakeStrategy(DataParallelMixin, ParallelStrategy):
             return SnakeEngine(module, self.optimizers[0], self._rank_plan(), runtime)
 
         # Several ranks: every rank's storage is checked first, and a failure on one stops all.
-        self.engine = build_engine(build, self.storage, self.global_rank, self.world_size)
+        self.engine, self._created_ssd_dirs = build_engine(build, self.storage, self.global_rank, self.world_size)
         if self.world_size > 1:
             sync_initial_state(self.engine, self.root_device)  # every rank starts from rank 0's weights
         self.engine.trace.enabled = self.trace_path is not None
         self._predicted_at_step_one = False
         with contextlib.suppress(ValueError):  # a batch the run refuses: that refusal comes with its own check
-            batch = example_batch(trainer)  # the floor at setup; refined at step 1 (kept graphs, checkpoints)
             self.prediction = self._predict(batch, at_setup=True) if batch is not None else None
         # Lightning's strategies set the device through module.to(); the blocks must not move, so set the
         # attribute LightningModule.device reads, as model_to_device would have.
@@ -317,7 +319,7 @@ class GreedySnakeStrategy(DataParallelMixin, ParallelStrategy):
                     checkpoint_pins.CHECKSUMS.wait()  # the pinned files' CRC-32s, read while training ran
                     self._give_back_weights(engine)
             finally:
-                engine.close()  # releases files and locks even when the flush failed; re-raises
+                close_engine(engine, self._created_ssd_dirs)  # files and locks even when the flush failed; re-raises
         self.precision_plugin.teardown()
         if self.cluster_environment is not None:
             self.cluster_environment.teardown()
@@ -349,6 +351,7 @@ class GreedySnakeStrategy(DataParallelMixin, ParallelStrategy):
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Tensor:
         batch = args[0] if args else kwargs["batch"]
+        check_not_empty(batch, args[1] if len(args) > 1 else kwargs.get("batch_idx"), self.lightning_module)
         self._deferred.in_step = True  # until optimizer_step: a save asked for now waits for the step's end
         loss = self.engine.train_step(batch)
         if not self._predicted_at_step_one:  # with what the first step measured (kept graphs, checkpoints)

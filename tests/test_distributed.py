@@ -3,8 +3,9 @@ micro-batches over the same global batches, through Lightning's own launcher (th
 re-run for rank 1) and through torchrun with two "nodes" on this machine.
 
 Each run is ``tests/dp_worker.py CONFIG.json`` in a subprocess; every rank writes its final parameters,
-per-step stats, reduction records and task list. The default suite runs one 2-rank comparison and the
-input checks; the rest is ``--runslow``.
+per-step stats, reduction records and task list. The default suite runs three 2-rank comparisons
+(vertical on the SSD, partitioned norm clipping, replicated moments) and the input checks; the rest is
+``--runslow``.
 """
 from __future__ import annotations
 
@@ -69,7 +70,9 @@ def _check_ranks_agree(ranks: dict) -> None:
 def test_two_ranks_equal_one_rank_vertical_ssd_alpha(tmp_path):
     common = dict(steps=3, kind="vertical", alpha=0.25, storage={**SSD, "ssd_dir": str(tmp_path / "ssd")})
     one = run_worker(tmp_path, "one", world=1, micro=4, **common)
+    assert not (tmp_path / "ssd").exists()  # the ssd_dir the run created is removed ...
     two = run_worker(tmp_path, "two", world=2, micro=2, **common)
+    assert not (tmp_path / "ssd").exists()  # ... by two ranks as by one process (rank dirs and their root)
     _check_ranks_agree(two)
     assert max_abs_diff(one[0]["state"], two[0]["state"]) < 1e-10
     assert two[0]["world_size"] == 2 and two[0]["sampler"] == "DistributedSampler"
@@ -117,14 +120,22 @@ def test_two_ranks_equal_one_rank_vertical_ssd_alpha(tmp_path):
         == one[0]["stats"][-1]["ssd_plan"]["optimizer_moments"]
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("kind,clip,shard", [("horizontal", None, True), ("vertical", 0.05, True),
-                                             ("horizontal", 0.05, True), ("vertical", None, False),
-                                             ("vertical", 0.05, False)])
+def _slow(*values):
+    return pytest.param(*values, marks=pytest.mark.slow)
+
+
+# In the default run (about 20 s each): partitioned norm clipping (a dropped all-reduce of the shard norms
+# changes the clip factor) and replicated moments (a gradient never summed across ranks changes every
+# update). The other combinations are --runslow.
+@pytest.mark.parametrize("kind,clip,shard", [_slow("horizontal", None, True), ("vertical", 0.05, True),
+                                             _slow("horizontal", 0.05, True), ("vertical", None, False),
+                                             _slow("vertical", 0.05, False)])
 def test_two_ranks_equal_one_rank_variants(tmp_path, kind, clip, shard):
     common = dict(steps=3, kind=kind, alpha=0.25, clip=clip, storage=SSD, shard=shard)
     one = run_worker(tmp_path, "one", world=1, micro=4, **common)
+    assert not (tmp_path / "ssd").exists()  # the ssd_dir the run created is removed ...
     two = run_worker(tmp_path, "two", world=2, micro=2, **common)
+    assert not (tmp_path / "ssd").exists()  # ... by two ranks as by one process (rank dirs and their root)
     _check_ranks_agree(two)
     assert max_abs_diff(one[0]["state"], two[0]["state"]) < 1e-10
     kinds = {r["kind"] for r in two[0]["stats"][-1]["reductions"] if r["unit"] >= 0}
@@ -141,7 +152,9 @@ def test_two_ranks_fp32_with_validation(tmp_path):
     train_loss synced across ranks (sync_dist) equals one process's."""
     common = dict(steps=2, kind="vertical", alpha=0.25, precision="32-true", storage=SSD, val=True)
     one = run_worker(tmp_path, "one", world=1, micro=4, **common)
+    assert not (tmp_path / "ssd").exists()  # the ssd_dir the run created is removed ...
     two = run_worker(tmp_path, "two", world=2, micro=2, **common)
+    assert not (tmp_path / "ssd").exists()  # ... by two ranks as by one process (rank dirs and their root)
     _check_ranks_agree(two)
     for key in one[0]["state"]:
         torch.testing.assert_close(two[0]["state"][key], one[0]["state"][key], rtol=1e-5, atol=1e-5)
@@ -260,14 +273,48 @@ def _storage_checks(rank: int, world: int, port: int, tmp: str, results) -> None
     except ValueError as err:
         out["build"] = str(err)
     out["closed"] = Built.closed
+    out["cleanup"] = _created_root_cleanup(rank, world, root)
     results[rank] = out
     dist.destroy_process_group()
+
+
+def _created_root_cleanup(rank: int, world: int, tmp: Path) -> list:
+    """Each rank builds a real SsdDirectory in ssd_dir/rank{r} through build_engine, rank 0 first (so rank 0
+    makes the shared root), and closes it through close_engine, rank 0 first again: the root's creator is
+    not the last to close, the order that left the root behind. Once with a root the run creates (and its
+    missing parent), once with one that existed. Returns (created levels, root exists after rank r closed)."""
+    import time
+
+    import torch.distributed as dist
+
+    from snake_strategy.distributed import build_engine, close_engine
+    from snake_strategy.storage.io_engine import SsdDirectory
+
+    out = []
+    for root in (tmp / "new" / "ssd", tmp / "kept"):  # "kept" exists before the run
+        storage = StorageConfig(ssd_dir=str(root), weights="ssd")
+
+        def build():
+            while rank == 1 and not (root / "rank0").is_dir():
+                time.sleep(0.01)  # rank 0 makes the root
+            return SsdDirectory(rank_storage(storage, rank, world).ssd_dir)
+
+        engine, created = build_engine(build, storage, rank, world)
+        dist.barrier()
+        for turn in range(world):
+            if turn == rank:
+                close_engine(engine, created)
+                exists = root.exists()
+            dist.barrier()
+        out.append((created, exists))
+    return out
 
 
 def test_mismatched_ssd_dir_layouts_stop_every_rank_before_setup(tmp_path):
     """Two real gloo processes: ranks of one machine with different ssd_dir roots, rank directories linked
     to one another, a rank directory (or the root) in use by a live run, an unexpanded variable: each is a
-    ValueError on both ranks, before any lock is taken; a setup failure on one rank stops both."""
+    ValueError on both ranks, before any lock is taken; a setup failure on one rank stops both. And the
+    ssd_dir root a 2-rank run created is removed when the ranks close, whichever closes last."""
     import socket
 
     import torch.multiprocessing as mp
@@ -275,6 +322,7 @@ def test_mismatched_ssd_dir_layouts_stop_every_rank_before_setup(tmp_path):
     (tmp_path / "link" / "rank0").mkdir(parents=True)
     (tmp_path / "link" / "rank1").symlink_to(tmp_path / "link" / "rank0")
     (tmp_path / "locked" / "rank1").mkdir(parents=True)
+    (tmp_path / "kept").mkdir()
     sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
     try:
         (tmp_path / "locked" / "rank1" / ".snake.lock").write_text(str(sleeper.pid))
@@ -300,6 +348,14 @@ def test_mismatched_ssd_dir_layouts_stop_every_rank_before_setup(tmp_path):
                                    "storage.ssd_dir='/x/rank1' has 0 GiB free")
     assert results[1]["build"] == "storage.ssd_dir='/x/rank1' has 0 GiB free"  # its own error
     assert results[0]["closed"] and not results[1]["closed"]  # rank 0 releases what it built
+    # devices=2 with an ssd_dir the run creates: gone once both ranks closed, as after one process (rank 0 made
+    # it and closed first); a root that existed before stays, empty.
+    new_root = tmp_path / "new" / "ssd"
+    assert results[0]["cleanup"][0] == ([str(new_root), str(new_root.parent)], True)  # rank 1 still in it
+    assert results[1]["cleanup"][0] == ([str(new_root), str(new_root.parent)], False)
+    assert not (tmp_path / "new").exists()
+    assert [r["cleanup"][1] for r in (results[0], results[1])] == [([], True), ([], True)]
+    assert list((tmp_path / "kept").iterdir()) == []
 
 
 # ---------------------------------------------------------------------- checkpoints
@@ -514,7 +570,8 @@ def test_planner_places_each_ranks_moment_shards():
         one_rank, per_rank = plan(shape, hw, mib * 2**20), plan(two, hw, mib * 2**20)
         assert one_rank.storage.weights.host == per_rank.storage.weights.host == 1.0
         assert (one_rank.storage.optimizer.host, per_rank.storage.optimizer.host) == (whole_share, rank_share)
-        assert per_rank.host_bytes <= mib * 2**20
+        placed = memory_inputs(two, hw, per_rank.storage, "vertical", per_rank.alpha, prefetch_depth=2)
+        assert sum(host_plan(placed).values()) <= mib * 2**20
 
 
 def test_shards_cover_each_unit_once_on_whole_pages():

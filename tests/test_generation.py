@@ -110,3 +110,26 @@ def test_generate_under_greedysnake_reads_each_unit_once_per_token(tmp_path):
     assert units.per_pass > 0
     assert strategy.eval_traffic["ssd/weights/read"] == NEW * units.per_pass
     assert not any(key.endswith("/write") for key in strategy.eval_traffic)
+
+
+@pytest.mark.parametrize("strategy", ["greedysnake", "auto"])
+def test_generate_in_predict_without_a_predict_step(strategy, tmp_path):
+    """HFCausalLM(dir, generate_in_predict={...}): trainer.predict returns transformers' generate tokens,
+    with no hand-written predict_step, under greedysnake (weights streamed from the SSD) and plain."""
+    hf = hf_model("llama").eval()
+    hf.save_pretrained(tmp_path / "start")
+    ids, mask = left_padded()
+    expected = hf.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False, eos_token_id=[],
+                           pad_token_id=0)
+    if strategy == "greedysnake":
+        strategy = snake_strategy.GreedySnakeStrategy(storage={"weights": "ssd", "ssd_dir": str(tmp_path / "ssd")},
+                                                      schedule={"num_micro_batches": 2})
+    trainer = L.Trainer(strategy=strategy, precision="64-true", **trainer_kwargs())
+    module = HFCausalLM(tmp_path / "start", generate_in_predict={"max_new_tokens": NEW, "eos_token_id": []})
+    (got,) = trainer.predict(module, DataLoader(Prompts(ids, mask), batch_size=3))
+    assert torch.equal(got, expected)
+    if not isinstance(strategy, str):
+        assert strategy.eval_traffic["ssd/weights/read"] > 0
+    assert module.hparams["generate_in_predict"] == {"max_new_tokens": NEW, "eos_token_id": []}
+    with pytest.raises(ValueError, match="max_new_tokens required"):
+        HFCausalLM(tmp_path / "start", generate_in_predict={"temperature": 0.7})

@@ -196,6 +196,66 @@ def test_hf_directory_errors(tmp_path):
         HFCausalLM({"model_type": "bert"})
 
 
+def test_checkpoint_with_more_layers_than_the_config_is_refused(tmp_path):
+    """A config with fewer layers than the checkpoint (transformers lists the rest as UNEXPECTED) is refused
+    naming the unexpected keys, under plain strategies and greedysnake, before any unit is built; with
+    ignore_unexpected_keys=True the model trains on the layers it has, as plain Lightning does."""
+    import shutil
+
+    hf = hf_model("llama")  # 3 layers
+    hf.save_pretrained(tmp_path / "start")
+    shutil.copytree(tmp_path / "start", tmp_path / "two")
+    config = json.loads((tmp_path / "two" / "config.json").read_text())
+    (tmp_path / "two" / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 2}))
+    loader = DataLoader(Samples(batches(STEPS * MICRO, MICRO_SIZE)), batch_size=MICRO * MICRO_SIZE)
+    unexpected = r"has no parameter for: model\.layers\.2\.input_layernorm\.weight, .*ignore_unexpected_keys=True"
+    with pytest.raises(ValueError, match=unexpected):
+        built(tmp_path / "two")  # plain: the directory's config.json says 2 layers
+    two_layers = tiny_config("llama")
+    two_layers.num_hidden_layers = 2
+    for module in (HFCausalLM(tmp_path / "two"), HFCausalLM(two_layers)):
+        strategy = snake_strategy.GreedySnakeStrategy(pretrained=str(tmp_path / "start"),
+                                                      storage={"weights": "host"}, schedule={"num_micro_batches": MICRO})
+        trainer = L.Trainer(strategy=strategy, precision="64-true", max_steps=1, **trainer_kwargs())
+        with pytest.raises(ValueError, match=unexpected):
+            trainer.fit(module, loader)
+        assert trainer.global_step == 0
+
+    # What from_pretrained itself ignores is not unexpected: per-layer inv_freq of older Llama files, GPT-2's
+    # attention-mask buffers.
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    for family, extra in (("llama", "model.layers.0.self_attn.rotary_emb.inv_freq"), ("gpt2", "transformer.h.0.attn.bias")):
+        base = hf_model(family)
+        base.save_pretrained(tmp_path / family)
+        with safe_open(tmp_path / family / "model.safetensors", "pt") as f:
+            state = {k: f.get_tensor(k) for k in f.keys()}
+        save_file({**state, extra: torch.zeros(4)}, str(tmp_path / family / "model.safetensors"))
+        module = built(tmp_path / family)  # no ValueError
+        assert all(torch.equal(p, base.state_dict()[n]) for n, p in module.named_parameters())
+    kept = HFCausalLM(tmp_path / "two", ignore_unexpected_keys=True)
+    kept.configure_model()  # plain: loads the two layers it has
+    for name, p in kept.named_parameters():
+        assert torch.equal(p, hf.state_dict()[name]), name
+
+    def fit(strategy, batch_size, accumulate):
+        rec = ParamRecorder(only_last=True)
+        trainer = L.Trainer(strategy=strategy, precision="64-true", max_steps=STEPS, accumulate_grad_batches=accumulate,
+                            callbacks=[rec], **trainer_kwargs())
+        trainer.fit(HFCausalLM(tmp_path / "two", learning_rate=1e-2, ignore_unexpected_keys=True),
+                    DataLoader(Samples(batches(STEPS * MICRO, MICRO_SIZE)), batch_size=batch_size))
+        return rec.states[-1]
+
+    expected = fit("auto", MICRO_SIZE, MICRO)
+    got = fit(snake_strategy.GreedySnakeStrategy(storage={"weights": "host"},
+                                                 schedule={"kind": "vertical", "num_micro_batches": MICRO}),
+              MICRO_SIZE * MICRO, 1)
+    assert got.keys() == expected.keys() and not any(".layers.2." in n for n in got)
+    for name in got:
+        torch.testing.assert_close(got[name], expected[name], rtol=0, atol=1e-10, msg=name)
+
+
 # ---------------------------------------------------------------------- safetensors out
 @pytest.mark.parametrize("family", FAMILIES)
 def test_export_round_trip(family, tmp_path):
@@ -281,6 +341,11 @@ def test_hydra_model_configs_instantiate(tmp_path):
         assert isinstance(module, HFCausalLM) and module.hf_config.model_type == "llama"
         module.configure_model()
         assert module({"input_ids": torch.zeros(1, 4, dtype=torch.long)}).shape[-1] == module.hf_config.vocab_size
+        with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):  # the options, without `+`
+            cfg = compose("train", overrides=overrides + ["data.context_len=16", "model.ignore_unexpected_keys=true",
+                                                          "model.generate_in_predict={max_new_tokens: 3}"])
+        module = instantiate(cfg.model, _convert_="all")
+        assert module.ignore_unexpected_keys and module.generate_in_predict == {"max_new_tokens": 3}
     with pytest.raises(ValueError, match="exactly one of"):
         HFCausalLM()
 
@@ -359,6 +424,40 @@ def test_checkpoint_cli_exports_hf_directory(tmp_path):
     assert AutoModelForCausalLM.from_pretrained(tmp_path / "from_dir").config.num_hidden_layers == 3
     with pytest.raises(SystemExit, match="2"):  # --dtype/--config belong to --format hf
         snake_checkpoint.main([str(ckpt), str(tmp_path / "x.ckpt"), "--dtype", "float32"])
+
+
+def test_export_defaults_to_the_master_dtype(tmp_path):
+    """An fp64 run exported without dtype= (inside fit, after it, from a state dict, from a stream) loads
+    back with from_pretrained as the identical fp64 tensors, as the checkpoint CLI's default does."""
+    hf_model("llama").save_pretrained(tmp_path / "start")
+    rec = ParamRecorder(only_last=True)
+
+    class ExportInsideFit(L.Callback):
+        def on_train_end(self, trainer, pl_module):
+            export_hf(pl_module, tmp_path / "in_run")
+
+    strategy = snake_strategy.GreedySnakeStrategy(storage={"weights": "ssd", "ssd_dir": str(tmp_path / "ssd")},
+                                                  schedule={"num_micro_batches": MICRO})
+    trainer = L.Trainer(strategy=strategy, precision="64-true", max_steps=STEPS, callbacks=[rec, ExportInsideFit()],
+                        **trainer_kwargs())
+    module = HFCausalLM(tmp_path / "start", learning_rate=1e-2)
+    trainer.fit(module, DataLoader(Samples(batches(STEPS * MICRO, MICRO_SIZE)), batch_size=MICRO * MICRO_SIZE))
+    trained = rec.states[-1]
+    export_hf(module, tmp_path / "after")
+    export_hf(dict(trained), tmp_path / "state", config=module.hf_config)
+    export_hf(iter(list(trained.items())), tmp_path / "stream", config=module.hf_config)
+    for out in ("in_run", "after", "state", "stream"):
+        back = AutoModelForCausalLM.from_pretrained(tmp_path / out, dtype="auto")
+        assert back.config.dtype == torch.float64, out
+        assert back.state_dict().keys() == trained.keys()
+        for name, value in trained.items():
+            assert back.state_dict()[name].dtype == torch.float64 and torch.equal(back.state_dict()[name], value), \
+                (out, name)
+    # fp32 weights stay fp32; dtype= still rounds on request.
+    export_hf({k: v.float() for k, v in trained.items()}, tmp_path / "f32", config=module.hf_config)
+    assert AutoModelForCausalLM.from_pretrained(tmp_path / "f32", dtype="auto").model.norm.weight.dtype == torch.float32
+    export_hf(module, tmp_path / "bf16", dtype=torch.bfloat16)
+    assert AutoModelForCausalLM.from_pretrained(tmp_path / "bf16", dtype="auto").model.norm.weight.dtype == torch.bfloat16
 
 
 class GeneratingLM(HFCausalLM):

@@ -97,6 +97,28 @@ def test_storage_layouts():
     assert not instantiate(compose_train(["storage=host"]).storage).uses_ssd()
 
 
+def test_every_storage_override_works_on_the_default_auto_storage(tmp_path):
+    """`storage.weights=ssd` on the default `storage=auto`: every StorageConfig field is in auto.yaml (null
+    states: the planner decides), so no override needs Hydra's `+`."""
+    import dataclasses
+
+    default = instantiate(compose_train([]).storage, _convert_="all")
+    assert default == StorageConfig(placement="auto")  # the yaml states exactly the defaults
+    assert default.unset() == ["weights", "master", "optimizer", "gradients", "checkpoints"]
+    values = {"ssd_dir": str(tmp_path / "nvme"), "weights": "ssd", "master": "host", "optimizer": "{host: 0.5, ssd: 0.5}",
+              "gradients": "host", "checkpoints": "ssd", "checkpoint_host_ends": "1", "use_o_direct": "false",
+              "num_io_threads": "4", "keep_ssd_files": "true", "host_budget_bytes": "1000000000",
+              "optimizer_chunk_elems": "8192", "placement": "manual"}
+    assert set(values) == {f.name for f in dataclasses.fields(StorageConfig)}  # a new field needs a line here
+    for field, value in values.items():
+        storage = instantiate(compose_train([f"storage.{field}={value}"]).storage, _convert_="all")
+        assert storage != default, field
+    pinned = instantiate(compose_train(["storage.weights=ssd", "storage.optimizer={host: 0.5, ssd: 0.5}"]).storage,
+                         _convert_="all")
+    assert pinned.placement == "auto" and pinned.weights.ssd == 1.0 and pinned.optimizer.ssd == 0.5
+    assert pinned.unset() == ["master", "gradients", "checkpoints"]  # still the planner's
+
+
 @pytest.mark.parametrize("experiment", options("experiment"))
 def test_every_experiment_composes(experiment, tmp_path):
     cfg = compose_train([f"experiment={experiment}"])

@@ -45,6 +45,7 @@ def test_kept_graphs_match_plain_lightning(reference, kind, batched, prefetch_de
     stats = StepStats()
     states, strategy = run_snake(CFG, STEPS, MICRO, MICRO_SIZE, "64-true", storage=_ssd(tmp_path),
                                  schedule_kind=kind, schedule_extra=extra, callbacks=[stats])
+    assert len(reference) == len(states) == STEPS
     for ref, got in zip(reference, states):
         assert max_abs_diff(ref, got) < 1e-10
     # 4 units: the last is fused; of units 0-2 the top two keep their graph, unit 0 is recomputed.
@@ -58,6 +59,7 @@ def test_keep_every_unit_on_the_host_matches_plain_lightning(reference):
     stats = StepStats()
     states, _ = run_snake(CFG, STEPS, MICRO, MICRO_SIZE, "64-true", schedule_extra={"keep_activations": 99},
                           callbacks=[stats])
+    assert len(reference) == len(states) == STEPS
     for ref, got in zip(reference, states):
         assert max_abs_diff(ref, got) < 1e-10
     assert [s["recomputed_tasks"] for s in stats.steps] == [0] * STEPS  # more than there are: all of them
@@ -72,6 +74,7 @@ def test_dropout_masks_of_a_kept_graph_are_the_forward_ones(tmp_path):
         runs[keep], _ = run_snake(cfg, STEPS, MICRO, MICRO_SIZE, "64-true", storage=_ssd(tmp_path / str(keep)),
                                   schedule_extra={"keep_activations": keep, "batched_forward": True,
                                                   "batched_backward": True})
+    assert len(runs[0]) == len(runs[3]) == STEPS
     for a, b in zip(runs[0], runs[3]):
         assert max_abs_diff(a, b) < 1e-12
 
@@ -90,6 +93,7 @@ def test_frozen_lower_units_are_not_candidates():
     ref = run_reference(CFG, 2, MICRO, MICRO_SIZE, "64-true", module_cls=Frozen)
     states, strategy = run_snake(CFG, 2, MICRO, MICRO_SIZE, "64-true", schedule_extra={"keep_activations": 99},
                                  module_cls=Frozen, callbacks=[stats])
+    assert len(ref) == len(states) == 2
     for a, b in zip(ref, states):
         assert max_abs_diff(a, b) < 1e-10
     assert strategy.plan.kept_units == [1, 2]
@@ -101,6 +105,7 @@ def test_bf16_mixed_with_half_weights_is_bitwise_the_recompute():
         runs[keep], _ = run_snake(CFG, 2, MICRO, MICRO_SIZE, "bf16-mixed",
                                   schedule_extra={"keep_activations": keep, "batched_forward": True,
                                                   "batched_backward": True})
+    assert len(runs[0]) == len(runs[3]) == 2  # a run that recorded nothing compares nothing
     for a, b in zip(runs[0], runs[3]):
         assert max_abs_diff(a, b) == 0.0
 

@@ -119,6 +119,77 @@ def test_lora_inits_that_need_the_base_are_refused_on_meta():
         adapter_initializer(module)(layer)
 
 
+def test_get_peft_model_directly_on_hf_causal_lm(tmp_path):
+    """get_peft_model(HFCausalLM(dir), cfg) with no configure_model first: the constructor built the
+    structure on meta (no base weight allocated). Under greedysnake it trains exactly as the meta-built
+    flow; under plain Lightning configure_model loads the base and initialises the adapters as peft does."""
+    hf_model("llama").save_pretrained(tmp_path / "start")
+    micro_batches = batches(STEPS * MICRO, MICRO_SIZE)
+
+    def snake_fit(module):
+        torch.manual_seed(11)
+        rec, initial = ParamRecorder(only_last=True), InitialAdapters()
+        strategy = snake_strategy.GreedySnakeStrategy(
+            storage={"weights": "ssd", "optimizer": "ssd", "ssd_dir": str(tmp_path / "ssd")},
+            schedule={"kind": "vertical", "num_micro_batches": MICRO, "alpha": 0.25})
+        L.Trainer(strategy=strategy, precision="64-true", max_steps=STEPS, callbacks=[initial, rec],
+                  **trainer_kwargs()).fit(module, DataLoader(Samples(micro_batches), batch_size=MICRO * MICRO_SIZE))
+        return initial.values, rec.states[-1]
+
+    def plain_fit(module):
+        rec, initial = ParamRecorder(only_last=True), InitialAdapters()
+        L.Trainer(strategy="auto", precision="64-true", max_steps=STEPS, accumulate_grad_batches=MICRO,
+                  callbacks=[initial, rec], **trainer_kwargs()).fit(module, DataLoader(Samples(micro_batches),
+                                                                                       batch_size=MICRO_SIZE))
+        return initial.values, rec.states[-1]
+
+    direct = HFCausalLM(tmp_path / "start", learning_rate=1e-2)
+    assert all(p.is_meta for p in direct.parameters())  # like from_pretrained's structure, nothing allocated
+    peft.get_peft_model(direct, peft.LoraConfig(**LORA))
+    assert all(p.is_meta for p in direct.parameters())
+    initial, got = snake_fit(direct)
+    assert_peft_init(initial)
+    want_initial, want = snake_fit(lora_on_meta(HFCausalLM(tmp_path / "start", learning_rate=1e-2)))
+    assert initial.keys() == want_initial.keys() and all(torch.equal(initial[n], want_initial[n]) for n in initial)
+    assert got.keys() == want.keys() and all(torch.equal(got[n], want[n]) for n in got)
+
+    plain = HFCausalLM(tmp_path / "start", learning_rate=1e-2)
+    peft.get_peft_model(plain, peft.LoraConfig(**LORA))
+    initial, got = plain_fit(plain)
+    assert_peft_init(initial)
+    reference = HFCausalLM(tmp_path / "start", learning_rate=1e-2)
+    reference.configure_model()  # the base built for real and loaded, then the same initial adapters
+    peft.get_peft_model(reference, peft.LoraConfig(**LORA))
+    reference.load_state_dict(initial, strict=False)
+    base = hf_model("llama").state_dict()
+    assert all(torch.equal(p, base[n.replace(".base_layer", "")]) for n, p in reference.named_parameters()
+               if "lora_" not in n)
+    _, want = plain_fit(reference)
+    assert got.keys() == want.keys() and all(torch.equal(got[n], want[n]) for n in got)
+
+
+@pytest.mark.parametrize("init", ["pissa", "olora"])
+def test_base_derived_lora_init_on_a_meta_model_gets_the_documented_error(init, tmp_path):
+    """peft's own get_peft_model fails inside peft ("variable.set_data ... incompatible tensor type");
+    snake_strategy.hf.get_peft_model refuses first with the ValueError that names the fix, and the
+    same config on the model built for real works."""
+    from snake_strategy.hf import get_peft_model
+
+    torch.set_default_dtype(torch.float32)  # PiSSA/OLoRA need float32/16 weights (peft's rule); the fixture restores
+    hf_model("llama").float().save_pretrained(tmp_path / "start")
+    config = dict(LORA, init_lora_weights=init)
+    module = HFCausalLM(tmp_path / "start")
+    with pytest.raises(RuntimeError, match="set_data"):  # what peft itself says: the reason for the wrapper
+        peft.get_peft_model(HFCausalLM(tmp_path / "start"), peft.LoraConfig(**config))
+    with pytest.raises(ValueError, match=f"init_lora_weights='{init}'.*module.configure_model\\(\\) first"):
+        get_peft_model(module, peft.LoraConfig(**config))
+    assert not hasattr(module, "peft_config")  # refused before peft touched the model
+    real = HFCausalLM(tmp_path / "start")
+    real.configure_model()
+    wrapped = get_peft_model(real, peft.LoraConfig(**config))
+    assert wrapped.base_model.model is real and not any(p.is_meta for p in real.parameters())
+
+
 def test_planner_keeps_the_adapter_state_on_the_host_while_the_base_streams():
     """A LoRA shape with a host budget far below its weights: the moments and the trainable part of every
     unit (it leads the unit's flat vector) stay on the host, so a step writes nothing to the SSD and reads

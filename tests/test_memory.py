@@ -20,17 +20,19 @@ from torch.utils.data import DataLoader, TensorDataset
 import snake_strategy
 from snake_strategy.gpt import GPTConfig, GPTModule
 layers, width, ssd_dir, slow = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
+keep, budget_bytes = (sys.argv[5] if sys.argv[5] == "auto" else int(sys.argv[5])), int(sys.argv[6])
 cfg = GPTConfig(vocab_size=256, d_model=width, num_layers=layers, num_heads=4, context_len=32, tied_head=True)
 x = torch.randint(0, 256, (2 * 4, 33))
 loader = DataLoader(TensorDataset(x[:, :-1], x[:, 1:]), batch_size=4)
 storage = snake_strategy.StorageConfig(ssd_dir=ssd_dir, weights={"ssd": 1.0}, optimizer={"ssd": 1.0},
-    gradients={"ssd": 1.0}, checkpoints={"ssd": 1.0}, checkpoint_host_ends=0, host_budget_bytes=512 * 2**20,
+    gradients={"ssd": 1.0}, checkpoints={"ssd": 1.0}, checkpoint_host_ends=0, host_budget_bytes=budget_bytes,
     optimizer_chunk_elems=64 * 4096)
 # Delay injection through the public test hooks: a slow optimizer worker, or a slow SSD.
 hooks = snake_strategy.EngineHooks(
     before_optimizer_chunk=(lambda unit: time.sleep(0.03)) if slow == "optimizer" else None,
     before_ssd_transfer=(lambda direction, n: time.sleep(0.002)) if slow == "ssd" else None)
-strategy = snake_strategy.GreedySnakeStrategy(storage=storage, schedule={"num_micro_batches": 4}, hooks=hooks)
+strategy = snake_strategy.GreedySnakeStrategy(storage=storage, schedule={"num_micro_batches": 4,
+    "keep_activations": keep}, hooks=hooks)
 plan, waits, peak = {}, [], []
 class Plan(L.Callback):
     def on_train_batch_end(self, trainer, *args):
@@ -47,21 +49,25 @@ base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 trainer = L.Trainer(strategy=strategy, accelerator="cpu", max_steps=2, logger=False, enable_checkpointing=False,
                     enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0, callbacks=[Plan()])
 trainer.fit(module, train_dataloaders=loader)
-print(json.dumps({"peak": peak[0], "base": base,
-                  "planned": sum(plan.values()), "params": cfg.num_params(), "backpressure_s": sum(waits)}))
+print(json.dumps({"peak": peak[0], "base": base, "planned": sum(plan.values()), "kept_graphs": plan.get("kept_graphs", 0),
+                  "kept_units": len(strategy.plan.kept_units or ()), "params": cfg.num_params(),
+                  "backpressure_s": sum(waits)}))
 """
 
 
-def _peak_rss(layers, tmp_path, width=256, slow="none"):
-    out = subprocess.run([sys.executable, "-c", RSS_SCRIPT, str(layers), str(width), str(tmp_path / f"ssd{layers}-{slow}"),
-                          slow], capture_output=True, text=True, check=True, timeout=300)
+def _peak_rss(layers, tmp_path, width=256, slow="none", keep="0", budget_bytes=512 * 2**20):
+    out = subprocess.run([sys.executable, "-c", RSS_SCRIPT, str(layers), str(width),
+                          str(tmp_path / f"ssd{layers}-{slow}-{keep}"), slow, keep, str(budget_bytes)],
+                         capture_output=True, text=True, check=True, timeout=300)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 @pytest.mark.parametrize("slow", ["optimizer", "ssd"])
 def test_peak_rss_does_not_grow_with_depth_when_a_consumer_is_slow(tmp_path, slow):
     """With the optimizer (or the SSD) slowed down, producers wait instead of queueing buffers: peak RSS
-    stays at baseline + plan + memory.RSS_SLACK_BYTES and does not grow with the number of units."""
+    stays at baseline + plan + memory.RSS_SLACK_BYTES and does not grow with the number of units.
+    keep_activations=0 (the _peak_rss default): kept graphs grow with depth up to the host budget, which
+    is the next test's bound, not this one's (with "auto" the 32-layer run keeps 31 units' graphs, 62 MiB)."""
     shallow, deep = _peak_rss(4, tmp_path, slow=slow), _peak_rss(32, tmp_path, slow=slow)
     state_growth = (deep["params"] - shallow["params"]) * 16  # weights + 2 moments + gradient, fp32
     assert state_growth > 300 * 2**20  # the deep model's extra state would be visible if it lived in RAM
@@ -73,6 +79,17 @@ def test_peak_rss_does_not_grow_with_depth_when_a_consumer_is_slow(tmp_path, slo
     if slow == "optimizer":
         # The bound was exercised: the backward waited for the slowed optimizer to give buffers back.
         assert deep["backpressure_s"] > 0, deep
+
+
+def test_kept_graphs_are_bounded_by_the_budget_not_by_depth(tmp_path):
+    """keep_activations="auto" keeps units' forward graphs while the host budget has room: a deep model
+    under a tight budget keeps some of its units, not all, and its peak RSS stays within the plan (kept
+    graphs included) + slack. Peak RSS therefore grows with depth only up to the budget."""
+    budget_bytes = 40 * 2**20  # the plan without graphs is ~24 MiB here: room for about 8 units' graphs
+    run = _peak_rss(16, tmp_path, keep="auto", budget_bytes=budget_bytes)
+    assert 0 < run["kept_units"] < 15, run  # 15 candidates (the last unit is fused): the budget decided
+    assert run["kept_graphs"] > 0 and run["planned"] <= budget_bytes, run
+    assert run["peak"] <= run["base"] + run["planned"] + RSS_SLACK_BYTES, run
 
 
 def test_budget_check_planner_and_activation_store_share_one_memory_model(tmp_path):

@@ -90,6 +90,12 @@ def build_model(module: nn.Module, optimizer: torch.optim.Optimizer, plan: RunPl
         state_bytes_per_elem += dtypes.bytes_per("master")
     progress = or_quiet(runtime.progress)
     source = PretrainedSource(runtime.pretrained) if runtime.pretrained else None
+    if source is not None:
+        try:
+            source.check_unexpected(module)  # names only: refused before any unit is built
+        except BaseException:
+            source.close()
+            raise
     tracker = progress.phase("load_pretrained" if source else "materialize", len(layouts),
                              total_bytes=sum(weight_bytes(layout) + layout.train_end * state_bytes_per_elem
                                              for layout in layouts))

@@ -25,6 +25,7 @@ from torch import Tensor, nn
 from snake_strategy.activations import ActivationStore
 from snake_strategy.contract import (batch_size, batch_tensors, check_contract, slice_batch, split_micro_batches,
                                      unpack_pre_stage)
+from snake_strategy.engine.batch_check import batching_tolerance
 from snake_strategy.engine.build import build_model
 from snake_strategy.engine.gradients import GradientPath, defers_whole_units
 from snake_strategy.engine.half_weights import WeightFormat
@@ -71,6 +72,7 @@ class SnakeEngine:
         self.module, self.optimizer, self.storage, self.schedule = module, optimizer, storage, schedule
         self.plan, self.runtime = plan, runtime
         self.dtypes, self.device, self.clip = runtime.dtypes, runtime.device, clip
+        self.master_dtype = runtime.dtypes.master  # the dtype of named_weights()' trained values
         self.scaler = runtime.scaler if runtime.scaler is not None else LossScaler(runtime.dtypes.loss_scaling)
         # What keep_activations="auto" may fill: the hard budget, else the one the planner placed within.
         self.planned_budget_bytes = storage.host_budget_bytes or plan.host_budget_bytes or None
@@ -151,6 +153,12 @@ class SnakeEngine:
         parts = StepParts(self.units, self.nonlayer, self.weights, self.activations, self.gradients,
                           KeptGraphs.for_schedule(s, self.device), self.trace)
         self.runner = StepRunner(self.module, parts, self.device, self.dtypes.autocast, self._free_host_bytes)
+        if s.batched_forward or s.batched_backward:
+            declared = getattr(self.module, "independent_samples", False)
+            settings = (f"schedule.batched_forward={s.batched_forward}, batched_backward={s.batched_backward}"
+                        + (" (the planner's choice: the module declares independent_samples=True)" if declared else ""))
+            self.runner.unverified_batching = (settings, batching_tolerance(self.dtypes.compute, self.dtypes.autocast,
+                                                                            self.device))
         self._tasks: dict[int, list] = {}
         self._frozen_crc: dict[str, Any] | None = None
         self._backward_planned = False
@@ -226,6 +234,9 @@ class SnakeEngine:
         micro-batches plain Lightning with ``accumulate_grad_batches`` would see."""
         num_micro = self.schedule.num_micro_batches
         size = batch_size(batch)
+        if size == 0:
+            raise ValueError("a batch of 0 samples has no micro-batches to train on; remove empty batches from "
+                             "the DataLoader")
         if self.global_batch_size is None:
             self.global_batch_size = size  # the first batch defines it, unless the strategy set it
         full = self.global_batch_size

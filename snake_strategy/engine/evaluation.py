@@ -86,6 +86,8 @@ class EvalEngine:
         if isinstance(source, (str, os.PathLike)):
             source = PretrainedSource(source)
         try:
+            if isinstance(source, PretrainedSource):
+                source.check_unexpected(module)  # names only: refused before any unit is built
             if storage.weights.ssd > 0:  # only the weights are stored: the other states' shares do not matter
                 self.ssd = SsdDirectory(storage.ssd_dir, storage.use_o_direct, storage.keep_ssd_files)
                 self.io = IOEngine(storage.num_io_threads, before_transfer=self.hooks.before_ssd_transfer)
@@ -222,6 +224,10 @@ class EvalEngine:
     @property
     def autocast_dtype(self) -> torch.dtype | None:
         return self.dtypes.autocast
+
+    @property
+    def master_dtype(self) -> torch.dtype:
+        return self.dtypes.master  # the dtype of named_weights()' trained values
 
     def master_bytes(self) -> int:
         """What giving the weights back to the module costs in host memory."""

@@ -23,6 +23,7 @@ from torch import Tensor, nn
 
 from snake_strategy.activations import ActivationStore
 from snake_strategy.contract import check_block_output, stack_side_inputs, unpack_pre_stage
+from snake_strategy.engine.batch_check import check_batching
 from snake_strategy.engine.gradients import GradientPath
 from snake_strategy.engine.kept import KeptGraph, KeptGraphs
 from snake_strategy.engine.split import DeferLinearWeights, WeightGradStash
@@ -79,6 +80,9 @@ class StepRunner:
         # Frozen parameters (docs/design.md, "Frozen parameters"): units below ``first_backward`` get no
         # backward at all; ``pre_trains`` says whether pre_stage's output depends on a trainable parameter.
         self.first_backward, self.pre_trains = 0, True
+        # Batched passes: (what turned them on, tolerance) until the run's first batched task has checked
+        # that batching leaves each sample's output alone (engine/batch_check.py); None once checked.
+        self.unverified_batching: tuple[str, float] | None = None
 
     def plan_backward(self, micro_batch: Any) -> None:
         """Find the lowest unit whose backward is needed: 0 when pre_stage trains (its gradient flows down
@@ -143,6 +147,19 @@ class StepRunner:
     def _side(self, state: StepState, order: tuple[int, ...]) -> dict[str, Any]:
         return stack_side_inputs([state.side[m] for m in order], [state.sizes[m] for m in order])
 
+    def _verify_batching(self, u: int, w: list[Tensor], xs: list[Tensor], state: StepState,
+                         order: tuple[int, ...]) -> None:
+        """The run's first batched task: unit ``u`` over ``xs`` concatenated must equal it per micro-batch
+        (two extra forwards of the unit, once per run, before any update), else a ValueError."""
+        if self.unverified_batching is None or len(order) < 2:
+            return
+        settings, tolerance = self.unverified_batching
+        with self.autocast():
+            check_batching(lambda h, side: self.unit_forward(u, w, h, side), self.units[u].layout.blocks,
+                           [x.detach() for x in xs], [state.side[m] for m in order], self._side(state, order), u,
+                           tolerance, settings, self.device)
+        self.unverified_batching = None
+
     # ------------------------------------------------------------------ tasks
     def _needs_dx(self, u: int) -> bool:
         """Whether unit ``u``'s backward must give its input gradient: the unit below (or the embedding)
@@ -161,6 +178,7 @@ class StepRunner:
             w = self.weights.leaves(u)
             before = _rng_state(self.device)
             state.rng[(u, order)] = before
+            self._verify_batching(u, w, xs, state, order)
             # One product per Linear over all micro-batches when batched (larger matmuls run faster).
             x = torch.cat(xs) if len(xs) > 1 else xs[0]
             if self.kept.wants(u):
@@ -222,6 +240,7 @@ class StepRunner:
                 # A single-unit model: the embedding joins the fused task's graph directly.
                 with self.autocast():
                     x = torch.cat([self.pre_stage(state, m) for m in order])
+                    self._verify_batching(u, w, list(x.split(sizes)), state, order)
                     with self._defer(task, state, wt):
                         y = self.unit_forward(u, w, x, self._side(state, order))
                     losses = self._post_losses(y, batches, sizes)
@@ -268,6 +287,7 @@ class StepRunner:
         """The unit's forward again from its checkpoint ``x`` (the fused loss on the last unit, seed ``g``
         elsewhere), then its gradients with respect to ``xs + wt`` (and the non-layer parameters, last unit)."""
         u, order = task.unit, task.micro_batches
+        self._verify_batching(u, w, list(x.split([state.sizes[m] for m in order])), state, order)
         if u == len(self.units) - 1:
             batches = [state.micro_batches[m] for m in order]
             with self.autocast():

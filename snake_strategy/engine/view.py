@@ -68,6 +68,7 @@ class EngineView(Protocol):
 
     counters: TrafficCounters
     last_step: StepStats
+    master_dtype: torch.dtype  # of the trained values named_weights() yields
 
     @property
     def num_units(self) -> int: ...

@@ -3,6 +3,7 @@ unit at a time under greedysnake) or from a checkpoint directory whose run is go
 from __future__ import annotations
 
 import copy
+import itertools
 import json
 import os
 from collections.abc import Iterable, Iterator, Mapping
@@ -56,9 +57,34 @@ def module_weights(module: HFCausalLM) -> Iterator[tuple[str, Tensor]]:
     yield from engine.named_weights()
 
 
+def master_dtype(module: HFCausalLM) -> torch.dtype:
+    """The dtype of the module's trained weights: the engine's master dtype while greedysnake holds them,
+    else the widest floating dtype among the module's parameters (a bf16 frozen base with fp32 adapters
+    is fp32)."""
+    engine = running_engine(module)
+    if engine is not None:
+        return engine.master_dtype
+    floating = [p.dtype for p in module.parameters() if p.is_floating_point()]
+    return max(floating, key=lambda dt: dt.itemsize) if floating else torch.float32
+
+
+def _with_dtype(weights: Iterable[tuple[str, Tensor]]) -> tuple[Iterable[tuple[str, Tensor]], torch.dtype]:
+    """(the same pairs, the dtype to write): the widest floating dtype of a sized collection, or the
+    first floating tensor's dtype of a stream (read ahead up to it, then handed on in order)."""
+    if hasattr(weights, "__len__"):
+        floating = [t.dtype for _, t in weights if t.is_floating_point()]
+        return weights, max(floating, key=lambda dt: dt.itemsize) if floating else torch.float32
+    stream, ahead = iter(weights), []
+    for pair in stream:
+        ahead.append(pair)
+        if pair[1].is_floating_point():
+            return itertools.chain(ahead, stream), pair[1].dtype
+    return ahead, torch.float32
+
+
 def export_hf(source: HFCausalLM | Mapping[str, Tensor] | Iterable[tuple[str, Tensor]], out_dir: str | os.PathLike,
               config: PretrainedConfig | Mapping[str, Any] | str | os.PathLike | None = None, *,
-              dtype: torch.dtype = torch.float32, max_shard_bytes: int = 5 * 2**30,
+              dtype: torch.dtype | None = None, max_shard_bytes: int = 5 * 2**30,
               progress: Progress | None = None) -> list[str]:
     """Write ``config.json`` + (sharded) safetensors that ``AutoModelForCausalLM.from_pretrained`` loads.
 
@@ -67,16 +93,26 @@ def export_hf(source: HFCausalLM | Mapping[str, Tensor] | Iterable[tuple[str, Te
     ``(name, tensor)`` pairs; the latter two need ``config``. Names are HF names; tied output weights
     (``lm_head.weight`` of GPT-2) are written once, as HF does. Returns the weight files written.
     ``progress`` reports tensors written (phase "export"; silent by default).
+
+    ``dtype``: of the floating-point tensors in the files. None (the default) keeps the master dtype, as
+    the checkpoint CLI does, so ``from_pretrained(dir, dtype=<that dtype>)`` gives back identical tensors:
+    the engine's master dtype during fit, else the widest floating dtype of the module's parameters, of
+    the state dict's tensors, or of the first floating tensor an iterable yields. ``torch.bfloat16``,
+    ``torch.float16`` or ``torch.float32`` round to a smaller file.
     """
     if isinstance(source, HFCausalLM):
         cfg = source.hf_config if config is None else resolve_config(config)[0]
         weights: Iterable[tuple[str, Tensor]] = module_weights(source)
+        if dtype is None:
+            dtype = master_dtype(source)
     else:
         if config is None:
             raise ValueError("export_hf(state, out_dir) needs config=<PretrainedConfig, dict or model directory> "
                              "when the source is not an HFCausalLM")
         cfg = resolve_config(config)[0]
         weights = source.items() if isinstance(source, Mapping) else source
+        if dtype is None:
+            weights, dtype = _with_dtype(weights)
     # The plan (names, shapes) comes from the model built on meta: headers can then be written first.
     planner = HFCausalLM(cfg)
     with torch.device("meta"):

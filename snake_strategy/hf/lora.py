@@ -17,9 +17,9 @@ import torch
 from torch import Tensor, nn
 
 from snake_strategy.engine.view import running_engine
-from snake_strategy.hf.export import export_hf, module_weights
+from snake_strategy.hf.export import export_hf, master_dtype, module_weights
 from snake_strategy.hf.model import HFCausalLM
-from snake_strategy.sources.lora_init import is_lora_layer
+from snake_strategy.sources.lora_init import is_lora_layer, needs_base, needs_base_error
 
 
 def trained_parameters(module: nn.Module) -> dict[str, Tensor]:
@@ -104,15 +104,36 @@ def _merge_layer(path: str, layer: nn.Module, parts: dict[str, Tensor]) -> Itera
         yield f"{path}.{name}", value
 
 
-def export_merged_hf(model: Any, out_dir: str | os.PathLike, *, dtype: torch.dtype = torch.float32,
+def export_merged_hf(model: Any, out_dir: str | os.PathLike, *, dtype: torch.dtype | None = None,
                      max_shard_bytes: int = 5 * 2**30, progress: Any = None) -> list[str]:
     """Write the LoRA-merged model as a HF directory (``config.json`` + sharded safetensors) that
     ``AutoModelForCausalLM.from_pretrained`` loads, streamed one unit at a time: during fit (weights in
     the engine's tiers) or after it. ``model``: the peft model or the ``HFCausalLM`` it wraps.
-    Returns the weight files written."""
+    Returns the weight files written. ``dtype``: of the files; None keeps the master dtype
+    (``export.master_dtype``)."""
     module = model.base_model.model if hasattr(model, "base_model") and hasattr(model, "peft_config") else model
     if not isinstance(module, HFCausalLM):
         raise ValueError("export_merged_hf expects peft.get_peft_model(<HFCausalLM>, config) or that HFCausalLM; "
                          f"got {type(module).__name__}")
-    return export_hf(merged_weights(module), out_dir, config=module.hf_config, dtype=dtype,
+    return export_hf(merged_weights(module), out_dir, config=module.hf_config, dtype=dtype or master_dtype(module),
                      max_shard_bytes=max_shard_bytes, progress=progress)
+
+
+def get_peft_model(module: nn.Module, config: Any, **kwargs: Any) -> Any:
+    """``peft.get_peft_model(module, config, **kwargs)``, also for a module whose base is on the meta device
+    (``HFCausalLM(dir)`` before ``configure_model``, or a model built under ``torch.device("meta")``).
+
+    peft's own call fails there for inits that derive the adapter from the base weights (PiSSA, OLoRA:
+    ``RuntimeError: Attempted to call variable.set_data(tensor), but variable and tensor have
+    incompatible tensor type`` from inside peft, which names neither the init nor the fix; no code of this
+    project runs inside that call, so it cannot be caught there); this one refuses every init other than
+    True, False and "gaussian" on a meta base before peft runs, with the ValueError the engine raises for
+    them (``sources.lora_init.adapter_initializer``). Other inits behave as with peft: the engine
+    initialises the meta adapters as peft does.
+    """
+    import peft  # the optional [peft] extra: only this function needs it
+
+    how = getattr(config, "init_lora_weights", True)
+    if needs_base(how) and any(p.is_meta for p in module.parameters()):
+        raise needs_base_error(how, "the adapters")
+    return peft.get_peft_model(module, config, **kwargs)

@@ -43,6 +43,7 @@ except ImportError as err:  # the adapter is an optional extra
 
 from snake_strategy.hf.generation import greedy_generate
 from snake_strategy.module import LayeredModule
+from snake_strategy.sources.lora_init import adapter_initializer, adapter_parameter_ids
 from snake_strategy.sources.pretrained import PretrainedSource
 
 IGNORE_INDEX = -100  # HF's label value for "no loss here" (padding, prompts)
@@ -149,6 +150,20 @@ class HFCausalLM(LayeredModule):
         learning_rate, weight_decay, betas, eps: ``torch.optim.AdamW`` settings (one group).
         attn_implementation: "sdpa" or "eager" (both take the materialized masks of the side inputs).
         path: a local model directory, the same as passing it as ``config`` (for Hydra's ``model.path=``).
+        generate_in_predict: keyword arguments of ``generate`` (``max_new_tokens`` required; ``eos_token_id``,
+            ``pad_token_id``): ``trainer.predict`` then returns generated tokens (prompt + new tokens, the
+            tensor ``generate`` returns) for each batch's ``input_ids`` and ``attention_mask`` (left-padded
+            prompts), under greedysnake as under plain strategies. None (the default): ``predict_step``
+            returns the logits.
+        ignore_unexpected_keys: load the weights although the directory (or the strategy's ``pretrained``)
+            holds tensors this model has no parameter for, e.g. a config with fewer layers than the
+            checkpoint (``num_hidden_layers=2`` of a 32-layer model): they are skipped. False (the
+            default) refuses such a checkpoint with a ValueError naming the unexpected keys.
+
+    The constructor builds the module structure on the meta device, as ``from_pretrained`` does before
+    it loads: ``peft.get_peft_model(HFCausalLM(dir), LoraConfig(...))`` works directly and allocates no
+    base weight. ``configure_model`` (called by Lightning) materializes it, or under greedysnake leaves
+    the weights to be streamed in unit by unit.
 
     Batches: dicts with ``input_ids``, optional ``attention_mask`` (1 = token, 0 = padding; right
     padding) and optional ``labels`` (-100 ignored; without labels, ``input_ids`` with padding set to
@@ -170,7 +185,8 @@ class HFCausalLM(LayeredModule):
 
     def __init__(self, config: PretrainedConfig | Mapping[str, Any] | str | os.PathLike | None = None,
                  learning_rate: float = 1e-4, weight_decay: float = 0.0, betas: tuple[float, float] = (0.9, 0.999),
-                 eps: float = 1e-8, attn_implementation: str = "sdpa", path: str | os.PathLike | None = None) -> None:
+                 eps: float = 1e-8, attn_implementation: str = "sdpa", path: str | os.PathLike | None = None,
+                 generate_in_predict: Mapping[str, Any] | None = None, ignore_unexpected_keys: bool = False) -> None:
         super().__init__()
         if (config is None) == (path is None):
             raise ValueError("HFCausalLM needs exactly one of config=<PretrainedConfig or dict> or path=<local model "
@@ -182,30 +198,34 @@ class HFCausalLM(LayeredModule):
         self.hf_config, self.weights_dir = resolve_config(config)
         self.family = family_of(self.hf_config)
         self.attn_implementation = attn_implementation
+        self.ignore_unexpected_keys = bool(ignore_unexpected_keys)
         self.learning_rate, self.weight_decay, self.betas, self.eps = learning_rate, weight_decay, tuple(betas), eps
+        self.generate_in_predict = _generation_kwargs(generate_in_predict)
         # A dict config keeps load_from_checkpoint working; the weights come from the checkpoint then.
         self.save_hyperparameters({"config": self.hf_config.to_dict(), "learning_rate": learning_rate,
                                    "weight_decay": weight_decay, "betas": list(betas), "eps": eps,
-                                   "attn_implementation": attn_implementation})
+                                   "attn_implementation": attn_implementation,
+                                   "generate_in_predict": self.generate_in_predict,
+                                   "ignore_unexpected_keys": self.ignore_unexpected_keys})
+        self._build_on_meta()
 
     # ------------------------------------------------------------------ building
     @property
     def blocks(self) -> nn.ModuleList:
-        trunk = self._modules.get(self.family.trunk)
-        if trunk is None:
-            raise AttributeError("blocks")  # not built yet: configure_model() builds them
-        return getattr(trunk, self.family.layers)
+        return getattr(self.trunk, self.family.layers)
 
     @property
     def trunk(self) -> nn.Module:
         return self._modules[self.family.trunk]
 
-    def configure_model(self) -> None:
-        if self.family.trunk in self._modules:  # already built: Lightning and the strategy may both call this
-            if self.weights_dir is not None and self.lm_head.weight.is_meta:
-                self._hand_weights_dir_to_strategy()  # built on meta by the user (e.g. before get_peft_model)
-            return
-        target = torch.empty(0).device  # "meta" under greedysnake, the CPU/GPU otherwise
+    def _build_on_meta(self) -> None:
+        """The module structure with every parameter on the meta device, as ``from_pretrained`` builds it
+        before loading: names, shapes and modules exist (``get_peft_model`` can wrap them), no weight is
+        allocated and no random number drawn. ``configure_model`` materializes it or leaves it to the strategy."""
+        # from_config builds in the config's dtype when it names one (a saved directory's config.json does),
+        # else in the default dtype: configure_model applies the same rule in its own context.
+        dtype = self.hf_config.dtype
+        self._config_dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
         # Always construct on meta: HF's constructors would otherwise draw (and waste) random numbers.
         with torch.device("meta"):
             hf = AutoModelForCausalLM.from_config(self.hf_config, attn_implementation=self.attn_implementation)
@@ -224,34 +244,70 @@ class HFCausalLM(LayeredModule):
             layer.__class__ = side_input_class(type(layer))
             layer.snake_sliding = kind == "sliding_attention"
         if fam.rotary is not None:
-            # inv_freq is computed, not trained: build it for real even when everything else is meta.
-            with torch.device("cpu" if target.type == "meta" else target):
+            # inv_freq is computed, not trained: build it for real (a few floats) while everything else is meta.
+            with torch.device("cpu"):
                 setattr(trunk, fam.rotary, type(getattr(trunk, fam.rotary))(config=self.hf_config))
         self.add_module(fam.trunk, trunk)
         self.lm_head = hf.lm_head
-        tied = hf.lm_head.weight is getattr(trunk, fam.embed).weight
+        self._tied = hf.lm_head.weight is getattr(trunk, fam.embed).weight
         self._hf_init_weights = hf._init_weights  # HF's per-module init (uses the config's ranges)
         self._layer_kinds = set(layer_kinds(self.hf_config, fam))
-        if target.type != "meta":
-            for name, child in self.named_children():
-                if name != fam.trunk:
-                    child.to_empty(device=target)
-            for name, child in trunk.named_children():
-                if name != fam.rotary:
-                    child.to_empty(device=target)
-            if tied:  # after to_empty, which gives every module its own new tensor
-                self.lm_head.weight = getattr(trunk, fam.embed).weight
-            self.apply(self.init_module_weights)
+        # Keys from_pretrained itself ignores in a checkpoint (not UNEXPECTED): the class's own patterns (old
+        # GPT-2 files' attention-mask buffers) and, as transformers adds them, the buffers older versions saved.
+        ignored = set(getattr(type(hf), "_keys_to_ignore_on_load_unexpected", None) or ())
+        buffers = [name for name, _ in hf.named_buffers()]
+        if any(name.endswith("rotary_emb.inv_freq") for name in buffers):
+            ignored.add(r"rotary_emb\.inv_freq")
+        if any(name.endswith("position_ids") for name in buffers):
+            ignored.add(r"(^|\.)position_ids$")
+        self.ignored_checkpoint_keys = tuple(sorted(ignored))
+
+    def configure_model(self) -> None:
+        """Materialize the meta-built structure on the current default device and dtype (the strategy's
+        context: the CPU/GPU under plain strategies, the meta device under greedysnake, which streams the
+        weights in itself). Idempotent: Lightning and the strategy may both call it."""
+        if not any(p.is_meta for p in self.parameters()):
+            return  # already materialized (a second call, or weights given back after a fit)
+        dtype = self._config_dtype or torch.get_default_dtype()
+        # Meta tensors change dtype for free: the structure takes the dtype a build inside configure_model
+        # would (transformers' rule: the config's, else the precision plugin's default). Parameters only (the
+        # rotary inv_freq stays as HF computes it).
+        for module in self.modules():
+            for name, p in list(module.named_parameters(recurse=False)):
+                if p.is_meta and p.is_floating_point() and p.dtype != dtype:
+                    module.register_parameter(name, nn.Parameter(p.to(dtype), requires_grad=p.requires_grad))
+        fam, trunk = self.family, self.trunk
+        if self._tied:  # the conversion gave lm_head its own tensor: tie it again
+            _head_linear(self.lm_head).weight = getattr(trunk, fam.embed).weight
+        target = torch.empty(0).device  # "meta" under greedysnake, the CPU/GPU otherwise
+        if target.type == "meta":
             if self.weights_dir is not None:
-                self._load_weights_dir()
-        elif self.weights_dir is not None:
-            self._hand_weights_dir_to_strategy()
+                self._hand_weights_dir_to_strategy()
+            return
+        for name, child in self.named_children():
+            if name != fam.trunk:
+                child.to_empty(device=target)
+        for name, child in trunk.named_children():
+            if name != fam.rotary:
+                child.to_empty(device=target)
+        if self._tied:  # after to_empty, which gives every module its own new tensor
+            _head_linear(self.lm_head).weight = getattr(trunk, fam.embed).weight
+        self.apply(self.init_module_weights)
+        adapters = adapter_initializer(self)  # peft wrapped the meta structure: its init for the adapters
+        if adapters is not None:
+            self.apply(adapters)
+        if self.weights_dir is not None:
+            self._load_weights_dir()
 
     @torch.no_grad()
     def _load_weights_dir(self) -> None:
         source = PretrainedSource(self.weights_dir)
         try:
+            source.check_unexpected(self)
+            fresh = adapter_parameter_ids(self)
             for name, p in self.named_parameters():
+                if id(p) in fresh and name not in source:
+                    continue  # a peft adapter (the base directory has none): initialised above
                 p.copy_(source.tensor(name, p.shape))
         finally:
             source.close()
@@ -342,6 +398,13 @@ class HFCausalLM(LayeredModule):
                                  weight_decay=self.weight_decay)
 
     # ------------------------------------------------------------------ inference
+    def predict_step(self, batch: Any, batch_idx: int) -> Tensor:
+        """The logits, or with ``generate_in_predict`` the generated tokens of the batch's prompts."""
+        if self.generate_in_predict is None:
+            return super().predict_step(batch, batch_idx)
+        input_ids, attention_mask = self._inputs(batch)
+        return self.generate(input_ids, attention_mask=attention_mask, **self.generate_in_predict)
+
     def generate(self, input_ids: Tensor, max_new_tokens: int, attention_mask: Tensor | None = None,
                  eos_token_id: int | list[int] | None = None, pad_token_id: int | None = None) -> Tensor:
         """Greedy decoding with a KV cache in host memory, the tokens of transformers'
@@ -351,3 +414,20 @@ class HFCausalLM(LayeredModule):
         return greedy_generate(self, input_ids, max_new_tokens, attention_mask, eos_token_id, pad_token_id)
 
 
+def _head_linear(head: nn.Module) -> nn.Module:
+    """The ``nn.Linear`` of the output head, inside a peft wrapper when the head was adapted."""
+    return getattr(head, "base_layer", head)
+
+
+def _generation_kwargs(given: Mapping[str, Any] | None) -> dict[str, Any] | None:
+    if given is None:
+        return None
+    if not isinstance(given, Mapping):
+        raise ValueError(f"generate_in_predict must be a dict of generate() arguments, e.g. {{'max_new_tokens': 32}}; "
+                         f"got {given!r}")
+    allowed = ("max_new_tokens", "eos_token_id", "pad_token_id")
+    unknown = sorted(set(given) - set(allowed))
+    if unknown or "max_new_tokens" not in given:
+        raise ValueError(f"generate_in_predict={dict(given)!r}: it takes {allowed} (max_new_tokens required)"
+                         + (f"; unknown: {unknown}" if unknown else ""))
+    return dict(given)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -44,10 +45,8 @@ def adapter_initializer(root: nn.Module) -> Callable[[nn.Module], None] | None:
             return
         for adapter in list(module.lora_A.keys()) + list(module.lora_embedding_A.keys()):
             how = getattr(configs.get(adapter), "init_lora_weights", True)
-            if not (how is True or how is False or (isinstance(how, str) and how.lower() == "gaussian")):
-                raise ValueError(f"LoraConfig(init_lora_weights={how!r}) computes the adapter '{adapter}' from the "
-                                 "base weights, which a model built on the meta device does not hold: build the base "
-                                 "model for real before get_peft_model, or use init_lora_weights=True or 'gaussian'")
+            if needs_base(how):
+                raise needs_base_error(how, f"the adapter '{adapter}'")
             if how is False:  # peft keeps the nn.Linear constructors' init
                 for name in ("lora_A", "lora_B"):
                     getattr(module, name)[adapter].reset_parameters()
@@ -55,6 +54,25 @@ def adapter_initializer(root: nn.Module) -> Callable[[nn.Module], None] | None:
                 module.reset_lora_parameters(adapter, how)
 
     return init
+
+
+def needs_base(how: Any) -> bool:
+    """Whether ``init_lora_weights=how`` derives the adapter from the base weights (PiSSA, OLoRA, LoftQ, ...)."""
+    return not (how is True or how is False or (isinstance(how, str) and how.lower() == "gaussian"))
+
+
+def needs_base_error(how: Any, what: str) -> ValueError:
+    return ValueError(f"LoraConfig(init_lora_weights={how!r}) computes {what} from the base weights, which a model "
+                      "built on the meta device does not hold: build the base model for real before get_peft_model "
+                      "(HFCausalLM: call module.configure_model() first, which loads the directory's weights on the "
+                      "CPU), or use init_lora_weights=True or 'gaussian'")
+
+
+def adapter_parameter_ids(module: nn.Module) -> set[int]:
+    """``id`` of every peft adapter parameter in ``module`` (``lora_A``, ``lora_B``, ... of its LoRA layers):
+    the parameters a base model's weights do not hold."""
+    return {id(p) for layer in module.modules() if is_lora_layer(layer)
+            for name in layer.adapter_layer_names for p in getattr(layer, name).parameters()}
 
 
 def fresh_adapter_values(block: nn.Module, init: Callable[[nn.Module], None]) -> dict[str, Tensor]:

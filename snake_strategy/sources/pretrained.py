@@ -15,7 +15,9 @@ Either way resident memory holds one unit at a time (plus one tensor being copie
 """
 from __future__ import annotations
 
+import logging
 import os
+import re
 from collections.abc import Callable, Mapping
 
 import torch
@@ -24,6 +26,8 @@ from torch import Tensor, nn
 from snake_strategy.sources.lora_init import fresh_adapter_values
 from snake_strategy.sources.safetensors_io import SafetensorsDirectory
 from snake_strategy.units import UnitLayout
+
+log = logging.getLogger(__name__)
 
 
 class PretrainedSource:
@@ -62,6 +66,31 @@ class PretrainedSource:
 
     def __contains__(self, name: str) -> bool:
         return self._find(name) is not None
+
+    def check_unexpected(self, module: nn.Module) -> list[str]:
+        """Refuse a source holding tensors ``module`` has no entry for (its ``state_dict`` names, peft's
+        ``base_layer`` and trunk-only names included): loading would drop them without a word, e.g. a
+        config with fewer layers than the checkpoint. ``module.ignore_unexpected_keys = True`` allows it
+        (logged); keys matching ``module.ignored_checkpoint_keys`` (regular expressions, HF's
+        ``_keys_to_ignore_on_load_unexpected``) are never counted. Returns the unexpected keys. Reads
+        names only (headers), no tensor."""
+        claimed = {self._find(name) for name in module.state_dict(keep_vars=True)}
+        patterns = tuple(getattr(module, "ignored_checkpoint_keys", ()) or ())
+        unexpected = sorted(name for name in self._names()
+                            if name not in claimed and not any(re.search(p, name) for p in patterns))
+        if not unexpected:
+            return []
+        listed = ", ".join(unexpected[:8]) + (f", ... ({len(unexpected)} in all)" if len(unexpected) > 8 else "")
+        if getattr(module, "ignore_unexpected_keys", False):
+            log.warning("pretrained='%s': ignoring %d tensor(s) the model has no parameter for "
+                        "(ignore_unexpected_keys=True): %s", self.path, len(unexpected), listed)
+            return unexpected
+        raise ValueError(
+            f"pretrained='{self.path}' holds tensors the model has no parameter for: {listed}. Loading would "
+            "silently drop them (e.g. a config with fewer layers than the checkpoint: num_hidden_layers / n_layer). "
+            "Build the model from the checkpoint's own config, or pass ignore_unexpected_keys=True "
+            "(HFCausalLM(..., ignore_unexpected_keys=True); another LayeredModule: set its attribute "
+            "ignore_unexpected_keys = True) to load only the tensors the model has")
 
     def tensor(self, name: str, shape: torch.Size | None = None) -> Tensor:
         """Parameter ``name`` as the source stores it; ``shape``, when given, is checked."""
