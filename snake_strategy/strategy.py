@@ -1,5 +1,6 @@
 """Longer than the guide: the Lightning glue, one Strategy class whose hooks (setup, teardown, the step,
-checkpoints) share its state. ``Trainer(strategy="greedysnake")``.
+checkpoints, preemption) share its state; what they call lives in after_fit.py, checkpoint/ and preemption.py.
+``Trainer(strategy="greedysnake")``.
 
 One Lightning batch is one optimizer step: ``training_step`` splits the global batch into
 ``schedule.num_micro_batches`` micro-batches and runs the whole schedule through the engine;
@@ -26,10 +27,13 @@ from lightning.pytorch.trainer.states import TrainerFn
 from torch import Tensor
 from typing_extensions import override
 
+from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+from snake_strategy import preemption
 from snake_strategy.after_fit import (PreFitWeights, after_failure, after_setup_failure, export_directory,
                                       give_back_weights, guard_message, has_weight_guard,
                                       remove_weight_guard, teardown_after_failure)
-from snake_strategy.checkpoint import shards as checkpoint_shards, store as checkpoint_store
+from snake_strategy.checkpoint import pins as checkpoint_pins, shards as checkpoint_shards, store as checkpoint_store
 from snake_strategy.checkpoint.consolidate import CheckpointWeights
 from snake_strategy.config import ScheduleConfig, StorageConfig, coerce_config
 from snake_strategy.contract import check_contract, check_not_empty, check_outputs_on_meta
@@ -120,6 +124,11 @@ class GreedySnakeStrategy(DataParallelMixin, ParallelStrategy):
                          precision_plugin=precision_plugin)  # parallel_devices: filled by Lightning's connector
         self._init_data_parallel(process_group_backend, timeout)
         self.shard_optimizer_state = shard_optimizer_state
+        self._deferred = preemption.DeferredSaves()  # saves a signal handler asked for mid-step
+        self._preempted = False  # SIGTERM: the checkpoint is written, teardown exits fast
+        self._preemption = preemption.PreemptionSaver()
+        self._pinning_saves = 0  # zero-copy saves of this fit (the first one's growth is checked)
+        self.last_save: dict[str, Any] = {}  # written_bytes, seconds, methods of the last checkpoint save
 
     # ------------------------------------------------------------------ plugins and devices
     @property
@@ -218,6 +227,14 @@ class GreedySnakeStrategy(DataParallelMixin, ParallelStrategy):
         # attribute LightningModule.device reads, as model_to_device would have.
         module._device = self.root_device
         self.setup_precision_plugin()
+        self._preempted, self._pinning_saves = False, 0
+        self._deferred = preemption.DeferredSaves()
+        # Sweep what killed saves left in the checkpoint directories; check the kept checkpoints fit.
+        checkpoint_pins.prepare_checkpoint_dirs(self.engine, trainer.checkpoint_callbacks, self.is_global_zero,
+                                                checkpoint_store.sweep)
+        if not any(c is self._preemption for c in trainer.callbacks):
+            trainer.callbacks.append(self._preemption)  # saves last.ckpt at the end of a SIGTERMed batch
+        self._preemption.saved_step = None
 
     def _setup_eval(self, trainer: pl.Trainer) -> None:
         """validate/test/predict: a forward-only engine with the compute weights only (no optimizer, no
@@ -315,12 +332,15 @@ class GreedySnakeStrategy(DataParallelMixin, ParallelStrategy):
         if engine is not None:
             export_trace(self.trace_path, engine.trace)  # first: also after a failed step
             close = functools.partial(close_engine, engine, self._created_ssd_dirs)  # files, locks, rank dirs
-            if self._failure is not None:  # no export; never raises over the original failure
+            if self._preempted:  # the zero-copy checkpoint holds the weights and the process exits: no export
+                close()
+            elif self._failure is not None:  # no export; never raises over the original failure
                 teardown_after_failure(self.lightning_module, engine, self._failure, self.plan.host_budget_bytes,
                                        self._pre_fit, close)
             else:
                 try:
                     engine.flush()
+                    checkpoint_pins.CHECKSUMS.wait()  # the pinned files' CRC-32s, read while training ran
                     self._give_back_weights(engine)
                 except BaseException as err:  # a failed export: the module is left clean, then err is raised
                     after_failure(self.lightning_module, engine, err, self.plan.host_budget_bytes, self._pre_fit)
@@ -333,9 +353,6 @@ class GreedySnakeStrategy(DataParallelMixin, ParallelStrategy):
         if self.accelerator is not None:
             self.accelerator.teardown()
         self.checkpoint_io.teardown()
-
-    def on_exception(self, exception: BaseException) -> None:
-        self._failure = exception  # teardown then leaves a clean module without a multi-GB export
 
     def weights_fit_host(self, engine: SnakeEngine | EvalEngine) -> bool:
         """Whether the weights fit the plan's budget: given back in memory (else mapped from a file)."""
@@ -355,6 +372,7 @@ class GreedySnakeStrategy(DataParallelMixin, ParallelStrategy):
     def training_step(self, *args: Any, **kwargs: Any) -> Tensor:
         batch = args[0] if args else kwargs["batch"]
         check_not_empty(batch, args[1] if len(args) > 1 else kwargs.get("batch_idx"), self.lightning_module)
+        self._deferred.in_step = True  # until optimizer_step: a save asked for now waits for the step's end
         loss = self.engine.train_step(batch)
         if not self._predicted_at_step_one:  # with what the first step measured (kept graphs, checkpoints)
             self._predicted_at_step_one = True
@@ -394,7 +412,26 @@ class GreedySnakeStrategy(DataParallelMixin, ParallelStrategy):
         # gradients and so changes nothing, then applies the engine's step over the tiers.
         result = super().optimizer_step(optimizer, closure, model, **kwargs)
         self.engine.optimizer_step()
+        self._deferred.in_step = False
         return result
+
+    @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        # The previous step is complete and counted: the moment for a save a signal handler asked for.
+        if self._deferred.pending:
+            self._deferred.run(self.lightning_module.trainer)
+        return super().on_train_batch_start(batch, batch_idx)
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        super().on_exception(exception)
+        self._failure = exception  # teardown then leaves a clean module without a multi-GB export
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if isinstance(exception, SIGTERMException) and isinstance(self.engine, SnakeEngine) and trainer is not None:
+            self._deferred.pending = []  # the preemption save covers them
+            if self._preemption.saved_step != trainer.global_step:  # the signal came after the batch's end
+                preemption.save_on_preemption(trainer)
+            self._preempted = True
 
     def streamed_forward(self, batch: Any) -> Tensor:
         """Outputs of the whole model, blocks streamed from their tiers (used by LayeredModule.forward)."""
@@ -440,10 +477,34 @@ class GreedySnakeStrategy(DataParallelMixin, ParallelStrategy):
             if self.is_global_zero:  # as DDPStrategy: one writer
                 self.checkpoint_io.save_checkpoint(checkpoint, filepath)
             return
-        if self.engine.partition is not None:  # every rank writes its shard, rank 0 the manifest last
+        if self._deferred.in_step:
+            # A signal handler's save (Lightning's SLURM requeue) in the middle of a step: at its end.
+            log.warning("a checkpoint to %s was asked for in the middle of a step; it is written when the step "
+                        "completes", filepath)
+            self._deferred.pending.append(str(filepath))
+            return
+        shards = self.engine.partition is not None  # every rank writes its shard, rank 0 the manifest last
+        if not shards and self.is_global_zero:
+            # Before the first byte: the growth this save's pinned versions may cause (the first one of the
+            # fit; each one when every checkpoint is kept), and what it writes.
+            keep_all = any(getattr(c, "save_top_k", 1) < 0 for c in self.lightning_module.trainer.checkpoint_callbacks)
+            if self._pinning_saves == 0 or keep_all:
+                checkpoint_pins.check_space(self.engine, os.path.dirname(os.path.abspath(filepath)), 1,
+                                            f"saving {filepath}")
+            self._pinning_saves += 1
+        if shards:  # every rank writes its shard, rank 0 the manifest last
             checkpoint_shards.save(self.engine, checkpoint, filepath, self.progress)
         elif self.is_global_zero:  # one writer, as DDPStrategy (replicated state); Lightning barriers after
-            checkpoint_store.save(self.engine, checkpoint, filepath, self.progress)
+            self.last_save = checkpoint_store.save(self.engine, checkpoint, filepath, self.progress, zero_copy=True)
+
+    @override
+    def remove_checkpoint(self, filepath: Any) -> None:
+        """Top-k rotation: a directory checkpoint is renamed aside, then unlinked (checkpoint.release)."""
+        if self.is_global_zero:
+            if os.path.isdir(filepath):
+                checkpoint_store.release(filepath)
+            else:
+                self.checkpoint_io.remove_checkpoint(filepath)
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:

@@ -51,8 +51,9 @@ class StepStats(L.Callback):
                            "ssd_dir": engine.ssd.path if engine.ssd is not None else None,
                            # this rank's planned SSD bytes next to the files it has there
                            "ssd_plan": ssd_plan(engine.memory_inputs(engine.checkpoint_bytes)),
-                           "ssd_files": {os.path.relpath(f, engine.ssd.path): os.path.getsize(f)
-                                         for f in engine.ssd_files()} if engine.ssd is not None else {}})
+                           "ssd_files": {os.path.relpath(f, engine.ssd.path): size  # fstat: nameless files too
+                                         for f, size in engine.ssd.file_sizes().items()}
+                           if engine.ssd is not None else {}})
 
 
 class PoisonedGPT(GPTModule):

@@ -380,7 +380,10 @@ class SsdObserver(L.Callback):
         assert set(flags) >= set(engine.ssd_files()), "a state file is not open"
         self.o_direct |= set(flags.values())
         self.slots = [list(unit.layout.slots) for unit in engine.units]
-        self.files.append([(f, os.path.getsize(f), os.path.isfile(f)) for f in engine.ssd_files()])
+        # A temporary ssd_dir's files have no name (O_TMPFILE): the kernel's "<dir>/#<inode> (deleted)",
+        # sized through their descriptors.
+        sizes = engine.ssd.file_sizes()
+        self.files.append([(f, sizes[f], os.path.isfile(f) or engine.ssd.anonymous) for f in engine.ssd_files()])
 
 
 def train(storage: dict, steps: int = 2, micro: int = 3, precision: str = "32-true",

@@ -10,6 +10,10 @@ Layout of ``<name>.ckpt/`` (a directory):
                      (data parallel with partitioned optimizer state: shards/rank{r}/..., see shards.py)
     manifest.json    written last: format, step, layouts (names, shapes, offsets), sizes and CRC-32s
 
+A zero-copy save (format /3, pins.py) links the SSD-tier part of each unit state as ``<state>.bin`` and
+writes the rest as ``<state>.head.bin``; the unit's manifest entry then names the ``pieces``
+(``[lo, hi, file, byte offset]``) per state, and ``read_range`` follows them.
+
 Frozen parameters (``requires_grad=False``: a fine-tuning run's base weights) are not copied: the unit
 files hold the trainable part only, and the manifest records each unit's frozen parameter names and
 the CRC-32 of their stored bytes (``frozen``), and those of the frozen non-layer parameters
@@ -27,6 +31,7 @@ from typing import Callable
 
 import torch
 
+from snake_strategy.checkpoint.pins import CHECKSUMS, ZERO_COPY_FORMAT
 from snake_strategy.progress import Progress, or_quiet
 
 FORMAT = "greedysnake-checkpoint/1"
@@ -53,7 +58,7 @@ def verified_manifest(root: Path, progress: Progress | None = None,
         manifest = json.loads(manifest_path.read_text())
     except ValueError as err:
         raise ValueError(f"{manifest_path} is corrupt: {err}") from None
-    if not isinstance(manifest, dict) or manifest.get("format") not in (FORMAT, SHARDED_FORMAT):
+    if not isinstance(manifest, dict) or manifest.get("format") not in (FORMAT, SHARDED_FORMAT, ZERO_COPY_FORMAT):
         found = manifest.get("format") if isinstance(manifest, dict) else None
         raise ValueError(f"{manifest_path} has format {found!r}, expected {FORMAT!r}")
     missing = [k for k in ("step_count", "master_dtype", "blocks_per_unit", "units", "files") if k not in manifest]
@@ -89,9 +94,38 @@ def read_raw(path: Path, numel: int, dtype: torch.dtype) -> torch.Tensor:
     return value
 
 
-def describe_file(path: Path) -> dict:
-    data = path.read_bytes()
-    return {"bytes": len(data), "crc32": zlib.crc32(data)}
+class _Checksummed:
+    """A file object that CRC-32s and counts what ``torch.save`` writes through it: no read-back (the
+    non-layer state of a large vocabulary is GBs; reading it back cost as much as writing it)."""
+
+    def __init__(self, f) -> None:
+        self.f, self.crc32, self.bytes = f, 0, 0
+
+    def write(self, data) -> int:
+        self.crc32 = zlib.crc32(data, self.crc32)
+        self.bytes += len(memoryview(data).cast("B"))
+        return self.f.write(data)
+
+    def flush(self) -> None:
+        self.f.flush()
+
+
+def save_torch(obj, path: Path) -> dict:
+    """``torch.save(obj, path)``, fsynced (durable before a commit rename names it); its size and CRC-32."""
+    with open(path, "wb") as f:
+        out = _Checksummed(f)
+        torch.save(obj, out)
+        f.flush()
+        os.fsync(f.fileno())
+    return {"bytes": out.bytes, "crc32": out.crc32}
+
+
+def fsync_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def verify_file(path: Path, info: dict) -> None:
@@ -104,6 +138,8 @@ def verify_file(path: Path, info: dict) -> None:
     if size != info["bytes"]:
         raise ValueError(f"checkpoint file {path} is longer than the manifest says ({size}, not {info['bytes']} "
                          "bytes): overwritten or appended to; use another checkpoint")
+    if info["crc32"] is None:
+        return  # a pinned file whose checksum the saving run did not complete (pins.Checksums)
     crc = 0
     with open(path, "rb") as f:
         while chunk := f.read(16 * 2**20):
@@ -114,7 +150,8 @@ def verify_file(path: Path, info: dict) -> None:
 
 def remove_path(path: Path) -> None:
     if path.is_dir() and not path.is_symlink():
-        shutil.rmtree(path, ignore_errors=True)
+        with CHECKSUMS.remove_lock:  # not while the checksum thread rewrites a manifest in it
+            shutil.rmtree(path, ignore_errors=True)
     else:
         with contextlib.suppress(FileNotFoundError):
             path.unlink()
@@ -154,13 +191,16 @@ def read_range(root: Path, manifest: dict, u: int, state: str, lo: int, hi: int,
     raw = out.view(torch.uint8).numpy()
     size = dtype.itemsize
     covered = 0
-    for a, b, pattern in unit_pieces(manifest, u):
+    # A zero-copy checkpoint (format /3) names each state's pieces: [lo, hi, file, byte offset].
+    pieces = manifest["units"][u].get("pieces", {}).get(state)
+    for a, b, pattern, base in ([(a, b, name, at) for a, b, name, at in pieces] if pieces
+                                else [(a, b, pattern, 0) for a, b, pattern in unit_pieces(manifest, u)]):
         start, end = max(a, lo), min(b, hi)
         if start >= end:
             continue
         path = root / pattern.format(state=state)
         with open(path, "rb") as f:
-            f.seek((start - a) * size)
+            f.seek(base + (start - a) * size)
             got = f.readinto(memoryview(raw[(start - lo) * size:(end - lo) * size]))
         if got != (end - start) * size:
             raise ValueError(f"checkpoint file {path} is shorter than the manifest says: truncated after it was "

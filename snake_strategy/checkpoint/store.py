@@ -21,9 +21,11 @@ import ctypes
 import errno
 import functools
 import json
+import logging
 import os
 import shutil
 import sys
+import time
 import zlib
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -31,7 +33,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from snake_strategy.checkpoint.format import (DTYPES, FORMAT, STATES, describe_file, fsync_parent, fsync_tree,
+from snake_strategy.checkpoint import pins
+from snake_strategy.checkpoint.pins import CHECKSUMS, ZERO_COPY_FORMAT
+from snake_strategy.checkpoint.format import (DTYPES, FORMAT, STATES, fsync_file, fsync_parent, fsync_tree, save_torch,
                                               read_range, remove_path, unit_pieces, verified_manifest, verify_file,
                                               write_raw)
 from snake_strategy.progress import Progress, or_quiet
@@ -40,11 +44,19 @@ from snake_strategy.storage.io_engine import pid_alive
 if TYPE_CHECKING:
     from snake_strategy.engine import SnakeEngine
 
+log = logging.getLogger(__name__)
+
 
 def save(engine: SnakeEngine, checkpoint: dict[str, Any], path: str | os.PathLike,
-         progress: Progress | None = None) -> None:
+         progress: Progress | None = None, zero_copy: bool = False) -> dict[str, Any]:
     """Write ``engine``'s state to the directory ``path`` (one process's format; a data-parallel run with
-    partitioned optimizer state writes per-rank shards instead: shards.save)."""
+    partitioned optimizer state writes per-rank shards instead: shards.save).
+
+    ``zero_copy``: pin the SSD files instead of copying them (pins.py; format /3: what the
+    strategy does); False streams every unit state through memory into new files (format /1: a copy that
+    shares nothing with the run, e.g. for an archive).
+    Returns what was done: ``written_bytes``, ``seconds``, ``methods`` (how the SSD files got there)."""
+    start_s = time.perf_counter()
     final = Path(path)
     _recover(final, clean=True)
     tmp = sibling(final, "tmp")
@@ -55,15 +67,25 @@ def save(engine: SnakeEngine, checkpoint: dict[str, Any], path: str | os.PathLik
         unit_bytes = sum(engine.unit_numel(u) for u in range(engine.num_units)) * engine.dtypes.bytes_per("master")
         tracker = or_quiet(progress).phase("checkpoint_save", len(STATES) * engine.num_units + 2, what="files",
                                            total_bytes=len(STATES) * unit_bytes)
-        files = {}
-        for u in range(engine.num_units):
-            values = engine.unit_state(u)
-            for state in STATES:
-                name = f"units/unit{u:05d}.{state}.bin"
-                files[name] = write_raw(tmp / name, values[state])
-                tracker.advance(1, files[name]["bytes"])
-            del values  # one unit in memory at a time
-        commit(engine, checkpoint, tmp, final, files, tracker)
+        files, unit_extra, methods = {}, None, None
+        if zero_copy:
+            files, unit_extra, methods = pins.pin_units(engine, tmp, tracker, write_raw)
+        else:
+            for u in range(engine.num_units):
+                values = engine.unit_state(u)
+                for state in STATES:
+                    name = f"units/unit{u:05d}.{state}.bin"
+                    files[name] = write_raw(tmp / name, values[state])
+                    tracker.advance(1, files[name]["bytes"])
+                del values  # one unit in memory at a time
+        commit(engine, checkpoint, tmp, final, files, tracker, unit_extra=unit_extra)
+        pinned = [name for name, info in files.items() if info["crc32"] is None]
+        CHECKSUMS.submit(final, pinned)  # in the background: reading them back is what zero-copy avoids
+        written = sum(info["bytes"] for name, info in files.items() if name not in pinned
+                      or (methods and "copy" in methods))
+        if methods is not None:
+            log.info("checkpoint %s: %s", final, pins.describe_methods(methods))
+        return {"written_bytes": written, "seconds": time.perf_counter() - start_s, "methods": dict(methods or {})}
     except BaseException:
         # Before the replacement ``tmp`` holds the unfinished new checkpoint, after an exchange the old one:
         # garbage either way. The checkpoint under ``final`` (or set aside, see _replace) is untouched.
@@ -72,24 +94,26 @@ def save(engine: SnakeEngine, checkpoint: dict[str, Any], path: str | os.PathLik
 
 
 def commit(engine: SnakeEngine, checkpoint: dict[str, Any], tmp: Path, final: Path, files: dict, tracker: Any,
-           extra: dict | None = None) -> None:
+           extra: dict | None = None, unit_extra: list[dict] | None = None) -> None:
     """Complete the checkpoint in ``tmp`` whose unit files ``files`` are written: the replicated parts
-    (nonlayer.pt, meta.pt), the manifest last, then put it under ``final``'s name."""
+    (nonlayer.pt, meta.pt), the manifest last, then put it under ``final``'s name. Every file is fsynced
+    before the rename (a power loss after it must not find a name over unwritten data)."""
     frozen = engine.frozen_checksums()
     units = [{"numel": engine.unit_numel(u), "slots": [list(slot) for slot in engine.unit_slots(u)],
               "frozen": {"names": [slot[0] for slot in engine.unit_slots(u, trainable=False)],
-                         "crc32": frozen["units"][u]}} for u in range(engine.num_units)]
-    torch.save(engine.nonlayer_state(), tmp / "nonlayer.pt")
-    files["nonlayer.pt"] = describe_file(tmp / "nonlayer.pt")
+                         "crc32": frozen["units"][u]}, **(unit_extra[u] if unit_extra else {})}
+             for u in range(engine.num_units)]
+    files["nonlayer.pt"] = save_torch(engine.nonlayer_state(), tmp / "nonlayer.pt")
     tracker.advance(1, files["nonlayer.pt"]["bytes"])
-    torch.save(checkpoint, tmp / "meta.pt")
-    files["meta.pt"] = describe_file(tmp / "meta.pt")
+    files["meta.pt"] = save_torch(checkpoint, tmp / "meta.pt")
     tracker.advance(1, files["meta.pt"]["bytes"])
-    manifest = {"format": FORMAT, "step_count": engine.step_count, "master_dtype": str(engine.dtypes.master),
+    manifest = {"format": ZERO_COPY_FORMAT if unit_extra is not None else FORMAT, "step_count": engine.step_count,
+                "master_dtype": str(engine.dtypes.master),
                 "compute_dtype": str(engine.dtypes.compute),  # the frozen CRC-32s are of these bytes
                 "blocks_per_unit": engine.schedule.blocks_per_unit, "units": units, "files": files,
                 "frozen_nonlayer": frozen["nonlayer"], **(extra or {})}
     (tmp / "manifest.json").write_text(json.dumps(manifest))
+    fsync_file(tmp / "manifest.json")
     fsync_tree(tmp)
     _replace(tmp, final)
     tracker.finish()
@@ -151,7 +175,8 @@ def sibling(final: Path, kind: str) -> Path:
 
 
 def _leftovers(final: Path) -> list[tuple[Path, str, int]]:
-    """``(path, kind, pid)`` of the temporary (``tmp``) and set-aside (``old``) siblings of ``final``."""
+    """``(path, kind, pid)`` of the temporary (``tmp``), set-aside (``old``) and released (``del``, being
+    removed: ``release``) siblings of ``final``."""
     prefix = f".{final.name}."
     try:
         names = os.listdir(final.parent)
@@ -162,7 +187,7 @@ def _leftovers(final: Path) -> list[tuple[Path, str, int]]:
         if not name.startswith(prefix):
             continue
         kind, _, pid = name[len(prefix):].partition("-")
-        if kind in ("tmp", "old") and pid.isdigit():
+        if kind in ("tmp", "old", "del") and pid.isdigit():
             found.append((final.parent / name, kind, int(pid)))
     return found
 
@@ -173,24 +198,82 @@ def _recover(final: Path, clean: bool) -> Path | None:
 
     ``clean`` also removes what dead runs left: unfinished temporary directories and set-aside copies of
     a checkpoint that was replaced. A live process's siblings are its save in progress: never touched.
+
+    Where the name is missing (a kill between the two renames of _replace: the old checkpoint aside, the
+    new one complete under its temporary name), the newest complete copy (highest step in its manifest;
+    on a tie the one set aside) goes back under the name, and a complete copy newer than the one under
+    the name is never removed: it takes the name instead.
     """
     mine_or_dead = [(p, kind) for p, kind, pid in _leftovers(final) if pid == os.getpid() or not pid_alive(pid)]
     found: Path | None = final if os.path.lexists(final) else None
-    if found is None:
-        asides = sorted((p for p, kind in mine_or_dead if kind == "old" and (p / "manifest.json").exists()),
-                        key=lambda p: p.stat().st_mtime)
-        if asides:
-            found = asides[-1]
-            try:
-                os.rename(found, final)
-                found = final
-            except OSError:
-                pass  # e.g. a read-only copy of the checkpoints: use it in place
+    complete = [(_step_of(p), kind == "old", p) for p, kind in mine_or_dead if kind in ("old", "tmp")]
+    complete = sorted((c for c in complete if c[0] is not None), key=lambda c: (c[0], c[1]))
+    current = _step_of(final) if found is not None and found.is_dir() else None
+    if complete and (found is None or (current is not None and complete[-1][0] > current)):
+        newest = complete[-1][2]
+        try:
+            if found is not None:
+                _replace(newest, final)  # the newer copy takes the name; the older one goes
+            else:
+                os.rename(newest, final)
+            found = final
+        except OSError:
+            if found is None:
+                found = newest  # e.g. a read-only copy of the checkpoints: use it in place
     if clean:
         for leftover, _ in mine_or_dead:
-            if leftover != found:
+            if leftover != found and os.path.lexists(leftover):
                 remove_path(leftover)
     return found
+
+
+def _step_of(root: Path) -> int | None:
+    """The step of a complete checkpoint directory (its manifest is written last), None if incomplete."""
+    try:
+        return int(json.loads((root / "manifest.json").read_text())["step_count"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def sweep(directory: str | os.PathLike) -> list[str]:
+    """At the start of a run: for every checkpoint in ``directory`` that dead runs left siblings of
+    (``.<name>.tmp-PID``, ``.old-PID``, ``.del-PID``), put the newest complete copy under the name and
+    remove the rest. Returns what was removed or restored (for the log)."""
+    root = Path(directory)
+    try:
+        names = os.listdir(root)
+    except OSError:
+        return []
+    finals = set()
+    for name in names:
+        if name.startswith(".") and ("." in name[1:]):
+            stem, _, suffix = name[1:].rpartition(".")
+            kind, _, pid = suffix.partition("-")
+            if kind in ("tmp", "old", "del") and pid.isdigit() and not pid_alive(int(pid)):
+                finals.add(stem)
+    done = []
+    for stem in sorted(finals):
+        final = root / stem
+        before = set(os.listdir(root))
+        had = os.path.lexists(final)
+        _recover(final, clean=True)
+        gone = sorted(before - set(os.listdir(root)))
+        done += [f"removed {root / g}" for g in gone if g != stem]
+        if not had and os.path.lexists(final):
+            done.append(f"restored {final} (step {_step_of(final)}) from the copy a killed save left aside")
+    return done
+
+
+def release(path: str | os.PathLike) -> None:
+    """Remove a checkpoint directory (top-k rotation): renamed aside first (one atomic step), then its
+    links unlinked; a kill during the unlinking leaves a hidden ``.del-PID`` that ``sweep`` removes."""
+    final = Path(path)
+    if not os.path.lexists(final):
+        return
+    aside = sibling(final, "del")
+    os.rename(final, aside)
+    fsync_parent(final)
+    remove_path(aside)
 
 
 def locate(path: str | os.PathLike) -> Path:

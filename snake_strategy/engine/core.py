@@ -387,6 +387,12 @@ class SnakeEngine:
             {"exp_avg": unit.exp_avg.read_full(), "exp_avg_sq": unit.exp_avg_sq.read_full()}
         return {"master": unit.master.read_copy(0, unit.train_end), **moments}
 
+    def unit_tiers(self, u: int) -> dict[str, Any]:
+        """Unit ``u``'s master weights and moments where they live (TieredTensors; zero-copy checkpoints
+        pin their SSD files). Elements [0, unit_numel(u)) are the trainable state."""
+        unit = self.units[u]
+        return {"master": unit.master, "exp_avg": unit.exp_avg, "exp_avg_sq": unit.exp_avg_sq}
+
     @torch.no_grad()
     def load_unit_state(self, u: int, state: dict[str, Tensor]) -> None:
         self.flush()

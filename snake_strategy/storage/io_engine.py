@@ -16,6 +16,7 @@ A chunk already on the disk is not interrupted: an urgent read waits for at most
 """
 from __future__ import annotations
 
+import contextlib
 import errno
 import itertools
 import logging
@@ -31,6 +32,7 @@ import torch
 
 import snake_strategy.storage.leftovers as leftovers
 from snake_strategy.storage.aligned import PAGE_BYTES, aligned_empty, padded_bytes
+from snake_strategy.storage.versions import VersionedFile
 
 log = logging.getLogger(__name__)
 
@@ -209,22 +211,32 @@ def _write_loop(fd: int, offset: int, buffer: torch.Tensor) -> None:
 class SsdDirectory:
     """Owns the directory of state files: checks it, opens files (O_DIRECT when the filesystem allows
     it), and removes what it created on ``close()``: its files, the lock, and every directory it made
-    (state sub-directories, and ``path`` itself with any missing parents). What was there before stays."""
+    (state sub-directories, and ``path`` itself with any missing parents). What was there before stays.
+
+    In a temporary directory (``path=None``: the run made it) the state files have no name at all
+    (``O_TMPFILE``): the kernel frees them when the last descriptor closes, also when the process is
+    SIGKILLed or OOM-killed, so a killed run leaves no state behind. A checkpoint can still link them
+    (``VersionedFile.pin``: ``linkat`` of ``/proc/self/fd/N``). Where the filesystem has no ``O_TMPFILE``
+    (before Linux 3.11, some FUSE), each file is unlinked right after it is opened, which frees it the
+    same way; such files cannot be linked, so a checkpoint copies them."""
 
     def __init__(self, path: str | None, use_o_direct: bool = True, keep_files: bool = False) -> None:
         self._owns_dir = path is None
         self.path = tempfile.mkdtemp(prefix="snake-ssd-") if path is None else os.path.abspath(path)
         self._keep_files = keep_files and not self._owns_dir
         self._fds: dict[str, int] = {}
+        self._versioned: dict[str, VersionedFile] = {}
         self._created_dirs: list[str] = []
         self._lock = threading.Lock()
         self._lock_path = os.path.join(self.path, LOCK_NAME)
         self._holds_lock = False
         self._closed = False
+        self.anonymous = False
         try:
             self._check_writable()
             self._take_lock()
             self.o_direct = use_o_direct and self._probe_o_direct()
+            self.anonymous = self._owns_dir  # nameless state files: see the class docstring
         except BaseException:
             try:
                 self.close()  # e.g. a busy directory: leave no directory this attempt created
@@ -310,17 +322,69 @@ class SsdDirectory:
         parent = os.path.dirname(full)
         with self._lock:
             self._makedirs(parent)
-        flags = os.O_RDWR | os.O_CREAT | os.O_TRUNC | (os.O_DIRECT if self.o_direct else 0)
-        fd = os.open(full, flags, 0o600)
-        os.ftruncate(fd, size_bytes)
+        if self.anonymous:
+            fd, _ = self._open_version(full, size_bytes)  # nameless: freed by the kernel on any exit
+        else:
+            flags = os.O_RDWR | os.O_CREAT | os.O_TRUNC | (os.O_DIRECT if self.o_direct else 0)
+            fd = os.open(full, flags, 0o600)
+            os.ftruncate(fd, size_bytes)
         with self._lock:
             self._fds[full] = fd
             leftovers.record_file(self.path, relative_path)
         return fd
 
-    def files(self) -> list[str]:
+    def open_versioned(self, relative_path: str, size_bytes: int) -> VersionedFile:
+        """A state file of ``size_bytes`` whose versions a checkpoint can pin (storage/versions.py)."""
+        full = os.path.join(self.path, relative_path)
         with self._lock:
-            return sorted(self._fds)
+            self._makedirs(os.path.dirname(full))
+        versioned = VersionedFile(lambda: self._open_version(full, size_bytes), size_bytes)
+        with self._lock:
+            self._versioned[full] = versioned
+        return versioned
+
+    def _open_version(self, full: str, size_bytes: int) -> tuple[int, int]:
+        """A new, empty (sparse) file for ``full``: ``(fd, the links it has of its own)``."""
+        direct = os.O_DIRECT if self.o_direct else 0
+        if self.anonymous:
+            try:
+                fd = os.open(os.path.dirname(full), os.O_TMPFILE | os.O_RDWR | direct, 0o600)
+                os.ftruncate(fd, size_bytes)
+                return fd, 0
+            except (OSError, AttributeError):
+                # No O_TMPFILE here: a named file, unlinked at once (freed on any exit too; not linkable).
+                fd = self._create(full, direct)
+                os.unlink(full)
+                os.ftruncate(fd, size_bytes)
+                return fd, 0
+        fd = self._create(full, direct)
+        os.ftruncate(fd, size_bytes)
+        return fd, 1
+
+    @staticmethod
+    def _create(full: str, direct: int) -> int:
+        # Never O_TRUNC an existing name: its inode may be a version a checkpoint holds (a hard link).
+        # Unlinking the name first leaves that version to the checkpoint.
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(full)
+        return os.open(full, os.O_RDWR | os.O_CREAT | os.O_EXCL | direct, 0o600)
+
+    def file_sizes(self) -> dict[str, int]:
+        """Each state file's size in bytes (``fstat`` of its descriptor: a nameless one has no path to
+        stat), keyed as ``files()`` names them."""
+        with self._lock:
+            fds = list(self._fds.items()) + [(full, v.fd) for full, v in self._versioned.items()]
+        return {(os.readlink(f"/proc/self/fd/{fd}") if self.anonymous else full): os.fstat(fd).st_size
+                for full, fd in fds}
+
+    def files(self) -> list[str]:
+        """The state files by name; an anonymous one by what the kernel calls it (``/proc/self/fd/N``'s
+        target: ``<dir>/#<inode> (deleted)``)."""
+        with self._lock:
+            if not self.anonymous:
+                return sorted(list(self._fds) + list(self._versioned))
+            fds = list(self._fds.values()) + [v.fd for v in self._versioned.values()]
+        return sorted(os.readlink(f"/proc/self/fd/{fd}") for fd in fds)
 
     def _makedirs(self, path: str) -> None:
         """``os.makedirs``, remembering every level it creates (close removes them, deepest first)."""
@@ -356,9 +420,14 @@ class SsdDirectory:
 
         with self._lock:
             fds, self._fds = self._fds, {}
+            versioned, self._versioned = self._versioned, {}
         for full, fd in fds.items():
             attempt(os.close, fd)
             if not self._keep_files:
+                attempt(_remove_file, full)
+        for full, state_file in versioned.items():
+            attempt(state_file.close)
+            if not self._keep_files and not self.anonymous:
                 attempt(_remove_file, full)
         if not self._keep_files:
             attempt(leftovers.forget, self.path)

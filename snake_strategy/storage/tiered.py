@@ -20,6 +20,7 @@ import torch
 from snake_strategy.storage.aligned import PAGE_BYTES, aligned_empty, padded_bytes, round_up
 from snake_strategy.storage.counters import TrafficCounters
 from snake_strategy.storage.io_engine import DONE, IOEngine, SsdDirectory, Ticket
+from snake_strategy.storage.versions import VersionedFile
 from snake_strategy.config import StorageConfig, TierSplit
 
 # Range boundaries (the SSD segment's start, the forward/backward split of a unit) are multiples of
@@ -80,14 +81,14 @@ class TieredTensor:
         pin = device.type == "cuda"
         self._device_seg = torch.empty(self.device_end, dtype=dtype, device=device)
         self._host_seg = aligned_empty(self.host_end - self.device_end, dtype, pin_memory=pin)
-        self._fd = None
+        self.ssd_file: VersionedFile | None = None  # the SSD segment; checkpoints pin its versions
         ssd_numel = numel - self.host_end
         self.ssd_bytes = round_up(ssd_numel * self.elem_bytes) if ssd_numel else 0
         if ssd_numel:
             if ssd is None or io is None:
                 raise AssertionError("an SSD share needs an SsdDirectory and an IOEngine")
-            self._fd = ssd.open(f"{state}/{name}.bin", self.ssd_bytes)
-            self.ssd_path = f"{ssd.path}/{state}/{name}.bin"
+            self.ssd_file = ssd.open_versioned(f"{state}/{name}.bin", self.ssd_bytes)
+            self.ssd_path = f"{ssd.path}/{state}/{name}.bin"  # no such name in a temporary ssd_dir (anonymous)
 
     @property
     def resident(self) -> bool:
@@ -145,13 +146,28 @@ class TieredTensor:
         dst = out[s0 - lo:s1 - lo]
         self._counters.add("ssd", self.state, "read", round_up((s1 - s0) * es))
         if out.device.type == "cpu":
-            return self._io.submit_read(self._fd, offset, padded_bytes(dst), self.state)
+            return self._read(offset, padded_bytes(dst))
         # CUDA: the SSD part lands in a pinned bounce buffer, then crosses the host link; that copy
         # is issued inside wait(), after the read completes (see _StagedFetch).
         if staging is None:
             staging = aligned_empty(s1 - s0, self.dtype, pin_memory=True)
         staging = staging[:s1 - s0]
-        return _StagedFetch(self._io.submit_read(self._fd, offset, padded_bytes(staging), self.state), staging, dst)
+        return _StagedFetch(self._read(offset, padded_bytes(staging)), staging, dst)
+
+    def _read(self, offset: int, buffer: torch.Tensor) -> Ticket:
+        # One read, or one per piece while a new version is partly written (storage/versions.py).
+        pieces = self.ssd_file.read_pieces(offset, buffer.numel())
+        tickets = [self._io.submit_read(fd, at, buffer[start:start + length], self.state)
+                   for fd, at, start, length in pieces]
+        ticket = tickets[0] if len(tickets) == 1 else _Joined(tickets)
+        self.ssd_file.track(ticket)  # a previous version stays open until its reads are done
+        return ticket
+
+    def _write(self, offset: int, buffer: torch.Tensor) -> Ticket:
+        fd = self.ssd_file.fd_for_write(offset, buffer.numel())  # a new version when a checkpoint holds this one
+        ticket = self._io.submit_write(fd, offset, buffer, self.state)
+        self.ssd_file.track(ticket)  # a pin waits for it
+        return ticket
 
     def start_evict(self, src: torch.Tensor, lo: int = 0, hi: int | None = None) -> Ticket:
         """Begin writing ``src`` (elements [lo, hi)) back; ``src`` must stay untouched until the ticket
@@ -172,10 +188,10 @@ class TieredTensor:
         part = src[s0 - lo:s1 - lo]
         self._counters.add("ssd", self.state, "write", round_up((s1 - s0) * es))
         if part.device.type == "cpu" and part.data_ptr() % PAGE_BYTES == 0 and _storage_reaches(part):
-            return _Joined([self._io.submit_write(self._fd, offset, padded_bytes(part), self.state)], keepalive=(src,))
+            return _Joined([self._write(offset, padded_bytes(part))], keepalive=(src,))
         staging = aligned_empty(s1 - s0, self.dtype, pin_memory=part.device.type == "cuda")
         staging.copy_(part)  # a sync point on CUDA: the D2H copy must finish before the write starts
-        write = self._io.submit_write(self._fd, offset, padded_bytes(staging), self.state)
+        write = self._write(offset, padded_bytes(staging))
         return _Joined([write], keepalive=(staging,))
 
     def _segments(self, lo: int, hi: int) -> tuple[tuple[int, int], tuple[int, int], tuple[int, int]]:

@@ -1,0 +1,206 @@
+"""Zero-copy unit files of a checkpoint (format ``greedysnake-checkpoint/3``), their checksums, and release.
+
+A unit state (master weights, one Adam moment) lives on up to three tiers: elements ``[0, host_end)`` on
+the device and in host memory, ``[host_end, numel)`` in an SSD file (storage/tiered.py). A zero-copy save
+writes the first part (``units/unitNNNNN.<state>.head.bin``; or the whole state as ``<state>.bin`` when
+nothing of it is on the SSD) and *pins* the SSD file (storage/versions.py): ``units/unitNNNNN.<state>.bin``
+becomes a hard link to the current version, which the engine never writes again. The manifest's
+``pieces`` say which file holds which elements: ``[lo, hi, file, byte offset in the file]``.
+
+Cost model: a save writes the host-tier and device-tier parts, the non-layer state and the manifest; no
+byte of the SSD tier. A kept checkpoint costs no space until training updates its units; from then on it
+holds the versions it pinned, up to one more copy of the SSD state, until it is released.
+
+Checksums. Reading the pinned files back to checksum them would cost what the copy cost, so the save
+records their sizes only, and a background thread (``Checksums``) reads them afterwards and rewrites the
+manifest atomically with their CRC-32s (working through a descriptor of the checkpoint directory, which
+follows it through the renames of ``last``). Loading verifies a file's CRC-32 when the manifest has it,
+its size always. A process killed before its checksums are done leaves sizes only.
+
+Release (``release``): a checkpoint directory is first renamed aside (``.<name>.del-<pid>``, atomic), then
+unlinked; a kill in between leaves a hidden directory that the next start sweeps (store.sweep). The
+space of a pinned version comes back when the engine has moved past it and no checkpoint links it.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import queue
+import threading
+import zlib
+from collections import Counter
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable
+
+if TYPE_CHECKING:
+    from snake_strategy.engine import SnakeEngine
+
+log = logging.getLogger(__name__)
+
+ZERO_COPY_FORMAT = "greedysnake-checkpoint/3"
+STATES = ("master", "exp_avg", "exp_avg_sq")
+_METHOD_WORDS = {"link": "hard links, 0 bytes of unit state written",
+                 "reflink": "reflinks (FICLONE: another mount of the same filesystem), 0 bytes copied",
+                 "copy": "a pipelined copy (the checkpoint directory is on another filesystem)"}
+
+
+def pin_units(engine: SnakeEngine, tmp: Path, tracker: Any, write_raw: Callable[[Path, Any], dict]
+              ) -> tuple[dict[str, dict], list[dict], Counter]:
+    """Write the non-SSD parts of every unit state into ``tmp/units`` and pin the SSD parts there.
+    Returns (files for the manifest, per-unit manifest additions, how many files each method placed)."""
+    files: dict[str, dict] = {}
+    extra: list[dict] = []
+    methods: Counter = Counter()
+    for u in range(engine.num_units):
+        numel = engine.unit_numel(u)
+        pieces = {}
+        for state, tier in engine.unit_tiers(u).items():
+            head_end = min(tier.host_end, numel)
+            name = f"units/unit{u:05d}.{state}.bin"
+            if numel <= tier.host_end:  # nothing of it on the SSD: one written file, as a copy save
+                files[name] = write_raw(tmp / name, tier.read_copy(0, numel))
+                tracker.advance(1, files[name]["bytes"])
+                continue
+            parts = []
+            if head_end:
+                head = f"units/unit{u:05d}.{state}.head.bin"
+                files[head] = write_raw(tmp / head, tier.read_copy(0, head_end))
+                parts.append([0, head_end, head, 0])
+            methods[tier.ssd_file.pin(tmp / name)] += 1
+            files[name] = {"bytes": tier.ssd_bytes, "crc32": None}  # Checksums fills it in
+            parts.append([tier.host_end, numel, name, 0])
+            pieces[state] = parts
+            tracker.advance(1, numel * tier.elem_bytes)  # the state's bytes now in the checkpoint (linked or written)
+        extra.append({"pieces": pieces} if pieces else {})
+    return files, extra, methods
+
+
+def describe_methods(methods: Counter) -> str:
+    """What the log says about how the SSD files got into a checkpoint."""
+    if not methods:
+        return "no unit state on the SSD tier: every unit file written"
+    return "; ".join(f"{n} unit file(s) by {_METHOD_WORDS[m]}" for m, n in sorted(methods.items()))
+
+
+class Checksums:
+    """One background thread that CRC-32s the pinned files of saved checkpoints and completes their
+    manifests (see the module docstring). ``wait()`` blocks until every queued job is done."""
+
+    def __init__(self) -> None:
+        self._jobs: queue.Queue = queue.Queue()
+        self._thread: threading.Thread | None = None
+        self._start_lock = threading.Lock()
+        self.remove_lock = threading.Lock()  # held around a manifest rewrite and around a removal
+
+    def submit(self, root: Path, names: list[str]) -> None:
+        if not names:
+            return
+        dir_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)  # follows the directory through renames
+        self._jobs.put((dir_fd, names))
+        with self._start_lock:
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._work, name="snake-checksums", daemon=True)
+                self._thread.start()
+
+    def wait(self) -> None:
+        self._jobs.join()
+
+    def _work(self) -> None:
+        while True:
+            dir_fd, names = self._jobs.get()
+            try:
+                self._complete(dir_fd, names)
+            except OSError as err:  # the checkpoint was released meanwhile: nothing to complete
+                log.debug("checksums of a released checkpoint dropped: %s", err)
+            finally:
+                os.close(dir_fd)
+                self._jobs.task_done()
+
+    def _complete(self, dir_fd: int, names: list[str]) -> None:
+        crcs = {name: _crc_file(name, dir_fd) for name in names}  # the long part, outside the lock
+        with self.remove_lock:
+            with open(os.open("manifest.json", os.O_RDONLY, dir_fd=dir_fd)) as f:
+                manifest = json.load(f)
+            for name, crc in crcs.items():
+                manifest["files"][name]["crc32"] = crc
+            fd = os.open(".manifest.json.crc", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600, dir_fd=dir_fd)
+            with open(fd, "w") as f:
+                f.write(json.dumps(manifest))
+                f.flush()
+                os.fsync(f.fileno())
+            os.rename(".manifest.json.crc", "manifest.json", src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+            os.fsync(dir_fd)
+
+
+def _crc_file(name: str, dir_fd: int) -> int:
+    crc = 0
+    with open(os.open(name, os.O_RDONLY, dir_fd=dir_fd), "rb") as f:
+        while chunk := f.read(16 * 2**20):
+            crc = zlib.crc32(chunk, crc)
+    return crc
+
+
+CHECKSUMS = Checksums()
+
+
+# ---------------------------------------------------------------------- space
+def state_bytes(engine: SnakeEngine) -> tuple[int, int]:
+    """(bytes of the checkpointed state on the SSD tier, bytes elsewhere) of ``engine``'s units."""
+    ssd = other = 0
+    for u in range(engine.num_units):
+        numel = engine.unit_numel(u)
+        for tier in engine.unit_tiers(u).values():
+            head = min(getattr(tier, "host_end", numel), numel)
+            other += head * tier.elem_bytes
+            if numel > head:
+                ssd += tier.ssd_bytes
+    return ssd, other
+
+
+def check_space(engine: SnakeEngine, directory: str | os.PathLike, kept: int, what: str) -> None:
+    """Refuse, before the first byte, a checkpoint plan that will not fit: each of ``kept`` retained
+    checkpoints of distinct steps may come to hold one copy of the SSD state (on the SSD's filesystem when
+    the checkpoints share it: pinned versions; on the checkpoint directory's otherwise: copies), plus the
+    parts it writes. ValueError with the numbers and the ways out."""
+    ssd_bytes, other_bytes = state_bytes(engine)
+    target = Path(directory)
+    while not target.exists() and target != target.parent:
+        target = target.parent
+    same_fs = engine.ssd is not None and os.stat(engine.ssd.path).st_dev == os.stat(target).st_dev
+    needed = kept * (ssd_bytes + other_bytes)
+    free = os.statvfs(target).f_bavail * os.statvfs(target).f_frsize
+    if needed <= free:
+        return
+    where = ("pinned versions on the SSD tier's filesystem (the checkpoints share it)" if same_fs
+             else "copies on the checkpoint directory's filesystem")
+    raise ValueError(
+        f"{what}: {kept} kept checkpoint(s) of this run need up to {needed} bytes ({needed / 2**30:.3g} GiB: "
+        f"{ssd_bytes} bytes of SSD-tier state each, as {where}, plus {other_bytes} bytes written), but {target} "
+        f"has {free} bytes ({free / 2**30:.3g} GiB) free. Put the checkpoints on another disk "
+        "(ModelCheckpoint(dirpath=...)), keep fewer of them (save_top_k, save_last), or place a share of the "
+        "state on the host tier (storage.master / storage.optimizer host fraction)")
+
+
+def kept_checkpoints(callback: Any) -> int:
+    """How many checkpoints of distinct steps a ModelCheckpoint keeps at once (keep-all: the next one)."""
+    top_k = getattr(callback, "save_top_k", 1)
+    kept = max(top_k, 1) if top_k != 0 else 0
+    return kept + (1 if getattr(callback, "save_last", False) else 0)
+
+
+def prepare_checkpoint_dirs(engine: SnakeEngine, callbacks: list, is_global_zero: bool,
+                            sweep: Callable[[str], list[str]]) -> None:
+    """At setup: sweep each ModelCheckpoint directory of what killed saves left (``sweep``: store.sweep,
+    rank 0 only; restores a ``last`` set aside), and check that its kept checkpoints fit their disk."""
+    for callback in callbacks:
+        dirpath = getattr(callback, "dirpath", None)
+        if not dirpath:
+            continue
+        if is_global_zero:
+            for line in sweep(dirpath):
+                log.warning("checkpoint directory %s: %s", dirpath, line)
+        kept = kept_checkpoints(callback)
+        if kept and engine.partition is None:  # per-rank shards are written, not pinned: not counted here
+            check_space(engine, dirpath, kept, f"ModelCheckpoint(dirpath={dirpath!r}, save_top_k="
+                                               f"{callback.save_top_k}, save_last={callback.save_last})")
