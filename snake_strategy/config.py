@@ -16,6 +16,8 @@ TIERS = ("device", "host", "ssd")
 # not fp32/fp64 (bf16-true); otherwise the compute weights are the master copy and are stored once.
 STATES = ("weights", "master", "optimizer", "gradients", "checkpoints")
 PLACEMENTS = ("manual", "auto")
+# Where the speculative optimizer step keeps its rollback state (engine/rollback.py): all of it on one tier.
+ROLLBACK_TIERS = ("host", "ssd")
 
 
 @dataclass(frozen=True)
@@ -103,6 +105,14 @@ class StorageConfig:
     # scratch memory is ~5 chunks whatever the unit size; larger chunks mean fewer, larger transfers.
     optimizer_chunk_elems: int = 8192 * 4096
     placement: str = "manual"
+    # The speculative optimizer step's rollback state (pre-step master weights, moments and the raw
+    # gradient of each unit's backward part; only under norm clipping or fp16 loss scaling): "host" or
+    # "ssd". None: the planner puts it on the host when the budget allows (placement "auto"), else the
+    # host (placement "manual").
+    rollback: str | None = None
+    # Where the trained weights go after fit when they do not fit the host budget (a safetensors file the
+    # module's parameters then map); None: next to the last checkpoint, else the Trainer's default_root_dir.
+    export_dir: str | None = None
 
     def __post_init__(self) -> None:
         if self.placement not in PLACEMENTS:
@@ -119,6 +129,10 @@ class StorageConfig:
                 value = TierSplit()  # on the host
             if value is not None:
                 setattr(self, state, TierSplit.coerce(value, state))
+        if self.rollback is None and self.placement == "manual":
+            self.rollback = "host"
+        if self.rollback is not None and self.rollback not in ROLLBACK_TIERS:
+            raise ValueError(f"storage.rollback='{self.rollback}' is not one of {ROLLBACK_TIERS}")
         if self.checkpoint_host_ends < 0:
             raise ValueError(f"storage.checkpoint_host_ends={self.checkpoint_host_ends} must be >= 0")
         if self.optimizer_chunk_elems < 4096 or self.optimizer_chunk_elems % 4096:
@@ -129,9 +143,11 @@ class StorageConfig:
         if self.ssd_dir is not None:
             # "~/ssd" or "$SCRATCH/run1" as a shell would read it, not a directory literally named "~".
             self.ssd_dir = os.path.expandvars(os.path.expanduser(os.fspath(self.ssd_dir)))
+        if self.export_dir is not None:
+            self.export_dir = os.path.expandvars(os.path.expanduser(os.fspath(self.export_dir)))
 
     def uses_ssd(self) -> bool:
-        return any(getattr(self, state).ssd > 0 for state in STATES)
+        return any(getattr(self, state).ssd > 0 for state in STATES) or self.rollback == "ssd"
 
     def unset(self) -> list[str]:
         """The states the planner still has to place (empty once resolved)."""
@@ -141,7 +157,8 @@ class StorageConfig:
 SCHEDULES = ("auto", "vertical", "horizontal")
 # What an explicit ``kind`` gives the fields left unset (None): the fixed settings of earlier releases.
 SCHEDULE_DEFAULTS = {"alpha": 0.25, "batched_backward": False, "batched_forward": False, "split_backward": False,
-                     "prefetch_depth": 1}
+                     "prefetch_depth": 1, "speculation": "on"}
+SPECULATION = ("on", "off")
 
 
 @dataclass
@@ -180,6 +197,10 @@ class ScheduleConfig:
     # costs the saved activations. "auto": as many as the host budget holds, measured at the first step.
     # None: "auto" with kind "auto", else 0 (recompute every unit, the classic schedule).
     keep_activations: int | str | None = None
+    # Under norm clipping and fp16 loss scaling: "on" steps each unit's backward part as if the clip factor
+    # were 1 and nothing overflowed, and rolls back the steps when that was wrong (engine/rollback.py);
+    # "off" defers every unit's whole update to the next forward (alpha 1). No effect otherwise.
+    speculation: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("num_micro_batches", "blocks_per_unit"):
@@ -192,8 +213,12 @@ class ScheduleConfig:
             for name, value in SCHEDULE_DEFAULTS.items():
                 if getattr(self, name) is None:
                     setattr(self, name, value)
-        if self.alpha is not None and not 0.0 <= self.alpha <= 0.5:
-            raise ValueError(f"schedule.alpha={self.alpha} must lie in [0, 0.5]")
+        # 1: every unit's whole update deferred to the next forward (what speculation="off" runs under
+        # norm clipping or fp16 loss scaling).
+        if self.alpha is not None and not (0.0 <= self.alpha <= 0.5 or self.alpha == 1.0):
+            raise ValueError(f"schedule.alpha={self.alpha} must lie in [0, 0.5], or be 1 (whole updates deferred)")
+        if self.speculation is not None and self.speculation not in SPECULATION:
+            raise ValueError(f"schedule.speculation='{self.speculation}' must be one of {SPECULATION}")
         for name in ("batched_backward", "batched_forward", "split_backward"):
             if getattr(self, name) and self.kind == "horizontal":
                 raise ValueError(f"schedule.{name}=true needs schedule.kind='vertical' (it works on all micro-batches "

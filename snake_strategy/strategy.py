@@ -1,7 +1,6 @@
-"""Longer than 500 lines: Lightning's Strategy interface is one class (the checkpoint and preemption logic
-it calls lives in checkpoint/pins.py and preemption.py).
-
-Lightning glue: ``Trainer(strategy="greedysnake")``.
+"""Longer than the guide: the Lightning glue, one Strategy class whose hooks (setup, teardown, the step,
+checkpoints, preemption) share its state; what they call lives in after_fit.py, checkpoint/ and preemption.py.
+``Trainer(strategy="greedysnake")``.
 
 One Lightning batch is one optimizer step: ``training_step`` splits the global batch into
 ``schedule.num_micro_batches`` micro-batches and runs the whole schedule through the engine;
@@ -11,6 +10,7 @@ optimizer only holds hyper-parameters (see ``optim.py``), so LR schedulers keep 
 from __future__ import annotations
 
 import contextlib
+import functools
 import dataclasses
 import datetime
 import os
@@ -30,12 +30,16 @@ from typing_extensions import override
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from snake_strategy import preemption
+from snake_strategy.after_fit import (PreFitWeights, after_failure, after_setup_failure, export_directory,
+                                      give_back_weights, guard_message, has_weight_guard,
+                                      remove_weight_guard, teardown_after_failure)
 from snake_strategy.checkpoint import pins as checkpoint_pins, shards as checkpoint_shards, store as checkpoint_store
 from snake_strategy.checkpoint.consolidate import CheckpointWeights
 from snake_strategy.config import ScheduleConfig, StorageConfig, coerce_config
 from snake_strategy.contract import check_contract, check_not_empty, check_outputs_on_meta
 from snake_strategy.distributed import DataParallelMixin, build_engine, check_rank_loader, close_engine, rank_storage, sync_initial_state
 from snake_strategy.engine import EngineHooks, EngineRuntime, EvalEngine, SnakeEngine
+from snake_strategy.engine.export import weights_file_name
 from snake_strategy.module import LayeredModule
 from snake_strategy.planning.autoplan import RunPlan, example_batch, first_prediction, resolve
 from snake_strategy.planning.planner import HardwareProfile, StepPrediction
@@ -111,6 +115,9 @@ class GreedySnakeStrategy(DataParallelMixin, ParallelStrategy):
         self._eval_start: dict | None = None
         self._eval_checkpoint: CheckpointWeights | None = None  # ckpt_path of an eval stage
         self._gave_back_weights, self._created_ssd_dirs = False, []  # weights a run gave back; ssd_dir levels several ranks made
+        self.weights_file: str | None = None  # the safetensors file the module's parameters map after fit
+        self._failure: BaseException | None = None  # what stopped the current fit (Lightning's on_exception)
+        self._pre_fit: PreFitWeights | None = None  # what the module held before this fit/evaluation
         self.progress = progress if isinstance(progress, Progress) else Progress(log=progress)
         self.trace_path = None if trace_path is None else check_trace_path(trace_path)  # refused now, not at the end
         super().__init__(accelerator=accelerator, cluster_environment=cluster_environment,
@@ -154,10 +161,20 @@ class GreedySnakeStrategy(DataParallelMixin, ParallelStrategy):
     def setup(self, trainer: pl.Trainer) -> None:
         module = self.lightning_module
         check_contract(module)
+        self._failure = None  # Lightning's on_exception sets it
         if trainer.state.fn != TrainerFn.FITTING:
             self._setup_eval(trainer)
             return
-        _remove_weight_guard(module)
+        remove_weight_guard(module)
+        self._pre_fit = PreFitWeights(module)
+        try:
+            self._setup_fit(trainer, module)
+        except BaseException as err:
+            after_setup_failure(module, err, self._pre_fit)  # its pre-fit weights, or a guard naming err
+            raise
+        self._pre_fit.setup_done()  # in-memory pre-fit values are released: the engine holds the weights
+
+    def _setup_fit(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
         if type(module).training_step is not LayeredModule.training_step and isinstance(module, LayeredModule):
             log.warning("%s overrides training_step, which strategy='greedysnake' does not call: it runs its own "
                         "schedule from pre_stage, blocks, post_stage and compute_loss. Put the loss in "
@@ -185,7 +202,7 @@ class GreedySnakeStrategy(DataParallelMixin, ParallelStrategy):
         if len(self.optimizers) != 1:
             raise ValueError(f"strategy='greedysnake' needs exactly one optimizer; configure_optimizers "
                              f"returned {len(self.optimizers)}")
-        self._resolve_plan(self.optimizers[0])
+        self._resolve_plan(self.optimizers[0], clip)
         batch = example_batch(trainer)  # map-style loader (nothing iterated): for the check and the floor at setup
         check_outputs_on_meta(module, batch, self.schedule.num_micro_batches)  # before any weight exists
         # Once a run gave its weights back, they are the module's weights: pretrained= was the starting point.
@@ -224,18 +241,19 @@ class GreedySnakeStrategy(DataParallelMixin, ParallelStrategy):
         moments, no gradients), from ``ckpt_path``, ``pretrained`` or the module's own weights."""
         module = self.lightning_module
         checkpoint, self._eval_checkpoint = self._eval_checkpoint, None
-        if hasattr(module, _GUARD_ATTR) and checkpoint is None:
+        if has_weight_guard(module) and checkpoint is None:
             # Its blocks are on the meta device: evaluating them would evaluate a fresh random init.
-            raise ValueError(f"trainer.{trainer.state.fn.value} has no weights to evaluate: the trained weights did "
-                             "not fit storage.host_budget_bytes and were not given back to the module. Pass "
-                             "ckpt_path=<a greedysnake checkpoint directory saved during fit>")
-        _remove_weight_guard(module)
+            raise ValueError(f"trainer.{trainer.state.fn.value} has no weights to evaluate ({guard_message(module)}). "
+                             "Pass ckpt_path=<a greedysnake checkpoint directory saved during fit>")
+        remove_weight_guard(module)
         self.progress.follow_progress_bar(trainer.progress_bar_callback is not None)
         self.accelerator.setup(trainer)
         self._resolve_plan(None)
         source = (checkpoint.with_base(module, self.pretrained) if checkpoint is not None  # fine-tuning: + base
                   else None if self._gave_back_weights else self.pretrained)
         runtime = EngineRuntime(self.precision_plugin.dtypes, self.root_device, hooks=self.hooks, progress=self.progress)
+        # The module's own weights, mapped from a file: teardown maps them again instead of copying them back.
+        self._pre_fit = PreFitWeights(module).setup_done() if source is None else None
         self.engine = EvalEngine(module, self._rank_plan(), runtime, source=source)
         module._device = self.root_device  # as in setup(): the blocks must not move
         self.setup_precision_plugin()
@@ -313,13 +331,22 @@ class GreedySnakeStrategy(DataParallelMixin, ParallelStrategy):
             self._eval_checkpoint = None
         if engine is not None:
             export_trace(self.trace_path, engine.trace)  # first: also after a failed step
-            try:
-                if not self._preempted:  # preempted: the checkpoint holds the weights, the process exits
+            close = functools.partial(close_engine, engine, self._created_ssd_dirs)  # files, locks, rank dirs
+            if self._preempted:  # the zero-copy checkpoint holds the weights and the process exits: no export
+                close()
+            elif self._failure is not None:  # no export; never raises over the original failure
+                teardown_after_failure(self.lightning_module, engine, self._failure, self.plan.host_budget_bytes,
+                                       self._pre_fit, close)
+            else:
+                try:
                     engine.flush()
                     checkpoint_pins.CHECKSUMS.wait()  # the pinned files' CRC-32s, read while training ran
                     self._give_back_weights(engine)
-            finally:
-                close_engine(engine, self._created_ssd_dirs)  # files and locks even when the flush failed; re-raises
+                except BaseException as err:  # a failed export: the module is left clean, then err is raised
+                    after_failure(self.lightning_module, engine, err, self.plan.host_budget_bytes, self._pre_fit)
+                    raise
+                finally:
+                    close()  # even when the flush failed; re-raises
         self.precision_plugin.teardown()
         if self.cluster_environment is not None:
             self.cluster_environment.teardown()
@@ -328,24 +355,17 @@ class GreedySnakeStrategy(DataParallelMixin, ParallelStrategy):
         self.checkpoint_io.teardown()
 
     def weights_fit_host(self, engine: SnakeEngine | EvalEngine) -> bool:
-        """Whether the engine's weights fit ``storage.host_budget_bytes`` (no budget: they do): only then
-        does the module get them back after fit, and the Hydra app consolidate them into one file."""
-        budget = self.storage.host_budget_bytes
-        return budget is None or engine.master_bytes() <= budget
+        """Whether the weights fit the plan's budget: given back in memory (else mapped from a file)."""
+        return engine.master_bytes() <= self.plan.host_budget_bytes  # host_memory.host_budget decided it
 
-    def _give_back_weights(self, engine: SnakeEngine) -> None:
-        """After training the module holds the trained weights when they fit the host budget; otherwise
-        reading them raises an error that says how to get them (never meta tensors without a word)."""
+    def _give_back_weights(self, engine: SnakeEngine | EvalEngine) -> None:
+        """The module's weights after the engine (after_fit.give_back_weights): in memory, or mapped from a file."""
         module = self.lightning_module
-        if self.weights_fit_host(engine):
-            engine.export_to_module()
-            self._gave_back_weights = True
-            return
-        message = (f"the trained weights ({engine.master_bytes() / 2**30:.2f} GiB) did not fit "
-                   f"storage.host_budget_bytes ({self.storage.host_budget_bytes / 2**30:.2f} GiB), so they were not "
-                   "copied back into the module. Save them during training (ModelCheckpoint / trainer.save_checkpoint inside fit) and "
-                   "consolidate: python -m snake_strategy.checkpoint CKPT_DIR model.ckpt")
-        _install_weight_guard(module, message)
+        self.weights_file = give_back_weights(
+            module, engine, self.plan.host_budget_bytes, self.plan.host_budget_source,
+            export_directory(self.storage.export_dir, module.trainer), self._pre_fit,
+            weights_file_name(self.world_size, self.global_rank), self.progress)
+        self._gave_back_weights = not has_weight_guard(module)
 
     # ------------------------------------------------------------------ the step
     @override
@@ -375,14 +395,14 @@ class GreedySnakeStrategy(DataParallelMixin, ParallelStrategy):
                 self.plan.kept_units = sorted(self.engine.runner.kept.units or ())
         return prediction
 
-    def _resolve_plan(self, optimizer: Any) -> None:
-        """The planner turns the requested "auto" settings into this run's concrete ones (explicit ones kept)."""
+    def _resolve_plan(self, optimizer: Any, clip: tuple[str, float] | None = None) -> None:
+        """The planner turns the requested "auto" settings (and ``clip``: alpha, step mode) into concrete ones."""
         storage, schedule = self.requested
         hardware = self.hardware if isinstance(self.hardware, HardwareProfile) else HardwareProfile()
         self.plan = resolve(self.lightning_module, optimizer, storage, schedule, self.precision_plugin.dtypes.bytes_per(
             "compute"), self.precision_plugin.dtypes.bytes_per("master"), self.root_device, hardware,
-            processes_per_node=self.num_processes,
-            optimizer_shards=self.world_size if self.shard_optimizer_state else 1)  # per-rank moments
+            processes_per_node=self.num_processes, optimizer_shards=self.world_size if self.shard_optimizer_state else 1,
+            clip=clip, loss_scaling=self.precision_plugin.dtypes.loss_scaling)  # per-rank moments; alpha, step mode
         self.storage, self.schedule = self.plan.storage, self.plan.schedule
         log.info("planner: %s", self.plan.describe())
 
@@ -405,6 +425,7 @@ class GreedySnakeStrategy(DataParallelMixin, ParallelStrategy):
     @override
     def on_exception(self, exception: BaseException) -> None:
         super().on_exception(exception)
+        self._failure = exception  # teardown then leaves a clean module without a multi-GB export
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
         if isinstance(exception, SIGTERMException) and isinstance(self.engine, SnakeEngine) and trainer is not None:
             self._deferred.pending = []  # the preemption save covers them
@@ -543,22 +564,4 @@ class GreedySnakeStrategy(DataParallelMixin, ParallelStrategy):
                 description="GreedySnake: SSD-offloaded training with the vertical (snake) schedule",
             )
 
-
-_GUARD_ATTR = "_greedysnake_weight_guard"
-
-
-def _install_weight_guard(module: torch.nn.Module, message: str) -> None:
-    def refuse(*args: Any, **kwargs: Any) -> None:
-        raise ValueError(message)
-
-    handles = [module.register_state_dict_pre_hook(lambda *a, **k: refuse()),
-               module.register_forward_pre_hook(lambda *a, **k: refuse())]
-    setattr(module, _GUARD_ATTR, handles)
-
-
-def _remove_weight_guard(module: torch.nn.Module) -> None:
-    for handle in getattr(module, _GUARD_ATTR, []):
-        handle.remove()
-    if hasattr(module, _GUARD_ATTR):
-        delattr(module, _GUARD_ATTR)
 

@@ -57,12 +57,16 @@ class StepStats(L.Callback):
 
 
 class PoisonedGPT(GPTModule):
-    """An inf loss (hence inf gradients) in every micro-batch of one global step, on one rank only."""
+    """An inf loss (hence inf gradients) in every micro-batch of one global step, on one rank only; with
+    ``odd_factor``, the loss times that factor on odd steps (the gradient norm alternates around a clip)."""
 
     poison: dict | None = None
+    odd_factor: float = 1.0
 
     def compute_loss(self, outputs, batch):
         loss = super().compute_loss(outputs, batch)
+        if self.trainer.global_step % 2:
+            loss = loss * self.odd_factor
         p = self.poison
         if p and self.trainer.global_step == p["step"] and self.trainer.global_rank == p["rank"]:
             loss = loss * float("inf")
@@ -115,6 +119,7 @@ def main() -> None:
     module = PoisonedGPT(dataclasses.replace(SMALL_GPT, tied_head=cfg.get("tied_head", True)),
                          learning_rate=cfg.get("lr", 1e-3))
     module.poison = cfg.get("poison")
+    module.odd_factor = cfg.get("odd_factor", 1.0)
     schedule = {"kind": cfg.get("kind", "vertical"), "num_micro_batches": micro, "alpha": cfg.get("alpha", 0.25)}
     hooks = None
     precision = {"precision": cfg.get("precision", "64-true")}

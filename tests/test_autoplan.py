@@ -2,6 +2,7 @@
 settings are kept, the choice is public (``strategy.plan``), and the run stays exact (fp64 atol 1e-10)."""
 import dataclasses
 
+import lightning as L
 import pytest
 import torch
 
@@ -10,6 +11,7 @@ from snake_strategy.planning import autoplan
 from snake_strategy.config import ScheduleConfig, StorageConfig, TierSplit
 from snake_strategy.engine import EngineRuntime, SnakeEngine
 from snake_strategy.gpt import GPTModule
+from snake_strategy.planning.memory import host_plan
 from snake_strategy.planning.planner import HardwareProfile
 from snake_strategy.precision import GreedySnakePrecision
 from tests.helpers import SMALL_GPT, run_reference, run_snake
@@ -156,3 +158,64 @@ def test_no_example_batch_from_an_iterable_dataset():
     assert autoplan.example_batch(Trainer) is None
     Trainer.fit_loop._data_source.instance = DataLoader(list(range(8)), batch_size=4)
     assert autoplan.example_batch(Trainer).tolist() == [0, 1, 2, 3]
+
+
+class _RunningAlpha(L.Callback):
+    """What the engine runs with: its alpha and its own memory model of the plan (no checkpoints)."""
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        engine = trainer.strategy.engine
+        self.alpha, self.host_plan = engine.alpha, host_plan(engine.memory_inputs())
+
+
+@pytest.mark.parametrize("speculation", [None, "off"])
+def test_parked_gradients_are_sized_with_the_alpha_that_runs(speculation):
+    """Norm clipping (Trainer's gradient_clip_val): resolve decides the alpha that runs, and the plan's host
+    bytes are the engine's own memory model of the run. With speculation (the default) the planner's
+    alpha runs and the rollback state is counted; with speculation off whole updates are deferred, so
+    alpha is 1 and every unit's whole gradient is parked. (Before, the plan sized the parked gradients
+    with the nominal alpha while the engine parked whole units: over the budget on gpt_1b.)"""
+    log = _RunningAlpha()
+    extra = {"speculation": speculation} if speculation else {}
+    _, strategy = run_snake(SMALL_GPT, 1, MICRO, MICRO_SIZE, "64-true", schedule_kind="auto", schedule_extra=extra,
+                            callbacks=[log], trainer_extra={"gradient_clip_val": 1.0})
+    plan = strategy.plan
+    assert log.alpha == plan.schedule.alpha
+    assert plan.host_bytes == sum(log.host_plan.values()), (plan.host_bytes, log.host_plan)
+    module = GPTModule(SMALL_GPT)
+    module.configure_model()
+    trainable = sum(p.numel() for p in module.blocks.parameters())
+    if speculation == "off":
+        assert log.alpha == 1.0 and plan.step_mode == "deferred" and "rollback_state" not in log.host_plan
+        assert log.host_plan["gradients"] >= trainable * 8  # every unit's whole gradient (page-padded units)
+    else:
+        assert log.alpha == pytest.approx(0.2) and plan.step_mode == "speculative"
+        assert log.host_plan["rollback_state"] == plan.rollback_bytes > 0 and plan.storage.rollback == "host"
+        assert log.host_plan["gradients"] < trainable * 8 * 0.5
+
+
+def test_describe_shows_the_alpha_and_step_mode_that_run():
+    log = _RunningAlpha()
+    _, strategy = run_snake(SMALL_GPT, 1, MICRO, MICRO_SIZE, "64-true", schedule_kind="auto", callbacks=[log],
+                            trainer_extra={"gradient_clip_val": 1.0})
+    text = strategy.plan.describe()
+    assert f"alpha {log.alpha}," in text and "optimizer step speculative (rollback state" in text, text
+    plan = _resolve(schedule=ScheduleConfig(num_micro_batches=MICRO, alpha=0.25, speculation="off"))
+    assert "alpha 0.25, optimizer step overlapped" in plan.describe()  # no clipping: nothing deferred
+    clipped = autoplan.resolve(*_resolve_args(ScheduleConfig(num_micro_batches=MICRO, alpha=0.25, speculation="off")),
+                               clip=("norm", 1.0))
+    assert clipped.schedule.alpha == 1.0 and "alpha 1.0, optimizer step deferred" in clipped.describe()
+    assert clipped.reasons["alpha"].startswith("1: norm clipping")
+    fp16 = autoplan.resolve(*_resolve_args(ScheduleConfig(num_micro_batches=MICRO)), loss_scaling=True)
+    assert fp16.schedule.alpha == pytest.approx(0.2) and fp16.step_mode == "speculative"
+    value = autoplan.resolve(*_resolve_args(ScheduleConfig(num_micro_batches=MICRO)), clip=("value", 1.0))
+    assert value.step_mode == "overlapped" and value.rollback_bytes == 0
+
+
+def _resolve_args(schedule):
+    module = GPTModule(SMALL_GPT)
+    module.configure_model()
+    optimizer = module.configure_optimizers()
+    optimizer = optimizer["optimizer"] if isinstance(optimizer, dict) else optimizer
+    return (module, optimizer, StorageConfig(placement="auto"), schedule, 8, 8, torch.device("cpu"),
+            HardwareProfile())

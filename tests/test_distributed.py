@@ -147,6 +147,25 @@ def test_two_ranks_equal_one_rank_variants(tmp_path, kind, clip, shard):
 
 
 @pytest.mark.slow
+def test_two_ranks_partitioned_speculative_step_rolls_back_exactly(tmp_path):
+    """Norm clipping that alternates (the loss x8 on odd steps, max_norm 2 between the norms): each rank
+    speculates on its shards, both ranks settle alike (one all-reduced norm) and roll back the odd steps,
+    rollback state in SSD files; the result equals one rank's."""
+    common = dict(steps=4, kind="vertical", alpha=0.25, clip=2.0, odd_factor=8.0, lr=1e-2, shard=True,
+                  storage={**SSD, "rollback": "ssd"})
+    one = run_worker(tmp_path, "one", world=1, micro=4, **common)
+    two = run_worker(tmp_path, "two", world=2, micro=2, **common)
+    _check_ranks_agree(two)
+    assert max_abs_diff(one[0]["state"], two[0]["state"]) < 1e-10
+    for run in (one[0], two[0], two[1]):
+        assert [s["clip_factor"] < 1.0 for s in run["stats"]] == [False, True, False, True]
+        assert [s["speculation"] for s in run["stats"]] == [True, True, False, True]
+        assert [s["rollbacks"] for s in run["stats"]] == [0, 1, 1, 2]
+    files = two[0]["stats"][-1]["ssd_files"]
+    assert any(name.startswith("rollback/") for name in files), sorted(files)  # this rank's shard's slots
+
+
+@pytest.mark.slow
 def test_two_ranks_fp32_with_validation(tmp_path):
     """fp32, validation after every step (flushes and gathers in the middle of training), and the logged
     train_loss synced across ranks (sync_dist) equals one process's."""
@@ -554,7 +573,7 @@ def test_planner_places_each_ranks_moment_shards():
     """auto placement with partitioned moments plans rank 0's shards (the largest), so more of them fit in
     the same per-process budget: weights first, then the moments' host share grows."""
     from snake_strategy.planning.memory import host_plan
-    from snake_strategy.planning.planner import HardwareProfile, ModelShape, memory_inputs, plan
+    from snake_strategy.planning.planner import HardwareProfile, ModelShape, choose_alpha, memory_inputs, plan
 
     shape = ModelShape(num_units=8, params_per_unit=2**20, nonlayer_params=0, head_params=0, tokens_per_micro=64,
                        num_micro=4, checkpoint_bytes=2**16)
@@ -567,7 +586,8 @@ def test_planner_places_each_ranks_moment_shards():
     # The weights (32 MiB), the working set (~47 MiB; partitioned: + the gather buffers and the gradient
     # buffers' padding) and part of the moments (64 MiB whole, 32 MiB per rank partitioned).
     for mib, whole_share, rank_share in ((96, 0.265, 0.468), (128, 0.765, 1.0)):
-        one_rank, per_rank = plan(shape, hw, mib * 2**20), plan(two, hw, mib * 2**20)
+        one_rank = plan(shape, hw, mib * 2**20, alpha=choose_alpha(shape))
+        per_rank = plan(two, hw, mib * 2**20, alpha=choose_alpha(two))
         assert one_rank.storage.weights.host == per_rank.storage.weights.host == 1.0
         assert (one_rank.storage.optimizer.host, per_rank.storage.optimizer.host) == (whole_share, rank_share)
         placed = memory_inputs(two, hw, per_rank.storage, "vertical", per_rank.alpha, prefetch_depth=2)

@@ -67,9 +67,9 @@ def test_choose_alpha_is_the_forward_share():
 def test_plan_fills_the_host_budget_weights_first():
     shape = ModelShape(num_units=10, params_per_unit=1_000_000, nonlayer_params=0, head_params=0,
                        tokens_per_micro=16, num_micro=4, checkpoint_bytes=1000)
-    everything = plan(shape, HW, host_budget_bytes=2**30)
+    everything = plan(shape, HW, host_budget_bytes=2**30, alpha=choose_alpha(shape))
     assert everything.storage.weights.host == 1.0 and everything.storage.optimizer.host == 1.0
-    tight = plan(shape, HW, host_budget_bytes=100_000_000)  # working set ~36 MB, weights 40 MB, moments 80 MB
+    tight = plan(shape, HW, host_budget_bytes=100_000_000, alpha=choose_alpha(shape))  # working set ~36 MB, weights 40 MB, moments 80 MB
     assert tight.storage.weights.host == 1.0 and tight.storage.optimizer.host < 1.0
     needed = host_plan(memory_inputs(shape, HW, tight.storage, "vertical", tight.alpha, prefetch_depth=2))
     assert sum(needed.values()) <= 100_000_000
@@ -78,4 +78,4 @@ def test_plan_fills_the_host_budget_weights_first():
 def test_plan_that_cannot_fit_names_the_numbers():
     shape = ModelShape(10, 1_000_000, 0, 0, 16, 4, 1000)
     with pytest.raises(ValueError, match=r"host_budget_bytes=0.00 GiB cannot hold the working set"):
-        plan(shape, HW, host_budget_bytes=1000)
+        plan(shape, HW, host_budget_bytes=1000, alpha=choose_alpha(shape))

@@ -27,12 +27,13 @@ from snake_strategy.contract import (batch_size, batch_tensors, check_contract, 
                                      unpack_pre_stage)
 from snake_strategy.engine.batch_check import batching_tolerance
 from snake_strategy.engine.build import build_model
-from snake_strategy.engine.gradients import GradientPath, defers_whole_units
+from snake_strategy.engine.gradients import GradientPath
 from snake_strategy.engine.half_weights import WeightFormat
 from snake_strategy.engine.kept import KeptGraphs
 from snake_strategy.engine.overlap import OptimizerOverlap
 from snake_strategy.engine.partition import Partition, shard_range
 from snake_strategy.engine.reduce import GradientReducer
+from snake_strategy.engine.rollback import RollbackStore, SpeculationPolicy
 from snake_strategy.engine.runner import StepParts, StepRunner, StepState
 from snake_strategy.engine.runtime import EngineHooks, EngineRuntime
 from snake_strategy.engine.streaming import stream_blocks, streamed_forward
@@ -74,12 +75,13 @@ class SnakeEngine:
         self.dtypes, self.device, self.clip = runtime.dtypes, runtime.device, clip
         self.master_dtype = runtime.dtypes.master  # the dtype of named_weights()' trained values
         self.scaler = runtime.scaler if runtime.scaler is not None else LossScaler(runtime.dtypes.loss_scaling)
-        # What keep_activations="auto" may fill: the hard budget, else the one the planner placed within.
-        self.planned_budget_bytes = storage.host_budget_bytes or plan.host_budget_bytes or None
+        # What keep_activations="auto" may fill: the plan's budget (planning/host_memory.host_budget decided
+        # it, a given one included); a plan made without a budget leaves only the hard one.
+        self.planned_budget_bytes = plan.host_budget_bytes or storage.host_budget_bytes or None
         self.hooks = runtime.hooks or EngineHooks()
         self.progress = or_quiet(runtime.progress)  # setup, long steps and export report here
-        # Norm clipping and loss scaling defer each unit's whole update to the next forward.
-        self.alpha = 1.0 if defers_whole_units(clip, self.scaler.enabled) else schedule.alpha
+        self.alpha = schedule.alpha  # the plan's, as its step mode (autoplan.resolve): not decided again here
+        self.speculation = SpeculationPolicy(clip, self.scaler, schedule)  # norm clipping / fp16: rollback.py
         world_size, rank = runtime.world_size, runtime.rank
         self.counters = TrafficCounters()
         self.trace = TaskTrace()
@@ -136,6 +138,8 @@ class SnakeEngine:
                                         self.storage.optimizer_chunk_elems, self.hooks.before_optimizer_chunk,
                                         trace=self.trace)
         self._parts.append(self.overlap)
+        self.overlap.rollback = RollbackStore(self.units, self.storage.rollback, self.dtypes.master, self.device,
+                                              self.counters, self.io, self.ssd) if self.speculation.enabled else None
         self.weights = WeightStreamer(self.units, self.overlap, self.trace, s.prefetch_depth, self.dtypes.weights,
                                       self.device)
         self._parts.append(self.weights)
@@ -147,7 +151,7 @@ class SnakeEngine:
         self.grad_pool = BufferPool("gradients", pools.grad_buffers, max(grad_elems + [1]),
                                     self.dtypes.master, self.device, trace=self.trace)
         self.gradients = GradientPath(self.units, self.overlap, self.grad_pool, self.clip, self.scaler, self.reducer,
-                                      self.partition)
+                                      self.partition, self.speculation)
         if self.partition is not None:
             self.overlap.gather = lambda u: self.partition.gather_weights(self.units[u])
         parts = StepParts(self.units, self.nonlayer, self.weights, self.activations, self.gradients,
@@ -178,7 +182,7 @@ class SnakeEngine:
         return memory_inputs(
             dataclasses.replace(self.shape, checkpoint_bytes=checkpoint_bytes),
             HardwareProfile(device_is_cpu=self.device.type == "cpu"), self.storage, s.kind, self.alpha,
-            s.prefetch_depth, blocks_per_unit=s.blocks_per_unit,
+            s.prefetch_depth, self.speculation.enabled, blocks_per_unit=s.blocks_per_unit,
             # the split backward keeps every micro-batch's Linear inputs and output gradients until W(u)
             micro_per_backward_task=s.num_micro_batches if s.batched_backward or s.split_backward else 1,
             shard_rank=self.partition.rank if self.partition else 0)
@@ -207,7 +211,7 @@ class SnakeEngine:
             raise ValueError(
                 f"the plan needs {needed / 2**30:.2f} GiB ({needed} bytes) of host memory but "
                 f"storage.host_budget_bytes allows {budget / 2**30:.2f} GiB ({budget} bytes): {format_plan(plan)}. "
-                "To fit: move weights/optimizer/gradients/checkpoints shares to 'ssd', lower "
+                "To fit: move weights/optimizer/gradients/checkpoints shares (or storage.rollback) to 'ssd', lower "
                 "schedule.prefetch_depth, use smaller units (schedule.blocks_per_unit), fewer micro-batches "
                 "or a smaller micro-batch, or raise storage.host_budget_bytes")
 
@@ -325,12 +329,12 @@ class SnakeEngine:
             self.nonlayer.used = [bool(n) for n in pending.used.tolist()]
         skip, factor = self.gradients.finish(self.nonlayer, stats)
         if skip:
-            # fp16 overflow: every unit's update is still pending (deferred whole): drop them all.
+            # fp16 overflow: drop every pending update; put back the backward parts stepped speculatively.
             self.overlap.drop_forward_parts()
         else:
             self.nonlayer.step(self._hps, self.step_count)
             # Lightning steps the LR scheduler right after this returns: the forward parts keep this snapshot.
-            self.overlap.defer_forward_parts(self._hps, self.step_count, factor)
+            self.overlap.defer_forward_parts(self._hps, self.step_count, factor, self.gradients.redo)
             self.step_count += 1
         stats.optimizer_s = time.perf_counter() - start_s
         stats.optimizer_wait_s = wait_s

@@ -6,9 +6,10 @@ Policies (docs/design.md, "Clipping and loss scaling"):
 - clipping by value is element-wise: each complete unit is unscaled and clamped at once, and the normal
   overlap applies;
 - clipping by norm and fp16 loss scaling need every gradient before any update (the global norm; the
-  overflow decision), so the whole update of every unit is deferred to the next forward (alpha = 1):
-  the worker parks the complete gradient, and ``finish`` computes the factor
-  ``unscale x min(1, max_norm / (norm + 1e-6))`` that the deferred steps apply (or skips the step).
+  overflow decision): ``finish`` computes the factor ``unscale x min(1, max_norm / (norm + 1e-6))`` that
+  the deferred forward parts apply (or skips the step). The backward parts are stepped speculatively
+  (factor 1, no overflow) or saved, and ``finish`` settles them (``SpeculationPolicy``, engine/rollback.py:
+  kept, redone or restored); with ``schedule.speculation="off"`` the plan's alpha is 1 (all deferred).
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from torch import Tensor
 from snake_strategy.engine.overlap import OptimizerOverlap
 from snake_strategy.engine.partition import Partition, shard_range
 from snake_strategy.engine.reduce import GradientReducer
+from snake_strategy.engine.rollback import SpeculationPolicy
 from snake_strategy.engine.state import NonLayerState, UnitStore
 from snake_strategy.engine.view import StepStats
 from snake_strategy.optim import AdamHyperParams
@@ -26,17 +28,15 @@ from snake_strategy.precision import LossScaler
 from snake_strategy.storage.pool import BufferPool
 
 
-def defers_whole_units(clip: tuple[str, float] | None, loss_scaling: bool) -> bool:
-    return loss_scaling or (clip is not None and clip[0] == "norm")
-
-
 class GradientPath:
     def __init__(self, units: list[UnitStore], overlap: OptimizerOverlap, pool: BufferPool,
                  clip: tuple[str, float] | None, scaler: LossScaler, reducer: GradientReducer | None = None,
-                 partition: Partition | None = None) -> None:
+                 partition: Partition | None = None, speculation: SpeculationPolicy | None = None) -> None:
         self._units, self._overlap, self._pool, self._clip, self._scaler = units, overlap, pool, clip, scaler
         self._reducer = reducer  # None: one process; else the unit gradients are summed across ranks
         self._partition = partition  # partitioned optimizer state: each rank receives its shard's sum
+        self._speculation = speculation  # None: no speculative step (tests building a path by hand)
+        self.redo: dict[int, str] = {}  # backward parts the next forward steps with the true factor
         self._acc: tuple[int, Tensor] | None = None  # (unit, pool buffer) of the unit being accumulated
         self._begin(1, [], 0)
 
@@ -52,6 +52,8 @@ class GradientPath:
     def begin_step(self, num_micro: int, hps: list[AdamHyperParams], step_before: int) -> None:
         assert self._acc is None, "a gradient accumulator survived the previous step"
         self._begin(num_micro, hps, step_before)
+        if self._speculation is not None:  # speculate unless the last step clipped
+            self._overlap.begin_step(*self._speculation.begin_step())
 
     def accumulate(self, u: int, grads: tuple[Tensor, ...], num_micro: int) -> None:
         """Add one task's per-parameter gradients (covering ``num_micro`` micro-batches) into unit ``u``."""
@@ -151,8 +153,16 @@ class GradientPath:
     def finish(self, nonlayer: NonLayerState, stats: StepStats) -> tuple[bool, float | None]:
         """After every backward part is submitted and waited: (skip the step?, factor for deferred parts).
 
-        Applies the same factor to the non-layer gradients. Updates the loss scaler (16-mixed).
+        Applies the same factor to the non-layer gradients. Updates the loss scaler (16-mixed). Settles the
+        speculative step: ``redo`` holds the backward parts to step at the next forward; on a skip the
+        speculated ones are restored by ``OptimizerOverlap.drop_forward_parts``.
         """
+        skip, factor = self._finish(nonlayer, stats)
+        if self._speculation is not None:
+            self.redo = self._speculation.settle_step(skip, stats, self._overlap.speculated, self._overlap.saved)
+        return skip, factor
+
+    def _finish(self, nonlayer: NonLayerState, stats: StepStats) -> tuple[bool, float | None]:
         used = nonlayer.used_grads()
         scale_used = self._scaler.scale
         if self._scaler.enabled:

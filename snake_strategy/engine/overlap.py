@@ -11,6 +11,12 @@ frozen elements [train_end, n) are never stepped nor written:
 
 Every element is updated exactly once per iteration, with its full accumulated gradient, before it is
 next read: the parameter sequence is synchronous AdamW (docs/design.md, "Why the overlap is exact").
+
+Under norm clipping and fp16 loss scaling (a ``RollbackStore`` is set, engine/rollback.py) the backward
+part is stepped speculatively, its raw gradient and pre-step state saved first ("speculate"), or only its
+raw gradient is saved ("defer"); the end of the iteration then queues a redo (restore + step with the
+true factor) or an apply (step with the true factor) of the backward part into the unit's next forward
+job, or restores it at once (``restore``: a skipped fp16 step).
 ``flush`` applies pending forward parts before anything else reads weights (validation, checkpoints,
 teardown).
 
@@ -29,6 +35,7 @@ from typing import Callable
 import torch
 
 from snake_strategy.engine.partition import shard_range
+from snake_strategy.engine.rollback import DEFER, GRAD, REDO, STATES, RollbackStore
 from snake_strategy.engine.state import UnitStore
 from snake_strategy.engine.trace import OPTIMIZER, WAIT, TaskTrace
 from snake_strategy.engine.worker_threads import single_threaded_ops
@@ -43,6 +50,9 @@ class _Deferred:
     step_before: int
     grad_scale: float | None  # unscale x global-norm clip coefficient, applied before the step (None: none)
     unused: dict[int, list[tuple[int, int]]]  # per unit: element ranges of parameters that got no gradient
+    # per unit: the backward part still to step from the rollback store: REDO (from the saved pre-step
+    # state: a speculation that was wrong) or APPLY (from the current state: a deferred-mode step)
+    redo: dict[int, str] = field(default_factory=dict)
     submitted: dict[int, Future] = field(default_factory=dict)
 
 
@@ -78,6 +88,19 @@ class OptimizerOverlap:
         # Partitioned optimizer state: gather(u) all-gathers unit u's updated weights (engine/partition.py).
         self.gather: Callable[[int], None] | None = None
         self.busy_s = 0.0  # worker time spent stepping, since the last reset
+        # The speculative step (engine/rollback.py): set by the engine under norm clipping / fp16 scaling.
+        self.rollback: RollbackStore | None = None
+        self._mode: str | None = None  # this iteration: SPECULATE, DEFER, or None (plain overlap)
+        self._spec_scale: float | None = None  # the factor a speculative step assumes (the unscale only)
+        self.speculated: set[int] = set()  # units whose backward part was stepped speculatively
+        self.saved: set[int] = set()  # units whose backward part's raw gradient waits in the rollback store
+
+    def begin_step(self, mode: str | None, spec_scale: float | None) -> None:
+        """This iteration's backward parts: SPECULATE (stepped, assuming ``spec_scale``), DEFER (saved) or
+        None (stepped, no global decision needed)."""
+        assert mode is None or self.rollback is not None, "a speculative mode needs the rollback store"
+        self._mode, self._spec_scale = mode, spec_scale
+        self.speculated, self.saved = set(), set()
 
     # ------------------------------------------------------------------ backward parts
     def submit_backward_part(self, u: int, grad: torch.Tensor, release: Callable[[], None],
@@ -101,8 +124,17 @@ class OptimizerOverlap:
             park_end = min(unit.split, hi)
             if park_end > lo:
                 unit.grads.evict(grad[:park_end - lo], lo, park_end)
-            self._step_range(unit, max(unit.split, lo), hi, lambda a, b: grad[a - lo:b - lo], hps, step_before,
-                             None, self.unused.get(u, []))
+            start = max(unit.split, lo)
+            if self._mode is None or not self.rollback.holds(u):
+                self._step_range(unit, start, hi, lambda a, b: grad[a - lo:b - lo], hps, step_before,
+                                 None, self.unused.get(u, []))
+            elif self._mode == DEFER:  # one write of the raw gradient; stepped at the next forward
+                self.rollback.start_save(u, GRAD, grad[start - lo:hi - lo], start, hi).wait()
+                self.saved.add(u)
+            else:
+                self._step_range(unit, start, hi, lambda a, b: grad[a - lo:b - lo], hps, step_before,
+                                 self._spec_scale, self.unused.get(u, []), snapshot=True)
+                self.speculated.add(u)
         finally:
             release()
         self._add_busy(time.perf_counter() - start_s)
@@ -122,18 +154,37 @@ class OptimizerOverlap:
         return end_s - start_s
 
     # ------------------------------------------------------------------ forward parts
-    def _has_forward_job(self, u: int) -> bool:
+    def _has_forward_job(self, u: int, d: _Deferred | None = None) -> bool:
         # Partitioned state: every trainable unit's weights are gathered after its forward part.
-        unit = self._units[u]
-        return bool(unit.split) or (self.gather is not None and unit.train_end > 0)
+        unit, d = self._units[u], d or self._deferred
+        return bool(unit.split) or (self.gather is not None and unit.train_end > 0) or (d is not None and u in d.redo)
 
-    def defer_forward_parts(self, hps: list[AdamHyperParams], step_before: int, grad_scale: float | None) -> None:
-        if any(self._has_forward_job(u) for u in range(len(self._units))):
-            self._deferred = _Deferred(hps, step_before, grad_scale, dict(self.unused))
+    def defer_forward_parts(self, hps: list[AdamHyperParams], step_before: int, grad_scale: float | None,
+                            redo: dict[int, str] | None = None) -> None:
+        """Queue this iteration's forward parts (and the backward parts in ``redo``) for the next forward."""
+        d = _Deferred(hps, step_before, grad_scale, dict(self.unused), dict(redo or {}))
+        if any(self._has_forward_job(u, d) for u in range(len(self._units))):
+            self._deferred = d
+
+    def restore(self, units: set[int]) -> None:
+        """Put back the pre-step master weights and moments of these units' backward parts (a skipped step
+        that was speculated), on the worker; blocks until done (a sync point, on overflowing steps only)."""
+        jobs = [self._pool.submit(self._restore_job, u) for u in sorted(units)]
+        for job in jobs:
+            job.result()
+
+    def _restore_job(self, u: int) -> None:
+        unit = self._units[u]
+        start_s = time.perf_counter()
+        self._step_range(unit, self.rollback.starts[u], shard_range(unit)[1], None, [], 0, None, [],
+                         source=STATES)
+        self._add_busy(time.perf_counter() - start_s)
 
     def drop_forward_parts(self) -> None:
-        """Forget the parked gradients (a skipped fp16 step): nothing is applied."""
+        """Forget the parked gradients (a skipped fp16 step): nothing is applied, and the backward parts
+        stepped speculatively get their pre-step state back (``restore``)."""
         self._deferred = None
+        self.restore(self.speculated)
 
     def submit_forward_parts(self) -> None:
         """Queue every pending forward part (the worker applies them in unit order, ahead of use)."""
@@ -147,11 +198,11 @@ class OptimizerOverlap:
             return None
         if u not in d.submitted:
             d.submitted[u] = self._pool.submit(self._forward_job, u, d.hps, d.step_before, d.grad_scale,
-                                               d.unused.get(u, []))
+                                               d.unused.get(u, []), d.redo.get(u))
         return d.submitted[u]
 
     def _forward_job(self, u: int, hps: list[AdamHyperParams], step_before: int, grad_scale: float | None,
-                     unused: list[tuple[int, int]]) -> None:
+                     unused: list[tuple[int, int]], redo: str | None) -> None:
         unit = self._units[u]
         start_s = time.perf_counter()
         # The unit's weights are fetched only after this update: its reads are what compute waits for.
@@ -167,6 +218,14 @@ class OptimizerOverlap:
         try:
             try:
                 self._step_range(unit, lo, min(unit.split, hi), parked_grad, hps, step_before, grad_scale, unused)
+                if redo is not None:
+                    # The backward part, with the true factor: from its saved pre-step state (REDO, a wrong
+                    # speculation) or from the current one (APPLY, a deferred-mode step); raw gradient saved.
+                    def saved_grad(a: int, b: int) -> torch.Tensor:
+                        return self.rollback.fetch(u, GRAD, buffer, a, b)
+
+                    self._step_range(unit, self.rollback.starts[u], hi, saved_grad, hps, step_before, grad_scale,
+                                     unused, source=STATES if redo == REDO else None)
             finally:
                 grad_pool.release(buffer)
             if self.gather is not None:
@@ -204,46 +263,55 @@ class OptimizerOverlap:
             self._deferred = None
 
     # ------------------------------------------------------------------ the arithmetic
-    def _step_range(self, unit: UnitStore, lo: int, hi: int, grad_of: Callable[[int, int], torch.Tensor],
+    def _step_range(self, unit: UnitStore, lo: int, hi: int, grad_of: Callable[[int, int], torch.Tensor] | None,
                     hps: list[AdamHyperParams], step_before: int, grad_scale: float | None,
-                    unused: list[tuple[int, int]]) -> None:
+                    unused: list[tuple[int, int]], source: tuple[str, ...] | None = None,
+                    snapshot: bool = False) -> None:
         """AdamW on elements [lo, hi) of a unit, chunk by chunk (``grad_of(a, b)``: the gradient of elements
-        [a, b) of the unit, a buffer the step may scale in place)."""
+        [a, b) of the unit, a buffer the step may scale in place; None: no step, only put back the saved
+        state). ``source=STATES``: the master weights and moments start from the rollback store's saved
+        pre-step values, not the tiers. ``snapshot``: save the raw gradient and the pre-step state first."""
+        u = unit.layout.index
         for start in range(lo, hi, self._chunk_elems):
             end = min(hi, start + self._chunk_elems)
             chunk_s = time.perf_counter() if self._trace.enabled else 0.0
             if self._before_chunk is not None:
-                self._before_chunk(unit.layout.index)
-            grad = grad_of(start, end)
-            if grad_scale is not None:
+                self._before_chunk(u)
+            grad = grad_of(start, end) if grad_of is not None else None
+            if snapshot:  # before the in-place scaling below; the step may redo from it
+                self.rollback.start_save(u, GRAD, grad, start, end).wait()
+            if grad is not None and grad_scale is not None:
                 grad.mul_(grad_scale)  # as torch.nn.utils.clip_grad_norm_ does, even when the factor is 1
             keep = [(max(a, start), min(b, end)) for a, b in unused if max(a, start) < min(b, end)]
-            self._step_chunk(unit, start, end, grad, hps, step_before, keep)
+            self._step_chunk(unit, start, end, grad, hps, step_before, keep, source, snapshot)
             if self._trace.enabled:
                 self._trace.span(OPTIMIZER, f"chunk u{unit.layout.index}", chunk_s, unit=unit.layout.index,
                                  elements=end - start, offset=start)
 
-    def _step_chunk(self, unit: UnitStore, lo: int, hi: int, grad: torch.Tensor,
-                    hps: list[AdamHyperParams], step_before: int, keep: list[tuple[int, int]]) -> None:
+    def _step_chunk(self, unit: UnitStore, lo: int, hi: int, grad: torch.Tensor | None,
+                    hps: list[AdamHyperParams], step_before: int, keep: list[tuple[int, int]],
+                    source: tuple[str, ...] | None = None, snapshot: bool = False) -> None:
         scratch = {name: pool.acquire() for name, pool in self._scratch.items() if name != "grad"}
+        u = unit.layout.index
         try:
             with torch.no_grad():
-                master = _acquire(unit.master, scratch["master"], lo, hi)
-                exp_avg = _acquire(unit.exp_avg, scratch["exp_avg"], lo, hi)
-                exp_avg_sq = _acquire(unit.exp_avg_sq, scratch["exp_avg_sq"], lo, hi)
-                grad = grad.to(master.device, non_blocking=True)
-                kept = [(a, b, [t[a - lo:b - lo].clone() for t in (master, exp_avg, exp_avg_sq)]) for a, b in keep]
-                for group, start, end in unit.layout.group_ranges:
-                    s, e = max(start, lo) - lo, min(end, hi) - lo
-                    if s < e:
-                        adam_step([master[s:e]], [grad[s:e]], [exp_avg[s:e]], [exp_avg_sq[s:e]], step_before,
-                                  hps[group])
-                for a, b, values in kept:
-                    for t, v in zip((master, exp_avg, exp_avg_sq), values):
-                        t[a - lo:b - lo].copy_(v)
+                if source is not None:  # the saved pre-step values (a rollback)
+                    master, exp_avg, exp_avg_sq = (self.rollback.fetch(u, name, scratch[name], lo, hi)
+                                                   for name in STATES)
+                else:
+                    master = _acquire(unit.master, scratch["master"], lo, hi)
+                    exp_avg = _acquire(unit.exp_avg, scratch["exp_avg"], lo, hi)
+                    exp_avg_sq = _acquire(unit.exp_avg_sq, scratch["exp_avg_sq"], lo, hi)
+                if snapshot:  # waited: a device-resident state is stepped in place right below
+                    for ticket in [self.rollback.start_save(u, name, t, lo, hi)
+                                   for name, t in zip(STATES, (master, exp_avg, exp_avg_sq))]:
+                        ticket.wait()
+                if grad is not None:
+                    self._adam(unit, lo, hi, master, exp_avg, exp_avg_sq, grad, hps, step_before, keep)
+                resident = source is None  # fetched from the tiers: a resident state was stepped in place
                 tickets = [t.start_evict(v, lo, hi) for t, v in
                            ((unit.master, master), (unit.exp_avg, exp_avg), (unit.exp_avg_sq, exp_avg_sq))
-                           if not t.resident]
+                           if not (t.resident and resident)]
                 if unit.weights is not unit.master:
                     tickets += unit.start_refresh(master, lo, hi, scratch["compute"])
                 for ticket in tickets:
@@ -251,6 +319,21 @@ class OptimizerOverlap:
         finally:
             for name, buffer in scratch.items():
                 self._scratch[name].release(buffer)
+
+    @staticmethod
+    def _adam(unit: UnitStore, lo: int, hi: int, master: torch.Tensor, exp_avg: torch.Tensor,
+              exp_avg_sq: torch.Tensor, grad: torch.Tensor, hps: list[AdamHyperParams], step_before: int,
+              keep: list[tuple[int, int]]) -> None:
+        """One AdamW step of unit elements [lo, hi) in place, parameters in ``keep`` left as they were."""
+        grad = grad.to(master.device, non_blocking=True)
+        kept = [(a, b, [t[a - lo:b - lo].clone() for t in (master, exp_avg, exp_avg_sq)]) for a, b in keep]
+        for group, start, end in unit.layout.group_ranges:
+            s, e = max(start, lo) - lo, min(end, hi) - lo
+            if s < e:
+                adam_step([master[s:e]], [grad[s:e]], [exp_avg[s:e]], [exp_avg_sq[s:e]], step_before, hps[group])
+        for a, b, values in kept:
+            for t, v in zip((master, exp_avg, exp_avg_sq), values):
+                t[a - lo:b - lo].copy_(v)
 
     def _add_busy(self, seconds: float) -> None:
         with self._lock:

@@ -47,6 +47,11 @@ class StepStats:
     skipped: bool = False  # fp16: an inf/nan gradient; no parameter changed
     grad_norm: float | None = None  # norm clipping: the global gradient norm (unscaled)
     clip_factor: float | None = None  # norm clipping: min(1, max_norm / (norm + 1e-6))
+    # The speculative step (norm clipping / fp16, engine/rollback.py): was this step speculative, was it
+    # rolled back (its backward parts redone at the next forward, or restored), rollbacks so far.
+    speculation: bool = False
+    rolled_back: bool = False
+    rollbacks: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         """Plain values (JSON-ready): one record of a benchmark or a test's history."""

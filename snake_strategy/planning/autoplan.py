@@ -6,16 +6,22 @@ Choices (docs/design.md, "The planner drives the run"; the measurements behind t
 
 - **placement**: everything on the host when the whole run fits the host budget (nothing is faster);
   otherwise ``planner.plan`` fills the budget with the states that move the most bytes per byte stored
-  (weights, then Adam moments) and puts the rest on the SSD. The budget is
-  ``storage.host_budget_bytes`` (per process), or ``AVAILABLE_MEMORY_SHARE`` of the memory the kernel
-  reports available at setup, divided among the processes of the node; ``ACTIVATION_RESERVE_SHARE`` of it is left for the activations (sized at the
-  first step, when the host budget is checked again with them).
+  (weights, then Adam moments) and puts the rest on the SSD. The budget is ``host_memory.host_budget``:
+  the tightest of ``storage.host_budget_bytes``, a share of MemAvailable and a share of what the memory
+  cgroup still allows (``RunPlan.host_budget_source`` says which); ``ACTIVATION_RESERVE_SHARE`` of it is
+  left for the activations (sized at the first step, when the host budget is checked again with them).
 - **order**: vertical (the horizontal order moves every unit's weights M times more).
 - **batching**: batched forward and backward passes when the module declares that its blocks treat
   samples independently (``LayeredModule.independent_samples``; the GPT and HuggingFace modules do): on
   the measured presets they are the fastest. Otherwise the unbatched passes, which are exact for any block,
   with ``split_backward`` when ``SPLIT_BACKWARD_WINS`` (measured, see docs/LOG.md).
-- **alpha**: ``planner.choose_alpha`` (the forward's share of the block compute).
+- **alpha** and the **optimizer step's mode**, decided here only (the engine and ``planner.plan`` take
+  them as given): ``planner.choose_alpha`` (the forward's share of the block compute). Norm clipping and
+  fp16 loss scaling need the global norm / the overflow flag before any update: by default the step is
+  speculative (``schedule.speculation="on"``: the units are stepped at that alpha, rolled back when the
+  clip factor was not 1 or a gradient overflowed, engine/rollback.py), and the rollback state goes on the
+  host when the budget left after placement holds it, else on the SSD; ``speculation="off"`` runs alpha 1
+  (every whole update deferred), and the parked gradients are sized with that.
 - **prefetch depth**: ``prefetch_depth``: 2 when the weights are partly on the SSD (a unit's read then takes
   longer than a unit's compute on the measured machines), else 1.
 - **kept activations** (``keep_activations="auto"``): decided by the engine at the first step, once a unit's
@@ -28,7 +34,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,16 +43,14 @@ from torch import nn
 from snake_strategy.config import STATES, ScheduleConfig, StorageConfig, TierSplit
 from snake_strategy.contract import check_trainable
 from snake_strategy.planning.hardware import matmul_flops_per_s, probe_hardware
-from snake_strategy.planning.memory import host_plan
+from snake_strategy.planning.host_memory import SOURCE_AVAILABLE, host_budget
+from snake_strategy.planning.memory import ROLLBACK_VECTORS, host_plan, rollback_elems
 from snake_strategy.planning.planner import (HardwareProfile, ModelShape, StepPrediction, choose_alpha, memory_inputs,
                                              plan, predict)
 from snake_strategy.units import UnitLayout, build_layouts
 
 log = logging.getLogger(__name__)
 
-# Without storage.host_budget_bytes, auto placement plans within this share of MemAvailable at setup: the
-# rest is for Python, Lightning, the data pipeline and what the memory model does not see.
-AVAILABLE_MEMORY_SHARE = 0.6
 # Activation checkpoints and the compute workspace are sized only at the first step (they need the tokens
 # per micro-batch): the placement leaves this share of the budget for them (checked then, item by item).
 ACTIVATION_RESERVE_SHARE = 0.25
@@ -63,14 +66,20 @@ class RunPlan:
     storage: StorageConfig  # concrete: every state placed
     schedule: ScheduleConfig  # concrete: every field set
     reasons: dict[str, str]  # setting -> "given" or why the planner chose it
-    host_budget_bytes: int
+    host_budget_bytes: int  # host_memory.host_budget: the tightest bound, which every reader uses
     host_bytes: int  # memory.host_plan of the chosen settings (checkpoints not yet counted)
+    host_budget_source: str = SOURCE_AVAILABLE  # which bound it was (host_memory.SOURCE_*)
+    host_budget_detail: str = ""  # the numbers behind it
     prediction: StepPrediction | None = None  # the floor of one step, from the first batch's shapes
     kept_units: list[int] | None = None  # units whose forward graph is kept (known after the first step)
     # The model laid out in units and its shape before any batch (setup_layouts): what the engine builds
     # from, so the model is laid out and checked once. Not part of as_dict (module references).
     layouts: list[UnitLayout] = dataclasses.field(default_factory=list, repr=False)
     shape: ModelShape | None = dataclasses.field(default=None, repr=False)
+    # The optimizer step that runs: "overlapped" (no global decision needed), "speculative" (norm clipping
+    # or fp16 loss scaling, rolled back when wrong) or "deferred" (alpha 1: whole updates deferred).
+    step_mode: str = "overlapped"
+    rollback_bytes: int = 0  # the speculative step's rollback state, on storage.rollback
 
     def describe(self) -> str:
         s, st = self.schedule, self.storage
@@ -78,9 +87,13 @@ class RunPlan:
                     f"batched forward={s.batched_forward} backward={s.batched_backward}")
         places = ", ".join(f"{state} {_split_text(getattr(st, state))}" for state in STATES)
         kept = s.keep_activations if self.kept_units is None else f"{len(self.kept_units)} units"
-        text = (f"{s.kind}, {s.num_micro_batches} micro-batches, {batching}, alpha {s.alpha}, prefetch "
-                f"{s.prefetch_depth}, keep activations {kept}; {places}; host {self.host_bytes / 2**30:.2f} of "
-                f"{self.host_budget_bytes / 2**30:.2f} GiB")
+        step = self.step_mode
+        if step == "speculative":
+            step = f"speculative (rollback state {self.rollback_bytes / 2**30:.2f} GiB on the {st.rollback})"
+        text = (f"{s.kind}, {s.num_micro_batches} micro-batches, {batching}, alpha {s.alpha}, optimizer step "
+                f"{step}, prefetch {s.prefetch_depth}, keep activations {kept}; {places}; host "
+                f"{self.host_bytes / 2**30:.2f} of {self.host_budget_bytes / 2**30:.2f} GiB (bounded by "
+                f"{self.host_budget_source}: {self.host_budget_detail})")
         if self.prediction is not None:
             text += f"; predicted floor {self.prediction.roofline_s:.3f} s/step ({self.prediction.bound}-bound)"
         return text
@@ -90,20 +103,10 @@ class RunPlan:
                 "storage": {k: (dataclasses.asdict(v) if isinstance(v, TierSplit) else v)
                             for k, v in dataclasses.asdict(self.storage).items()},
                 "reasons": dict(self.reasons), "host_budget_bytes": self.host_budget_bytes,
-                "host_bytes": self.host_bytes, "kept_units": self.kept_units,
+                "host_budget_source": self.host_budget_source, "host_budget_detail": self.host_budget_detail,
+                "host_bytes": self.host_bytes, "kept_units": self.kept_units, "step_mode": self.step_mode,
+                "rollback_bytes": self.rollback_bytes,
                 "prediction": self.prediction.as_dict() if self.prediction is not None else None}
-
-
-def available_memory_bytes() -> int:
-    """MemAvailable (Linux), else the free physical pages: what a new allocation can get without swapping."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 def setup_layouts(module: nn.Module, optimizer: torch.optim.Optimizer | None, blocks_per_unit: int, num_micro: int,
@@ -120,21 +123,36 @@ def setup_layouts(module: nn.Module, optimizer: torch.optim.Optimizer | None, bl
 
 def resolve(module: nn.Module, optimizer: torch.optim.Optimizer | None, storage: StorageConfig,
             schedule: ScheduleConfig, compute_bytes: int, master_bytes: int, device: torch.device,
-            hardware: HardwareProfile, processes_per_node: int = 1, optimizer_shards: int = 1) -> RunPlan:
+            hardware: HardwareProfile, processes_per_node: int = 1, optimizer_shards: int = 1,
+            clip: tuple[str, float] | None = None, loss_scaling: bool = False) -> RunPlan:
     """Concrete storage and schedule for this run (explicit settings kept), with the reasons.
     ``processes_per_node``: the ranks sharing this machine's memory split the default budget.
-    ``optimizer_shards``: partitioned moments, cut over that many ranks (each plans its share)."""
+    ``optimizer_shards``: partitioned moments, cut over that many ranks (each plans its share).
+    ``clip`` (Trainer's gradient_clip_algorithm, gradient_clip_val) and ``loss_scaling`` (16-mixed) decide
+    the optimizer step's mode and with it the alpha that runs (the one place it is decided)."""
     layouts, shape = setup_layouts(module, optimizer, schedule.blocks_per_unit, schedule.num_micro_batches,
                                    compute_bytes, master_bytes)
     shape = dataclasses.replace(shape, optimizer_shards=optimizer_shards)
     hardware = dataclasses.replace(hardware, device_is_cpu=device.type == "cpu")
-    budget = storage.host_budget_bytes or int(AVAILABLE_MEMORY_SHARE * available_memory_bytes() / processes_per_node)
+    bounded = host_budget(storage.host_budget_bytes, processes_per_node)
+    budget = bounded.budget_bytes
     reasons: dict[str, str] = {}
     kind = "vertical" if schedule.kind == "auto" else schedule.kind
     reasons["kind"] = "given" if schedule.kind != "auto" else "vertical: one weight fetch per unit per pass"
     alpha = schedule.alpha if schedule.alpha is not None else choose_alpha(shape)
     reasons["alpha"] = "given" if schedule.alpha is not None else "the forward's share of the block compute"
-    storage, placed = _place(shape, hardware, storage, kind, alpha, budget)
+    speculation = schedule.speculation or "on"
+    reasons["speculation"] = "given" if schedule.speculation is not None else "on by default"
+    global_decision = loss_scaling or (clip is not None and clip[0] == "norm")
+    if global_decision and speculation == "off" and alpha != 1.0:
+        alpha = 1.0
+        reasons["alpha"] = ("1: norm clipping / fp16 loss scaling with schedule.speculation='off' defer every "
+                            "unit's whole update until the global norm / overflow flag is known")
+    speculative = global_decision and speculation == "on" and alpha < 1.0
+    step_mode = "speculative" if speculative else "deferred" if global_decision else "overlapped"
+    rollback_given = storage.rollback  # None: placed after the states (placement sets every field)
+    storage, placed = _place(shape, hardware, storage, kind, alpha, budget, speculative,
+                             evaluating=optimizer is None)
     reasons.update(placed)
     if schedule.prefetch_depth is not None:
         depth, reasons["prefetch_depth"] = schedule.prefetch_depth, "given"
@@ -144,19 +162,25 @@ def resolve(module: nn.Module, optimizer: torch.optim.Optimizer | None, storage:
     reasons.update(why)
     reasons["keep_activations"] = "given (0 is an explicit kind's default)" if schedule.keep_activations != "auto" else (
         "auto: the top units whose forward graph fits the host budget left by the plan, measured at the first step")
-    concrete = dataclasses.replace(schedule, kind=kind, alpha=alpha, prefetch_depth=depth, **batching)
+    concrete = dataclasses.replace(schedule, kind=kind, alpha=alpha, prefetch_depth=depth, speculation=speculation,
+                                   **batching)
     if schedule.split_backward:
         log.info("schedule.split_backward=true: LayerPipe's split backward (input gradients per micro-batch, Linear "
                  "weight gradients as one product per unit). Until 2026-12 this key was an old name of "
                  "batched_backward; set batched_backward for that")
-    host_bytes = sum(host_plan(memory_inputs(shape, hardware, storage, kind, alpha, depth)).values())
+    storage, reasons["rollback"] = _place_rollback(shape, hardware, storage, rollback_given, kind, alpha, depth,
+                                                   budget, speculative)
+    inputs = memory_inputs(shape, hardware, storage, kind, alpha, depth, speculative)
+    host_bytes = sum(host_plan(inputs).values())
+    rollback_bytes = ROLLBACK_VECTORS * sum(rollback_elems(inputs)) * master_bytes
     if storage.checkpoints.ssd > 0 and concrete.num_micro_batches <= 2 * storage.checkpoint_host_ends:
         log.warning(
             "storage.checkpoints puts %.0f%% on the SSD, but with schedule.num_micro_batches=%d and "
             "storage.checkpoint_host_ends=%d every micro-batch is a turning point kept on the host: no "
             "activation checkpoint will reach the SSD. Lower checkpoint_host_ends or raise num_micro_batches",
             100 * storage.checkpoints.ssd, concrete.num_micro_batches, storage.checkpoint_host_ends)
-    return RunPlan(storage, concrete, reasons, budget, host_bytes, layouts=layouts, shape=shape)
+    return RunPlan(storage, concrete, reasons, budget, host_bytes, bounded.source, bounded.detail, layouts=layouts,
+                   shape=shape, step_mode=step_mode, rollback_bytes=rollback_bytes)
 
 
 def prefetch_depth(storage: StorageConfig) -> tuple[int, str]:
@@ -167,23 +191,56 @@ def prefetch_depth(storage: StorageConfig) -> tuple[int, str]:
     return 1, "weights in memory: one unit ahead hides a copy"
 
 
+def _place_rollback(shape: ModelShape, hw: HardwareProfile, storage: StorageConfig, given: str | None, kind: str,
+                    alpha: float, depth: int, budget: int, speculative: bool) -> tuple[StorageConfig, str]:
+    """The rollback state's tier: given, else the host when the placed plan with it there still fits the
+    budget (less the activation reserve), else the SSD. Placed after the states: per byte stored it moves
+    one byte per step (written once), the states two or more."""
+    if given is not None:
+        return dataclasses.replace(storage, rollback=given), "given"
+    if not speculative:
+        return dataclasses.replace(storage, rollback="host"), "no speculative step: nothing to keep"
+    on_host = dataclasses.replace(storage, rollback="host")
+    needed = sum(host_plan(memory_inputs(shape, hw, on_host, kind, alpha, depth, True)).values())
+    room = int(budget * (1 - ACTIVATION_RESERVE_SHARE))
+    if needed <= room:
+        return on_host, f"host: the plan with it needs {needed / 2**30:.2f} of {room / 2**30:.2f} GiB"
+    return (dataclasses.replace(storage, rollback="ssd"),
+            f"ssd: on the host the plan would need {needed / 2**30:.2f} GiB of {room / 2**30:.2f} GiB")
+
+
 def _place(shape: ModelShape, hw: HardwareProfile, storage: StorageConfig, kind: str, alpha: float,
-           budget: int) -> tuple[StorageConfig, dict[str, str]]:
-    """(placed storage, reasons). States given explicitly keep their split."""
+           budget: int, speculative: bool = False, evaluating: bool = False) -> tuple[StorageConfig, dict[str, str]]:
+    """(placed storage, reasons). States given explicitly keep their split. The rollback state is placed
+    afterwards (``_place_rollback``), so it is counted on the SSD here. ``evaluating``: only the compute
+    weights are stored (no moments, gradients or optimizer working set): over the budget they all stream
+    from the SSD, which the evaluation engine checks against its own, smaller plan."""
     unset = storage.unset()
     given = {state: getattr(storage, state) for state in STATES if state not in unset}
     reasons = {state: "given" for state in given}
     if not unset:
         return storage, reasons
     host = TierSplit()
-    all_host = dataclasses.replace(storage, placement="manual", **{s: given.get(s, host) for s in STATES})
-    needed = sum(host_plan(memory_inputs(shape, hw, all_host, kind, alpha, 1)).values())
+    all_host = dataclasses.replace(storage, placement="manual", rollback=storage.rollback or "ssd",
+                                   **{s: given.get(s, host) for s in STATES})
+    needed = sum(host_plan(memory_inputs(shape, hw, all_host, kind, alpha, 1, speculative)).values())
     budget = int(budget * (1 - ACTIVATION_RESERVE_SHARE))
     if needed <= budget:
         reasons.update({s: f"host: the run needs {needed / 2**30:.2f} GiB of the {budget / 2**30:.2f} GiB budget"
                         for s in unset})
         return all_host, reasons
-    chosen = plan(shape, hw, budget, kind, storage.ssd_dir)  # raises when not even the working set fits
+    if evaluating:  # planner.plan sizes a training step's working set, which evaluation never holds
+        unit_bytes = shape.params_per_unit * shape.weight_bytes
+        weights_bytes = shape.num_units * unit_bytes
+        # What the host keeps besides a share of the weights: the streamed units (1 + prefetch 2), the non-layer ones.
+        free = budget - 3 * unit_bytes - (shape.nonlayer_params + shape.nonlayer_frozen_params) * shape.weight_bytes
+        host = max(0.0, min(1.0, int(100 * free / weights_bytes) / 100)) if weights_bytes else 1.0
+        split = TierSplit(host=host, ssd=round(1.0 - host, 2))
+        reasons.update({s: f"evaluation: the compute weights ({weights_bytes / 2**30:.2f} GiB), {host:.0%} of them "
+                           f"in the {budget / 2**30:.2f} GiB budget" for s in unset})
+        return dataclasses.replace(storage, placement="manual", **{s: given.get(s, split) for s in STATES}), reasons
+    # raises when not even the working set fits
+    chosen = plan(shape, hw, budget, kind, storage.ssd_dir, alpha=alpha, speculative=speculative)
     placed = dataclasses.replace(storage, placement="manual",
                                  **{s: given.get(s, getattr(chosen.storage, s)) for s in STATES})
     reasons.update({s: f"planner.plan: {needed / 2**30:.2f} GiB all on the host exceeds the "
@@ -253,7 +310,7 @@ def first_prediction(plan: RunPlan, shape: ModelShape, alpha: float, hardware: H
         out_dim, in_dim = largest_block_matrix
         hardware = dataclasses.replace(
             hardware, flops_per_s=matmul_flops_per_s(shape.tokens_per_micro, in_dim, out_dim, device))
-    prediction = predict(shape, hardware, plan.storage, plan.schedule.kind, alpha)
+    prediction = predict(shape, hardware, plan.storage, plan.schedule.kind, alpha, plan.step_mode == "speculative")
     log.info("planner: predicted floor %.3f s/step (%s-bound; compute %.3f s, ssd %.3f s, optimizer %.3f s)",
              prediction.roofline_s, prediction.bound, prediction.compute_s, prediction.ssd_s, prediction.optimizer_s)
     return prediction, hardware

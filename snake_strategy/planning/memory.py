@@ -100,6 +100,9 @@ class MemoryInputs:
     # moments of its shard of every unit only (the plan is per rank). 1: the moments are whole.
     shard_world_size: int = 1
     shard_rank: int = 0
+    # The speculative optimizer step (engine/rollback.py): each unit's backward part keeps its raw
+    # gradient and pre-step master weights and moments, on the tier ``storage.rollback`` says.
+    speculative: bool = False
 
     @property
     def trainable(self) -> tuple[int, ...]:
@@ -196,6 +199,22 @@ def stored_gradient_elems(inputs: MemoryInputs) -> int:
     return sum(forward_split(n, inputs.alpha) for n in inputs.trainable)
 
 
+# Rollback state per element of a unit's backward part: the raw gradient, the master weight, two moments.
+ROLLBACK_VECTORS = 4
+
+
+def rollback_elems(inputs: MemoryInputs) -> tuple[int, ...]:
+    """Per unit, the elements of this rank's backward part [max(split, lo), hi) that the speculative step's
+    rollback state holds (``ROLLBACK_VECTORS`` vectors each); empty without speculation."""
+    if not inputs.speculative:
+        return ()
+    out = []
+    for t in inputs.trainable:
+        lo, hi = shard_bounds(t, inputs.shard_world_size, inputs.shard_rank)
+        out.append(max(0, hi - max(forward_split(t, inputs.alpha), lo)))
+    return tuple(out)
+
+
 def _in_memory(split: TierSplit, device_is_cpu: bool) -> float:
     return split.host + (split.device if device_is_cpu else 0.0)
 
@@ -237,6 +256,8 @@ def _pinned_items(inputs: MemoryInputs) -> dict[str, int]:
     }
     if inputs.separate_master:
         items["master"] = pinned_host_shares(units, s.master, e_m)
+    if inputs.speculative and s.rollback != "ssd":
+        items["rollback_state"] = ROLLBACK_VECTORS * pinned_host_shares(rollback_elems(inputs), TierSplit(), e_m)
     staging = weight_staging_elems(inputs.weight_elems, s.weights)
     if staging:
         items["weight_staging"] = WEIGHT_STAGING_BUFFERS * aligned_allocation_bytes(staging, inputs.e_w,
@@ -277,6 +298,8 @@ def _host_plan(inputs: MemoryInputs) -> dict[str, int]:
     }
     if inputs.separate_master:
         plan["master"] = int(trained * e_m * _in_memory(s.master, cpu))
+    if inputs.speculative and s.rollback != "ssd":
+        plan["rollback_state"] = ROLLBACK_VECTORS * sum(rollback_elems(inputs)) * e_m
     if inputs.shard_world_size > 1 and cpu:
         world = inputs.shard_world_size
         plan["partition_buffers"] = partition_host_bytes(max(shard_size(t, world) for t in inputs.trainable) * world,
@@ -314,6 +337,8 @@ def ssd_plan(inputs: MemoryInputs) -> dict[str, int]:
     }
     if inputs.separate_master:
         plan["master"] = per_unit(s.master.ssd, e_m, trained)
+    if inputs.speculative and s.rollback == "ssd":
+        plan["rollback_state"] = ROLLBACK_VECTORS * per_unit(1.0, e_m, rollback_elems(inputs))
     if inputs.checkpoint_bytes:
         num_ssd = checkpoint_tiers(s, inputs.num_micro).count("ssd")
         plan["checkpoints"] = num_ssd * len(units) * round_up(inputs.checkpoint_bytes)

@@ -26,7 +26,8 @@ from dataclasses import asdict, dataclass
 from torch import nn
 
 from snake_strategy.config import StorageConfig, TierSplit
-from snake_strategy.planning.memory import MemoryInputs, checkpoint_tiers, forward_split, host_plan, shard_bounds
+from snake_strategy.planning.memory import (ROLLBACK_VECTORS, MemoryInputs, checkpoint_tiers, forward_split,
+                                            host_plan, shard_bounds)
 from snake_strategy.storage.tiered import tier_bytes
 from snake_strategy.units import UnitLayout, nonlayer_numel
 
@@ -153,8 +154,10 @@ def step_flops(shape: ModelShape) -> float:
     return shape.num_micro * (per_micro + head)
 
 
-def predict(shape: ModelShape, hw: HardwareProfile, storage: StorageConfig, kind: str, alpha: float) -> StepPrediction:
-    """Predicted floor of one step's time for this placement and schedule.
+def predict(shape: ModelShape, hw: HardwareProfile, storage: StorageConfig, kind: str, alpha: float,
+            speculative: bool = False) -> StepPrediction:
+    """Predicted floor of one step's time for this placement and schedule (``speculative``: a committed
+    speculative step, which also writes its rollback state; a rollback's redo is not in the floor).
 
     The bytes are exact: the same tier boundaries and page rounding as the engine's transfers
     (``storage.tiered.tier_bytes``), so they equal the engine's counters for a steady-state step.
@@ -185,6 +188,13 @@ def predict(shape: ModelShape, hw: HardwareProfile, storage: StorageConfig, kind
             refresh = tier_bytes(shape.weight_elems_per_unit or u, storage.weights, e_w, 0, t)
             write += refresh["ssd"]
             host_bytes += refresh["host"] + tail
+        if speculative:  # raw gradient + pre-step master and moments of this rank's backward part
+            lo, hi = shard_bounds(t, shape.optimizer_shards, 0)
+            kept = max(0, hi - max(forward_split(t, alpha), lo))
+            rollback = tier_bytes(kept, TierSplit(host=0.0, ssd=1.0) if storage.rollback == "ssd" else TierSplit(),
+                                  e_m)
+            write += ROLLBACK_VECTORS * rollback["ssd"]
+            host_bytes += ROLLBACK_VECTORS * rollback["host"]
     if L > 1:
         # Each SSD checkpoint (a unit's input) is written once and read by the unit's forward and by its
         # recompute; the last unit's input only once (its backward is fused with its forward), and units
@@ -224,10 +234,11 @@ def choose_alpha(shape: ModelShape) -> float:
 
 
 def memory_inputs(shape: ModelShape, hw: HardwareProfile, storage: StorageConfig, kind: str, alpha: float,
-                  prefetch_depth: int = 1, *, blocks_per_unit: int = 1, micro_per_backward_task: int = 1,
-                  shard_rank: int = 0) -> MemoryInputs:
+                  prefetch_depth: int = 1, speculative: bool = False, *, blocks_per_unit: int = 1,
+                  micro_per_backward_task: int = 1, shard_rank: int = 0) -> MemoryInputs:
     """The memory model's view of a run: the one place ``MemoryInputs`` is built, for the planner (a shape
-    planned on paper: uniform units) and for the engine (its laid-out shape: exact units)."""
+    planned on paper: uniform units) and for the engine (its laid-out shape: exact units). ``speculative``:
+    the speculative optimizer step's rollback state is counted (on ``storage.rollback``)."""
     L = shape.num_units
     uniform_elems = (shape.weight_elems_per_unit,) * L if shape.weight_elems_per_unit else ()
     return MemoryInputs(
@@ -239,12 +250,18 @@ def memory_inputs(shape: ModelShape, hw: HardwareProfile, storage: StorageConfig
         unit_trainable=shape.trainable_per_unit, nonlayer_frozen=shape.nonlayer_frozen_params,
         storage=storage, kind=kind, num_micro=shape.num_micro, alpha=alpha, prefetch_depth=prefetch_depth,
         blocks_per_unit=blocks_per_unit, micro_per_backward_task=micro_per_backward_task,
-        checkpoint_bytes=shape.checkpoint_bytes, shard_world_size=shape.optimizer_shards, shard_rank=shard_rank)
+        checkpoint_bytes=shape.checkpoint_bytes, shard_world_size=shape.optimizer_shards, shard_rank=shard_rank,
+        speculative=speculative)
 
 
 def plan(shape: ModelShape, hw: HardwareProfile, host_budget_bytes: int, kind: str = "vertical",
-         ssd_dir: str | None = None) -> Plan:
+         ssd_dir: str | None = None, *, alpha: float, speculative: bool = False) -> Plan:
     """Fill the host budget with the states that move the most bytes per byte stored; the rest on SSD.
+
+    ``alpha`` is the one that runs (``autoplan.resolve`` decides it: 1 when norm clipping or fp16 defer
+    whole updates): it sizes the parked gradients. ``speculative``: the speculative step's rollback state
+    exists; it is planned on the SSD here (it moves one byte per byte stored, less than any state above,
+    so the budget goes to them first; ``resolve`` moves it to the host when what is left allows).
 
     Order: weights (read twice per step by compute, once more by the optimizer: ~4 bytes moved per
     byte stored), then Adam moments (read + written: 2), then activation checkpoints (2). The working set
@@ -253,12 +270,11 @@ def plan(shape: ModelShape, hw: HardwareProfile, host_budget_bytes: int, kind: s
     even the working set does not fit.
     """
     P = shape.params_per_unit * shape.num_units
-    alpha = choose_alpha(shape)
     separate_master = shape.weight_bytes != shape.master_bytes
     all_ssd = StorageConfig(ssd_dir=ssd_dir, weights="ssd", master="ssd", optimizer="ssd", gradients="host",
-                            checkpoints="ssd")
+                            checkpoints="ssd", rollback="ssd")
     # Prefetch depth 2 is the most the choice below takes: plan its buffers from the start.
-    fixed = sum(host_plan(memory_inputs(shape, hw, all_ssd, kind, alpha, prefetch_depth=2)).values())
+    fixed = sum(host_plan(memory_inputs(shape, hw, all_ssd, kind, alpha, 2, speculative)).values())
     if fixed > host_budget_bytes:
         raise ValueError(
             f"host_budget_bytes={host_budget_bytes / 2**30:.2f} GiB cannot hold the working set of "
@@ -287,5 +303,5 @@ def plan(shape: ModelShape, hw: HardwareProfile, host_budget_bytes: int, kind: s
     fractions["checkpoints"] = TierSplit(host=round(ckpt_host, 3), ssd=round(1 - round(ckpt_host, 3), 3))
     storage = StorageConfig(ssd_dir=ssd_dir, weights=fractions["weights"], master=fractions["weights"],
                             optimizer=fractions["optimizer"], gradients=TierSplit(host=1.0),
-                            checkpoints=fractions["checkpoints"])
+                            checkpoints=fractions["checkpoints"], rollback="ssd")
     return Plan(storage, alpha)

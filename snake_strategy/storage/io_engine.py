@@ -30,6 +30,7 @@ from concurrent.futures import Future
 
 import torch
 
+import snake_strategy.storage.leftovers as leftovers
 from snake_strategy.storage.aligned import PAGE_BYTES, aligned_empty, padded_bytes
 from snake_strategy.storage.versions import VersionedFile
 
@@ -270,6 +271,7 @@ class SsdDirectory:
                         f"{self._lock_path}); give this run its own storage.ssd_dir"
                     ) from None
                 log.warning("removing the stale lock of a dead run (pid %s) in %s", owner, self.path)
+                leftovers.reclaim(self.path, owner)  # the state files it listed: its state is lost anyway
                 try:
                     os.remove(self._lock_path)
                 except FileNotFoundError:
@@ -278,6 +280,7 @@ class SsdDirectory:
             self._holds_lock = True
             with os.fdopen(fd, "w") as f:
                 f.write(str(os.getpid()))
+            leftovers.register(self.path)  # so a refused run elsewhere can name what a dead one left here
             return
         raise ValueError(f"could not take the lock {self._lock_path}; another run is starting in storage.ssd_dir")
 
@@ -304,10 +307,13 @@ class SsdDirectory:
     def check_free_space(self, needed_bytes: int, what: str) -> None:
         free_bytes = shutil.disk_usage(self.path).free
         if needed_bytes > free_bytes:
+            dead = leftovers.dead_runs(self.path, LOCK_NAME, pid_alive)
+            left = (f"; dead runs left {sum(d.size_bytes for d in dead) / 2**30:.3g} GiB on this filesystem: "
+                    + ", ".join(d.describe() for d in dead) + " (remove them)") if dead else ""
             raise ValueError(
                 f"storage.ssd_dir='{self.path}' has {free_bytes / 2**30:.3g} GiB free ({free_bytes} bytes) but "
                 f"the plan puts {needed_bytes / 2**30:.3g} GiB ({needed_bytes} bytes) of {what} there; free space, point storage.ssd_dir "
-                "elsewhere, or move a share of the states to the host tier"
+                f"elsewhere, or move a share of the states to the host tier{left}"
             )
 
     def open(self, relative_path: str, size_bytes: int) -> int:
@@ -324,6 +330,7 @@ class SsdDirectory:
             os.ftruncate(fd, size_bytes)
         with self._lock:
             self._fds[full] = fd
+            leftovers.record_file(self.path, relative_path)
         return fd
 
     def open_versioned(self, relative_path: str, size_bytes: int) -> VersionedFile:
@@ -422,6 +429,8 @@ class SsdDirectory:
             attempt(state_file.close)
             if not self._keep_files and not self.anonymous:
                 attempt(_remove_file, full)
+        if not self._keep_files:
+            attempt(leftovers.forget, self.path)
         attempt(self._release_lock)
         if self._owns_dir:
             attempt(shutil.rmtree, self.path, True)

@@ -32,7 +32,6 @@ import fcntl
 import mmap
 import os
 import threading
-from pathlib import Path
 from typing import Callable
 
 PAGE_BYTES = 4096

@@ -1,0 +1,192 @@
+"""Norm clipping at full speed: gpt_1b on the defaults (``GreedySnakeStrategy()``: the planner places
+everything within 60% of MemAvailable), side by side in one command, each case in its own process:
+
+- ``none``: no clipping (the overlapped step, alpha from the planner);
+- ``high``: ``gradient_clip_val`` far above the norm (never triggers): every step speculative, committed;
+- ``always``: a ``gradient_clip_val`` every step exceeds: one rollback, then the deferred mode;
+- ``always_deferred``: the same with ``schedule.speculation="off"`` (alpha 1: today's deferred step).
+
+    flock /tmp/snake-bench.lock python benchmarks/clipping.py            # gpt_1b, 6 steps per case
+    python benchmarks/clipping.py --preset small --steps 4 --out /tmp/c.json   # a quick look
+
+Writes ``benchmarks/results/clipping.json`` (per case: step times, peak RSS in training, the host budget
+and plan, speculation and rollbacks per step, rollback-state bytes written per step and read per
+rollback) and ``clipping.png``. Not part of the test suite (~20 minutes on gpt_1b).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+RESULTS = HERE / "results"
+CASES = {"none": dict(clip=None), "high": dict(clip=1e6), "always": dict(clip=1e-3),
+         "always_deferred": dict(clip=1e-3, speculation="off")}
+
+
+def run_case(name: str, preset_name: str, steps: int, context_len: int, micro_batch_size: int, lr: float,
+             ssd_root: str | None) -> dict:
+    import lightning as L
+    import torch
+    from torch.utils.data import DataLoader, Subset
+
+    import snake_strategy
+    from snake_strategy.data import ByteWindows, load_corpus
+    from snake_strategy.gpt import GPTModule, preset
+
+    case = CASES[name]
+    cfg = preset(preset_name)
+    cfg.context_len = context_len
+    torch.manual_seed(0)
+    module = GPTModule(cfg, learning_rate=lr)
+    schedule = {"speculation": case["speculation"]} if "speculation" in case else None
+    strategy = snake_strategy.GreedySnakeStrategy(storage={"ssd_dir": tempfile.mkdtemp(prefix="snake-clip-",
+                                                                                       dir=ssd_root)},
+                                                  schedule=schedule)
+    rows: list[dict] = []
+    marks: dict[str, float] = {}
+    peak: list[int] = []
+
+    class Probe(L.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            marks["step"] = time.perf_counter()
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            engine = trainer.strategy.engine
+            stats = engine.last_step
+            traffic = stats.step_traffic()
+            rows.append({"step_s": time.perf_counter() - marks["step"], "loss": float(outputs["loss"]),
+                         "alpha": engine.alpha, "speculation": stats.speculation,
+                         "rollbacks": stats.rollbacks, "clip_factor": stats.clip_factor,
+                         "grad_norm": stats.grad_norm,
+                         "rollback_write_bytes": sum(v for k, v in traffic.items()
+                                                     if "/rollback/" in k and k.endswith("/write")),
+                         "rollback_read_bytes": sum(v for k, v in traffic.items()
+                                                    if "/rollback/" in k and k.endswith("/read")),
+                         "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024})
+            print(f"{name} step {len(rows)}: {rows[-1]['step_s']:.1f} s, speculation {rows[-1]['speculation']}, "
+                  f"rollbacks {rows[-1]['rollbacks']}, factor {rows[-1]['clip_factor']}, "
+                  f"peak RSS {rows[-1]['peak_rss_bytes'] / 2**30:.2f} GiB", flush=True)
+
+        def on_train_end(self, trainer, pl_module):
+            trainer.strategy.engine.flush()
+            peak.append(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+
+    batch = micro_batch_size * 4  # the default schedule's 4 micro-batches
+    windows = ByteWindows(load_corpus("stdlib"), context_len)
+    loader = DataLoader(Subset(windows, range(batch * steps)), batch_size=batch, shuffle=False)
+    trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=1, max_steps=steps, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        limit_val_batches=0, num_sanity_val_steps=0, callbacks=[Probe()],
+                        gradient_clip_val=case["clip"])
+    start = time.perf_counter()
+    trainer.fit(module, train_dataloaders=loader)
+    plan = strategy.plan
+    times = [r["step_s"] for r in rows]
+    return dict(case=name, clip=case["clip"], speculation_setting=case.get("speculation", "on"),
+                params=cfg.num_params(), steps=rows, s_per_step=statistics.median(times[1:] or times),
+                peak_rss_bytes=peak[0] if peak else None, host_budget_bytes=plan.host_budget_bytes,
+                plan_host_bytes=plan.host_bytes, describe=plan.describe(), step_mode=plan.step_mode,
+                rollback_state_bytes=plan.rollback_bytes, rollback_tier=plan.storage.rollback,
+                total_s=time.perf_counter() - start)
+
+
+def _plot(report: dict, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cases = [c for c in report["cases"] if "error" not in c]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.8))
+    for c in cases:
+        a.plot(range(1, len(c["steps"]) + 1), [r["step_s"] for r in c["steps"]], marker="o", label=c["case"])
+    a.set_xlabel("step")
+    a.set_ylabel("seconds")
+    a.set_title(f"{report['preset']}: step time")
+    a.legend()
+    names = [c["case"] for c in cases]
+    b.bar(names, [c["peak_rss_bytes"] / 2**30 for c in cases], label="peak RSS in training")
+    b.plot(names, [c["host_budget_bytes"] / 2**30 for c in cases], "r_", markersize=30, label="host budget")
+    b.set_ylabel("GiB")
+    b.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def _summarize(report: dict, out: Path) -> None:
+    """Ratios to the unclipped case, rollback bytes; writes the JSON and the plot."""
+    done = {c["case"]: c for c in report["cases"] if "error" not in c}
+    if "none" in done:
+        base = done["none"]["s_per_step"]
+        for c in done.values():
+            c["vs_unclipped"] = c["s_per_step"] / base
+            c["peak_rss_within_budget"] = c["peak_rss_bytes"] <= c["host_budget_bytes"]
+    for c in done.values():
+        rolled = [i for i, r in enumerate(c["steps"]) if r["rollbacks"] and
+                  (i == 0 or r["rollbacks"] > c["steps"][i - 1]["rollbacks"])]
+        # a rollback's redo reads the saved state in the next step's forward
+        c["rollback_read_bytes_per_rollback"] = [c["steps"][i + 1]["rollback_read_bytes"] for i in rolled
+                                                 if i + 1 < len(c["steps"])]
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=1))
+    _plot(report, out.with_suffix(".png"))
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--preset", default="gpt_1b")
+    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--context-len", type=int, default=128)
+    p.add_argument("--micro-batch-size", type=int, default=1)
+    p.add_argument("--lr", type=float, default=2e-5)
+    p.add_argument("--ssd-root", default=None)
+    p.add_argument("--cases", default=",".join(CASES))
+    p.add_argument("--case", default=None, help=argparse.SUPPRESS)  # worker: run one case, print its JSON
+    p.add_argument("--out", default=str(RESULTS / "clipping.json"))
+    args = p.parse_args(argv)
+    if args.case:
+        result = run_case(args.case, args.preset, args.steps, args.context_len, args.micro_batch_size, args.lr,
+                          args.ssd_root)
+        print("RESULT " + json.dumps(result))
+        return 0
+    report = {"preset": args.preset, "steps": args.steps, "context_len": args.context_len,
+              "micro_batch_size": args.micro_batch_size, "cases": []}
+    for name in args.cases.split(","):
+        cmd = [sys.executable, __file__, "--case", name, "--preset", args.preset, "--steps", str(args.steps),
+               "--context-len", str(args.context_len), "--micro-batch-size", str(args.micro_batch_size),
+               "--lr", str(args.lr)] + (["--ssd-root", args.ssd_root] if args.ssd_root else [])
+        lines = []
+        with tempfile.TemporaryFile("w+") as err:
+            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True)
+            for line in proc.stdout:  # the per-step lines as they come
+                if line.startswith("RESULT "):
+                    lines.append(line)
+                else:
+                    print(line, end="", flush=True)
+            proc.wait()
+            err.seek(0)
+            error = err.read()
+        if proc.returncode != 0 or not lines:
+            report["cases"].append({"case": name, "error": error[-3000:]})
+            continue
+        report["cases"].append(json.loads(lines[-1][len("RESULT "):]))
+        _summarize(report, Path(args.out))  # after every case: a long run cut short keeps what it measured
+    for c in report["cases"]:
+        if "error" in c:
+            print(f"{c['case']}: FAILED {c['error'][-500:]}")
+            continue
+        print(f"{c['case']:>16}: {c['s_per_step']:.1f} s/step ({c.get('vs_unclipped', float('nan')):.2f}x), peak RSS "
+              f"{c['peak_rss_bytes'] / 2**30:.2f} of {c['host_budget_bytes'] / 2**30:.2f} GiB, rollbacks "
+              f"{c['steps'][-1]['rollbacks']}, {c['describe']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

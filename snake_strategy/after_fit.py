@@ -1,0 +1,221 @@
+"""What the module holds after ``fit``, whatever happened: the trained weights, its pre-fit weights, or
+(only when neither can be given) a guard whose error says why. Never meta tensors without a word.
+
+- A fit that ends normally gives the trained weights back: in memory when they fit the host budget
+  (``host_memory.host_budget``, the plan's), else streamed into a safetensors file that the parameters
+  then map (``engine/export.py``). The guard stays only for the case where no file can be written.
+- A fit that fails (setup, a step, a save, teardown) never starts a file export: the weights go back in
+  memory when they fit the budget and the engine is sound; else the module gets its pre-fit weights
+  back when they are still held (setup failures; file-backed weights of an earlier fit, which cost no
+  memory to keep); else the guard names the failure.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+from typing import TYPE_CHECKING, Any, Callable
+
+import torch
+from torch import Tensor, nn
+
+from snake_strategy.engine.export import (WEIGHTS_FILE, export_to_file, file_backed, file_bytes_needed,
+                                         file_mappings, give_module_file_weights, weights_file_plan)
+
+from snake_strategy.engine.evaluation import EvalEngine
+
+if TYPE_CHECKING:
+    from snake_strategy.engine.core import SnakeEngine
+    from snake_strategy.progress import Progress
+
+log = logging.getLogger(__name__)
+
+GUARD_ATTR = "_greedysnake_weight_guard"
+GUARD_MESSAGE_ATTR = "_greedysnake_weight_guard_message"
+
+
+def install_weight_guard(module: nn.Module, message: str) -> None:
+    """Reading the module's weights (state_dict, forward) raises ``ValueError(message)``."""
+    remove_weight_guard(module)
+
+    def refuse(*args: Any, **kwargs: Any) -> None:
+        raise ValueError(message)
+
+    handles = [module.register_state_dict_pre_hook(lambda *a, **k: refuse()),
+               module.register_forward_pre_hook(lambda *a, **k: refuse())]
+    setattr(module, GUARD_ATTR, handles)
+    setattr(module, GUARD_MESSAGE_ATTR, message)
+
+
+def remove_weight_guard(module: nn.Module) -> None:
+    for handle in getattr(module, GUARD_ATTR, []):
+        handle.remove()
+    for attr in (GUARD_ATTR, GUARD_MESSAGE_ATTR):
+        if hasattr(module, attr):
+            delattr(module, attr)
+
+
+def has_weight_guard(module: nn.Module) -> bool:
+    return hasattr(module, GUARD_ATTR)
+
+
+def guard_message(module: nn.Module) -> str:
+    return getattr(module, GUARD_MESSAGE_ATTR, "")
+
+
+class PreFitWeights:
+    """What the module's parameters held before fit, to give back when fit fails (no copy is made).
+
+    In-memory values are held only until setup ends (the engine then owns the weights and their memory
+    goes back). Weights mapped from an earlier fit's file are kept as the file's name for the whole fit:
+    they cost no memory, and the file is re-mapped on restore (the run may have stepped a mapped non-layer
+    parameter in place; the private map kept those writes out of the file)."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self._held: list[tuple[nn.Parameter, Tensor]] = []
+        self._files: set[str] = set()
+        maps = file_mappings()
+        for p in module.parameters():
+            if p.is_meta:
+                continue
+            source = file_backed(p, maps)
+            if source is not None and source.endswith(".safetensors"):
+                self._files.add(source)
+            else:
+                self._held.append((p, p.detach()))
+
+    def setup_done(self) -> PreFitWeights:
+        self._held = []
+        return self
+
+    def restore(self, module: nn.Module) -> bool:
+        """Give the parameters their pre-fit values back; whether there were any to give."""
+        for p, value in self._held:
+            if p.is_meta or p.data_ptr() != value.data_ptr():
+                torch.utils.swap_tensors(p, nn.Parameter(value, p.requires_grad))
+        restored = bool(self._held)
+        for path in sorted(self._files):
+            try:
+                give_module_file_weights(module, path)
+                restored = True
+            except (OSError, ValueError, AttributeError) as err:  # the file is gone or not ours: say so
+                log.warning("could not give back the pre-fit weights mapped from %s (%r)", path, err)
+        return restored
+
+
+def export_directory(storage_export_dir: str | None, trainer: Any) -> str:
+    """``StorageConfig.export_dir``, else the directory of the last checkpoint saved, else the Trainer's
+    ``default_root_dir``."""
+    if storage_export_dir is not None:
+        return storage_export_dir
+    callback = getattr(trainer, "checkpoint_callback", None)
+    last = getattr(callback, "last_model_path", "") or getattr(callback, "best_model_path", "")
+    if last:
+        return os.path.dirname(os.path.abspath(last))
+    return os.path.abspath(trainer.default_root_dir)
+
+
+def give_back_weights(module: nn.Module, engine: SnakeEngine | EvalEngine, budget_bytes: int | None,
+                      budget_source: str, directory: str, pre_fit: PreFitWeights | None,
+                      file_name: str = WEIGHTS_FILE, progress: Progress | None = None) -> str | None:
+    """After a normal fit: the trained weights into the module. Returns the file they map, or None when
+    they went back in memory (or a guard was installed because no file could be written). After an
+    evaluation: weights an earlier fit mapped from a file are mapped again (evaluation did not change
+    them), else the evaluated weights go back in memory."""
+    if isinstance(engine, EvalEngine):
+        if not (pre_fit is not None and pre_fit.restore(module)):
+            engine.export_to_module()
+        return None
+    weights_bytes = engine.master_bytes()
+    if budget_bytes is None or weights_bytes <= budget_bytes:
+        engine.export_to_module()
+        return None
+    path = os.path.join(directory, file_name)
+    plan = weights_file_plan(engine)
+    why_not = _why_not_writable(directory, file_bytes_needed(plan))
+    over = (f"the trained weights ({weights_bytes / 2**30:.2f} GiB) exceed the host budget "
+            f"({budget_bytes / 2**30:.2f} GiB, bounded by {budget_source})")
+    if why_not is not None:
+        install_weight_guard(module, (
+            f"{over}, so they were not copied into the module, and no weights file could be written: {why_not}. "
+            "Set storage.export_dir to a directory with room (the module then maps a safetensors file of the "
+            "weights), or save them during training (ModelCheckpoint) and consolidate: python -m "
+            "snake_strategy.checkpoint CKPT_DIR model.ckpt"))
+        log.warning("trained weights not given back: %s; %s", over, why_not)
+        return None
+    size_bytes = export_to_file(engine, path, progress)
+    log.info("%s: the module's parameters now map %s (%.2f GiB, %d bytes)", over, path, size_bytes / 2**30,
+             size_bytes)
+    return path
+
+
+def after_failure(module: nn.Module, engine: SnakeEngine, failure: BaseException, budget_bytes: int | None,
+                  pre_fit: PreFitWeights | None) -> str:
+    """After a failed fit (teardown): never a file export. What the module now holds, in words."""
+    weights_bytes = engine.master_bytes()
+    try:
+        engine.flush()
+        sound = True
+    except BaseException as err:  # noqa: BLE001 - the failure the user sees is the original one
+        log.warning("after the failed fit, the pending optimizer updates could not be applied (%r)", err)
+        sound = False
+    if sound and (budget_bytes is None or weights_bytes <= budget_bytes):
+        try:
+            engine.export_to_module()
+            return "the weights of the last step, in memory"
+        except BaseException as err:  # noqa: BLE001 - as above
+            log.warning("after the failed fit, giving the weights back failed too (%r)", err)
+    if pre_fit is not None and pre_fit.restore(module) and not any(p.is_meta for p in module.parameters()):
+        return "its pre-fit weights"
+    reason = ("the engine could not apply its pending updates" if not sound else
+              f"the trained weights ({weights_bytes / 2**30:.2f} GiB) exceed the host budget "
+              f"({(budget_bytes or 0) / 2**30:.2f} GiB) and a failed run does not start a multi-GB export")
+    install_weight_guard(module, (
+        f"fit failed ({type(failure).__name__}: {failure}) and the module has no weights to give: {reason}. "
+        "Resume from the last checkpoint (trainer.fit(..., ckpt_path=...)) or evaluate it (ckpt_path=...)"))
+    return "no weights (a guard explains why)"
+
+
+def teardown_after_failure(module: nn.Module, engine: SnakeEngine | EvalEngine, failure: BaseException,
+                           budget_bytes: int | None, pre_fit: PreFitWeights | None,
+                           close: Callable[[], None]) -> None:
+    """Teardown of a failed fit or evaluation: leave a clean module, close the engine (``close``), and
+    raise nothing (the failure the user sees is the original one)."""
+    try:
+        if isinstance(engine, EvalEngine):
+            give_back_weights(module, engine, budget_bytes, "", "", pre_fit)
+        else:
+            held = after_failure(module, engine, failure, budget_bytes, pre_fit)
+            log.warning("fit failed (%s: %s): the module holds %s", type(failure).__name__, failure, held)
+    except BaseException as err:  # noqa: BLE001 - reported, never raised over the original failure
+        log.warning("cleaning up after the failure also failed (%r)", err)
+    finally:
+        try:
+            close()
+        except BaseException as err:  # noqa: BLE001 - as above
+            log.warning("closing the engine after the failure also failed (%r)", err)
+
+
+def after_setup_failure(module: nn.Module, failure: BaseException, pre_fit: PreFitWeights) -> None:
+    """Setup failed: the pre-fit weights go back; a module that had none (built on the meta device, so
+    there never were any) gets a guard that names the failure instead of silent meta tensors."""
+    pre_fit.restore(module)
+    if any(p.is_meta for p in module.parameters()):
+        install_weight_guard(module, (
+            f"fit failed during setup ({type(failure).__name__}: {failure}) before the weights existed: the "
+            "module was built on the meta device (configure_model under strategy='greedysnake') and the "
+            "strategy materializes it only while setting up. Fix the error above and fit again"))
+
+
+def _why_not_writable(directory: str, needed_bytes: int) -> str | None:
+    try:
+        os.makedirs(directory, exist_ok=True)
+        free_bytes = shutil.disk_usage(directory).free
+    except OSError as err:
+        return f"'{directory}' is not a writable directory ({err.strerror})"
+    if not os.access(directory, os.W_OK):
+        return f"'{directory}' is not writable"
+    if needed_bytes > free_bytes:
+        return (f"'{directory}' has {free_bytes / 2**30:.2f} GiB free ({free_bytes} bytes), the file needs "
+                f"{needed_bytes / 2**30:.2f} GiB ({needed_bytes} bytes)")
+    return None

@@ -1,0 +1,153 @@
+"""The trained weights after fit when they do not fit the host budget: streamed one unit at a time into a
+safetensors file, then handed to the module as tensors memory-mapped from that file.
+
+The mapped tensors cost no anonymous memory: their pages are the page cache's, read in on first touch
+and dropped by the kernel under pressure (a cgroup limit reclaims them too). ``state_dict()``, a second
+``fit``, validate/test/predict and ``export_hf`` read them like any CPU tensor. The maps are private
+(``MAP_PRIVATE``): a write into a parameter copies that page into the process and never changes the file.
+
+One mapping per dtype, each of the whole file up to the end of that dtype's tensors: ``torch.save`` then
+sees one storage per dtype (it refuses two dtypes viewing one storage), and every tensor starts at a
+multiple of its own item size because the writer puts wider dtypes first after an 8-byte aligned header.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor, nn
+
+from snake_strategy.progress import Progress, or_quiet
+from snake_strategy.sources.safetensors_io import SINGLE_FILE, ShardedSafetensorsWriter, read_header
+
+if TYPE_CHECKING:
+    from snake_strategy.engine.core import SnakeEngine
+
+WEIGHTS_FILE = "greedysnake-weights.safetensors"
+# The file is written as one piece: the shard limit of the HF writer is set past any model.
+_ONE_FILE_BYTES = 2**62
+
+
+def weights_file_name(world_size: int = 1, rank: int = 0) -> str:
+    """One file per rank when several processes train (each gives its module the weights back)."""
+    return WEIGHTS_FILE if world_size == 1 else f"greedysnake-weights-rank{rank}.safetensors"
+
+
+def weights_file_plan(engine: SnakeEngine) -> list[tuple[str, torch.dtype, torch.Size]]:
+    """(name, dtype, shape) of every parameter the module gets back: trainable ones in the master dtype,
+    frozen ones as stored (what ``export_to_module`` gives the module)."""
+    plan = [(name, master.dtype, master.shape) for name, master in zip(engine.nonlayer.names, engine.nonlayer.master)]
+    plan += [(name, p.dtype, p.shape) for name, p in zip(engine.nonlayer.frozen_names, engine.nonlayer.frozen)]
+    for u, unit in enumerate(engine.units):
+        frozen_dtype = unit.weights.dtype if unit.fmt is None else unit.fmt.full
+        for trainable, dtype in ((True, engine.dtypes.master), (False, frozen_dtype)):
+            plan += [(name, dtype, torch.Size(shape)) for name, shape, _, _ in engine.unit_slots(u, trainable)]
+    return plan
+
+
+def file_bytes_needed(plan: list[tuple[str, torch.dtype, torch.Size]]) -> int:
+    """The file's data bytes plus a generous bound on its JSON header."""
+    return sum(shape.numel() * dtype.itemsize for _, dtype, shape in plan) + 256 * (len(plan) + 4)
+
+
+@torch.no_grad()
+def export_to_file(engine: SnakeEngine, path: str, progress: Progress | None = None) -> int:
+    """Write every parameter's trained value into the safetensors file ``path``, one unit in memory at a
+    time, and make the module's parameters views of that file (``map_weights_file``). Returns the file's
+    size. The file is written under a temporary name and renamed when complete: a module still mapping an
+    older file at ``path`` (the previous fit's) keeps reading it until its parameters are replaced."""
+    engine.flush()
+    for pool in (engine.grad_pool, engine.weights.pool):  # not needed any more; their memory goes back first
+        if pool is not None:
+            pool.clear()
+    plan = weights_file_plan(engine)
+    partial_dir = path + ".partial"
+    writer = ShardedSafetensorsWriter(partial_dir, plan, _ONE_FILE_BYTES)
+    tracker = or_quiet(progress).phase("export", len(engine.units), total_bytes=writer.total_bytes)
+    try:
+        for name, master in zip(engine.nonlayer.names, engine.nonlayer.master):
+            writer.write(name, master)
+        for name, p in zip(engine.nonlayer.frozen_names, engine.nonlayer.frozen):
+            writer.write(name, p)
+        for u, unit in enumerate(engine.units):
+            values = engine.unit_weights(u)  # one unit in memory (a copy of its master values)
+            unit_bytes = 0
+            for name, value in values.items():
+                writer.write(name, value)
+                unit_bytes += value.numel() * value.element_size()
+            del values
+            tracker.advance(1, unit_bytes)
+        writer.close()  # fsync: the file is complete on disk before the module depends on it
+        os.replace(os.path.join(partial_dir, SINGLE_FILE), path)
+    except BaseException:
+        writer.abort()  # a no-op once close() ran
+        shutil.rmtree(partial_dir, ignore_errors=True)
+        raise
+    shutil.rmtree(partial_dir, ignore_errors=True)
+    tracker.finish()
+    give_module_file_weights(engine.module, path)
+    return os.path.getsize(path)
+
+
+def map_weights_file(path: str) -> dict[str, Tensor]:
+    """Every tensor of the safetensors file ``path``, as views of private memory maps (no copy is made)."""
+    entries = read_header(path)
+    by_dtype: dict[torch.dtype, list] = {}
+    for name, entry in entries.items():
+        by_dtype.setdefault(entry.dtype, []).append((name, entry))
+    out: dict[str, Tensor] = {}
+    for dtype, group in by_dtype.items():
+        end_byte = max(entry.start_byte + entry.num_bytes for _, entry in group)
+        item = dtype.itemsize
+        # The map covers the file from its start; each tensor's start is a multiple of its item size
+        # (wider dtypes first after an 8-byte aligned header), asserted rather than assumed.
+        mapped = torch.from_file(path, shared=False, size=-(-end_byte // item), dtype=dtype)
+        for name, entry in group:
+            assert entry.start_byte % item == 0, f"{path}: '{name}' starts at {entry.start_byte}, not {dtype}-aligned"
+            first = entry.start_byte // item
+            out[name] = mapped[first:first + entry.shape.numel()].view(entry.shape)
+    return out
+
+
+def give_module_file_weights(module: nn.Module, path: str) -> None:
+    """Swap every parameter of ``module`` named in the file for its mapped view (the Parameter objects,
+    which the optimizer and tied modules refer to, are kept)."""
+    mapped = map_weights_file(path)
+    for name, value in mapped.items():
+        p = module.get_parameter(name)
+        torch.utils.swap_tensors(p, nn.Parameter(value, p.requires_grad))
+
+
+def file_mappings() -> list[tuple[int, int, str]]:
+    """(start, end, path) of every file this process maps, sorted (Linux ``/proc/self/maps``; empty
+    elsewhere). A private map does not record its file in the tensor's storage, the kernel does."""
+    out = []
+    try:
+        with open("/proc/self/maps") as f:
+            for line in f:
+                fields = line.split(maxsplit=5)
+                if len(fields) == 6 and fields[5].startswith("/"):
+                    start, end = (int(x, 16) for x in fields[0].split("-"))
+                    out.append((start, end, fields[5].rstrip("\n")))
+    except OSError:
+        return []
+    return sorted(out)
+
+
+def file_backed(tensor: Tensor, mappings: list[tuple[int, int, str]] | None = None) -> str | None:
+    """The file a CPU tensor's memory maps (``torch.from_file``), or None for ordinary memory."""
+    if tensor.is_meta or tensor.device.type != "cpu" or tensor.numel() == 0:
+        return None
+    address = tensor.data_ptr()
+    for start, end, path in (file_mappings() if mappings is None else mappings):
+        if start <= address < end:
+            return path
+    return None
+
+
+def mapped_parameters(module: nn.Module) -> dict[str, str]:
+    """name -> the file each of the module's file-backed parameters maps (empty when none is)."""
+    maps = file_mappings()
+    return {name: f for name, p in module.named_parameters() if (f := file_backed(p, maps)) is not None}

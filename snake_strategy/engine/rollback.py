@@ -1,0 +1,121 @@
+"""The speculative optimizer step's rollback state and its adaptive policy (docs/design.md, "Clipping and
+loss scaling").
+
+Norm clipping and fp16 loss scaling decide one factor for every gradient only at the end of the backward
+(the global norm, the overflow flag). A speculative step does not wait: each unit's backward part
+[split, train_end) is stepped as soon as its gradient is complete, as if the clip factor were 1 and
+nothing overflowed. ``torch.nn.utils.clip_grad_norm_`` multiplies by exactly 1.0 when the norm is at most
+``max_norm``, so a correct guess is bitwise the deferred computation. Before stepping a chunk the
+worker saves its raw gradient and its pre-step master weights and moments here; when the guess was wrong
+they are read back: a clipped step is redone from them with the true factor (at the next forward, like a
+forward part), an overflowing one is restored (nothing changed, the step is skipped).
+
+``RollbackStore``: one slot per unit over this rank's backward part, overwritten every step, all on the
+host or all in SSD files (``storage.rollback``), counted by ``memory.rollback_elems``. Its files are the
+engine's own, separate from any checkpoint: a killed run resumes from its last checkpoint.
+
+``SpeculationPolicy``: when the last step clipped (or overflowed) the next one is not speculated (the
+"deferred" mode: the backward part's raw gradient is saved here and applied at the next forward, with
+the known factor; nothing to roll back); a deferred step whose norm stayed within ``max_norm`` turns
+speculation back on. Both modes compute the same numbers.
+"""
+from __future__ import annotations
+
+import torch
+
+from snake_strategy.config import ScheduleConfig, TierSplit
+from snake_strategy.engine.partition import shard_range
+from snake_strategy.engine.state import UnitStore
+from snake_strategy.engine.view import StepStats
+from snake_strategy.storage import IOEngine, SsdDirectory, TieredTensor, TrafficCounters
+from snake_strategy.precision import LossScaler
+from snake_strategy.storage.io_engine import Ticket
+
+GRAD, STATES = "grad", ("master", "exp_avg", "exp_avg_sq")
+SPECULATE, DEFER = "speculate", "defer"  # a step's mode
+# What the next forward job does with a unit's backward part: step it from its saved pre-step state (a
+# wrong speculation) or from the current state (a deferred-mode step), with the saved raw gradient.
+REDO, APPLY = "redo", "apply"
+
+
+class RollbackStore:
+    """Per unit, elements [start, hi) of this rank's range (``start = max(split, lo)``): the raw gradient
+    and the pre-step master weights and moments of the last speculative step. Indices are the unit's."""
+
+    def __init__(self, units: list[UnitStore], tier: str, dtype: torch.dtype, device: torch.device,
+                 counters: TrafficCounters, io: IOEngine | None, ssd: SsdDirectory | None) -> None:
+        split = TierSplit(host=0.0, ssd=1.0) if tier == "ssd" else TierSplit()
+        self.starts: list[int] = []
+        self._slots: list[dict[str, TieredTensor]] = []
+        for unit in units:
+            lo, hi = shard_range(unit)
+            start = max(unit.split, lo)
+            self.starts.append(start)
+            n = max(0, hi - start)
+            name = f"unit{unit.layout.index:05d}"
+            self._slots.append({state: TieredTensor(f"{name}.{state}", "rollback", n, dtype, split, device,
+                                                    counters, io, ssd) for state in (GRAD, *STATES)} if n else {})
+
+    def holds(self, u: int) -> bool:
+        """Whether unit ``u`` has a backward part on this rank (else nothing is ever saved for it)."""
+        return bool(self._slots[u])
+
+    def start_save(self, u: int, state: str, src: torch.Tensor, lo: int, hi: int) -> Ticket:
+        """Begin writing ``src`` (unit elements [lo, hi)) into the slot; ``src`` must stay untouched until the
+        ticket is waited on."""
+        start = self.starts[u]
+        return self._slots[u][state].start_evict(src, lo - start, hi - start)
+
+    def fetch(self, u: int, state: str, out: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+        """Unit elements [lo, hi) of the slot into ``out`` (blocking)."""
+        start = self.starts[u]
+        return self._slots[u][state].fetch(out[:hi - lo], lo - start, hi - start)
+
+
+class SpeculationPolicy:
+    """Whether each step is speculated, and the counts ``perf/speculation`` / ``perf/rollbacks`` show.
+
+    Enabled under norm clipping or fp16 loss scaling with ``schedule.speculation="on"`` and alpha < 1 (the
+    plan's: ``autoplan.resolve`` decides both; alpha 1 defers whole updates and needs no speculation)."""
+
+    def __init__(self, clip: tuple[str, float] | None, scaler: LossScaler, schedule: ScheduleConfig) -> None:
+        global_decision = scaler.enabled or (clip is not None and clip[0] == "norm")
+        if global_decision and schedule.speculation == "off" and schedule.alpha != 1.0:
+            raise ValueError(f"schedule.speculation='off' under norm clipping or fp16 loss scaling needs alpha 1, not "
+                             f"{schedule.alpha}: resolve the plan with autoplan.resolve(clip=..., loss_scaling=...), "
+                             "or set schedule.speculation='on'")
+        self.enabled = global_decision and schedule.speculation == "on" and schedule.alpha < 1.0
+        # A speculative step assumes the clip factor 1 and no overflow: only the loss scale's unscale
+        # (value clipping unscales each unit as it clamps it, engine/gradients.py).
+        self._unscales = scaler.enabled and not (clip is not None and clip[0] == "value")
+        self._scaler = scaler
+        self.speculate_next = True
+        self.mode: str | None = None  # this step's: SPECULATE, DEFER, or None (disabled)
+        self.rollbacks = 0  # speculative steps whose backward parts were redone or restored
+        self.speculative_steps = 0
+
+    def begin_step(self) -> tuple[str | None, float | None]:
+        """This step's mode and the factor a speculative step assumes (``OptimizerOverlap.begin_step``)."""
+        self.mode = (SPECULATE if self.speculate_next else DEFER) if self.enabled else None
+        return self.mode, 1.0 / self._scaler.scale if self._unscales else None
+
+    def settle_step(self, skip: bool, stats: StepStats, speculated: set[int], saved: set[int]) -> dict[int, str]:
+        """After the step's global decision (``skip``: an fp16 overflow; ``stats.clip_factor``): record it
+        in ``stats`` (every step, speculation enabled or not), choose the next step's mode, and return the backward parts to step at the next forward
+        with the true factor (none after a skip: the engine restores the speculated ones)."""
+        if self.mode is None:  # logged every step all the same (perf/speculation 0)
+            stats.speculation, stats.rolled_back, stats.rollbacks = False, False, self.rollbacks
+            return {}
+        wrong = skip or (stats.clip_factor is not None and stats.clip_factor != 1.0)
+        rolled_back = self.mode == SPECULATE and wrong
+        self.speculative_steps += self.mode == SPECULATE
+        self.rollbacks += rolled_back
+        # Early training clips step after step: defer until a step's norm is back within max_norm.
+        self.speculate_next = not wrong
+        stats.speculation, stats.rolled_back, stats.rollbacks = self.mode == SPECULATE, rolled_back, self.rollbacks
+        if skip:
+            return {}
+        redo = {u: APPLY for u in saved}
+        if rolled_back:
+            redo.update({u: REDO for u in speculated})
+        return redo
