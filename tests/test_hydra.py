@@ -108,7 +108,8 @@ def test_every_storage_override_works_on_the_default_auto_storage(tmp_path):
     values = {"ssd_dir": str(tmp_path / "nvme"), "weights": "ssd", "master": "host", "optimizer": "{host: 0.5, ssd: 0.5}",
               "gradients": "host", "checkpoints": "ssd", "checkpoint_host_ends": "1", "use_o_direct": "false",
               "num_io_threads": "4", "keep_ssd_files": "true", "host_budget_bytes": "1000000000",
-              "optimizer_chunk_elems": "8192", "placement": "manual"}
+              "optimizer_chunk_elems": "8192", "placement": "manual", "rollback": "ssd",
+              "export_dir": str(tmp_path / "weights")}
     assert set(values) == {f.name for f in dataclasses.fields(StorageConfig)}  # a new field needs a line here
     for field, value in values.items():
         storage = instantiate(compose_train([f"storage.{field}={value}"]).storage, _convert_="all")
