@@ -47,8 +47,9 @@ def run_case(name: str, preset_name: str, steps: int, context_len: int, micro_ba
     torch.manual_seed(0)
     module = GPTModule(cfg, learning_rate=lr)
     schedule = {"speculation": case["speculation"]} if "speculation" in case else None
-    strategy = snake_strategy.GreedySnakeStrategy(storage={"ssd_dir": tempfile.mkdtemp(prefix="snake-clip-",
-                                                                                       dir=ssd_root)},
+    # placement "auto", as the defaults: a storage mapping without it means "manual" (every state on the host).
+    ssd_dir = tempfile.mkdtemp(prefix="snake-clip-", dir=ssd_root)
+    strategy = snake_strategy.GreedySnakeStrategy(storage={"ssd_dir": ssd_dir, "placement": "auto"},
                                                   schedule=schedule)
     rows: list[dict] = []
     marks: dict[str, float] = {}
