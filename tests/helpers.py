@@ -124,3 +124,30 @@ def run_snake(config: GPTConfig, steps: int, micro: int, micro_size: int, precis
 def max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     assert a.keys() == b.keys(), (sorted(a), sorted(b))
     return max((a[k].double() - b[k].double()).abs().max().item() for k in a)
+
+
+class Killed(BaseException):
+    """The process dies here: from now on nothing it would still do reaches the disk."""
+
+
+class KillAt:
+    """Counts the file-system mutations of a save and kills it at the n-th (before it happens)."""
+
+    def __init__(self, n: int) -> None:
+        self.n, self.calls, self.dead = n, 0, False
+
+    def __call__(self, fn):
+        def mutation(*args, **kwargs):
+            if self.dead:
+                raise Killed  # a dead process's exception handlers do not clean anything up
+            self.calls += 1
+            if self.calls == self.n:
+                self.dead = True
+                raise Killed
+            return fn(*args, **kwargs)
+        return mutation
+
+
+def checkpoint_tag(path) -> str:
+    """The ``tag`` a kill test put into the checkpoint dict saved at ``path``."""
+    return torch.load(path / "meta.pt", weights_only=False)["tag"]

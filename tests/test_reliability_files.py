@@ -19,7 +19,7 @@ from snake_strategy.checkpoint import store as checkpoint_store
 from snake_strategy.gpt import GPTModule
 from snake_strategy.storage import PAGE_BYTES, IOEngine, SsdDirectory, aligned_empty
 from snake_strategy.storage.aligned import padded_bytes
-from tests.helpers import SMALL_GPT, run_snake
+from tests.helpers import SMALL_GPT, Killed, KillAt, checkpoint_tag, run_snake
 
 SSD_STATES = {"weights": "ssd", "optimizer": "ssd", "gradients": "ssd", "checkpoints": "ssd",
               "checkpoint_host_ends": 0}
@@ -51,32 +51,6 @@ def saved(tmp_path_factory):
 
 
 # ---------------------------------------------------------------------------------------- item 6: kills
-class _Killed(BaseException):
-    """The process dies here: from now on nothing it would still do reaches the disk."""
-
-
-class KillAt:
-    """Counts the file-system mutations of a save and kills it at the n-th (before it happens)."""
-
-    def __init__(self, n: int) -> None:
-        self.n, self.calls, self.dead = n, 0, False
-
-    def __call__(self, fn):
-        def mutation(*args, **kwargs):
-            if self.dead:
-                raise _Killed  # a dead process's exception handlers do not clean anything up
-            self.calls += 1
-            if self.calls == self.n:
-                self.dead = True
-                raise _Killed
-            return fn(*args, **kwargs)
-        return mutation
-
-
-def _tag(path) -> str:
-    return torch.load(path / "meta.pt", weights_only=False)["tag"]
-
-
 def _kill_every_point(engine, base, exchange: bool, monkeypatch) -> list[str]:
     """Save "new" over "old" once per mutation point, killed there; check the name after each kill."""
     seen = []
@@ -95,21 +69,21 @@ def _kill_every_point(engine, base, exchange: bool, monkeypatch) -> list[str]:
             m.setattr(checkpoint_store, "shutil", types.SimpleNamespace(rmtree=kill(checkpoint_store.shutil.rmtree)))
             try:
                 snake_checkpoint.save(engine, {"tag": "new"}, final)
-            except _Killed:
+            except Killed:
                 pass
         if not kill.dead:
-            assert _tag(final) == "new"
+            assert checkpoint_tag(final) == "new"
             return seen
         if exchange:
             # The name itself never goes missing: Lightning's ckpt_path="last" lookup lists it.
             assert final.is_dir(), f"kill at mutation {n}: {final.name} is missing"
         # The name resolves to a complete checkpoint, the old or the new one, verified file by file.
         snake_checkpoint.read_manifest(final)
-        seen.append(_tag(final))
+        seen.append(checkpoint_tag(final))
         # The next save cleans up what the dead save left and replaces the checkpoint as usual.
         snake_checkpoint.save(engine, {"tag": "next"}, final)
         assert sorted(os.listdir(final.parent)) == ["last.ckpt"], (n, os.listdir(final.parent))
-        assert _tag(final) == "next"
+        assert checkpoint_tag(final) == "next"
     raise AssertionError("the save never completed")
 
 
@@ -141,12 +115,12 @@ def test_load_adopts_a_checkpoint_left_aside_by_a_killed_save(tmp_path, monkeypa
         def rename(src, dst):
             renames.append(src)
             if len(renames) >= 2:  # killed at the second: not even the handler's rename back happens
-                raise _Killed
+                raise Killed
             os.rename(src, dst)
 
         monkeypatch.setattr(checkpoint_store, "os", types.SimpleNamespace(**{**vars(os), "rename": rename}))
         monkeypatch.setattr(checkpoint_store, "shutil", types.SimpleNamespace(rmtree=lambda *a, **k: None))
-        with pytest.raises(_Killed):
+        with pytest.raises(Killed):
             snake_checkpoint.save(engine, {"tag": "new"}, final)
         monkeypatch.undo()
         result["after_kill"] = sorted(os.listdir(final.parent))

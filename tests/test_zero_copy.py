@@ -20,6 +20,7 @@ from snake_strategy import checkpoint as snake_checkpoint
 from snake_strategy.checkpoint import store as checkpoint_store
 from snake_strategy.storage import versions
 from snake_strategy.storage.leftovers import REGISTRY_DIR
+from tests.helpers import Killed, KillAt, checkpoint_tag
 from tests.test_checkpoint import _fit
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -76,30 +77,6 @@ def test_save_links_the_ssd_files_and_training_past_it_leaves_it_intact(tmp_path
 
 
 # ------------------------------------------------------------------------------ kills
-class _Killed(BaseException):
-    pass
-
-
-class KillAt:
-    def __init__(self, n: int) -> None:
-        self.n, self.calls, self.dead = n, 0, False
-
-    def __call__(self, fn):
-        def mutation(*args, **kwargs):
-            if self.dead:
-                raise _Killed
-            self.calls += 1
-            if self.calls == self.n:
-                self.dead = True
-                raise _Killed
-            return fn(*args, **kwargs)
-        return mutation
-
-
-def _tag(path) -> str:
-    return torch.load(path / "meta.pt", weights_only=False)["tag"]
-
-
 class AtStep(L.Callback):
     def __init__(self, step, fn):
         self.step, self.fn = step, fn
@@ -133,13 +110,13 @@ def test_kill_at_every_point_of_a_zero_copy_save(tmp_path, monkeypatch, exchange
                 m.setattr(versions, "os", types.SimpleNamespace(**{**vars(os), "link": kill(os.link)}))
                 try:
                     snake_checkpoint.save(engine, {"tag": "new"}, final, zero_copy=True)
-                except _Killed:
+                except Killed:
                     pass
             if not kill.dead:
-                assert _tag(final) == "new"
+                assert checkpoint_tag(final) == "new"
                 return
             snake_checkpoint.read_manifest(final)
-            seen.append(_tag(final))
+            seen.append(checkpoint_tag(final))
             snake_checkpoint.save(engine, {"tag": "next"}, final, zero_copy=True)
             assert sorted(os.listdir(final.parent)) == ["last.ckpt"], (n, os.listdir(final.parent))
         raise AssertionError("the save never completed")
