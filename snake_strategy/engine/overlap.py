@@ -132,6 +132,7 @@ class OptimizerOverlap:
                 self.rollback.start_save(u, GRAD, grad[start - lo:hi - lo], start, hi).wait()
                 self.saved.add(u)
             else:
+                self.rollback.hold(u)  # before the first write: the step's writes start new versions
                 self._step_range(unit, start, hi, lambda a, b: grad[a - lo:b - lo], hps, step_before,
                                  self._spec_scale, self.unused.get(u, []), snapshot=True)
                 self.speculated.add(u)
@@ -163,6 +164,10 @@ class OptimizerOverlap:
                             redo: dict[int, str] | None = None) -> None:
         """Queue this iteration's forward parts (and the backward parts in ``redo``) for the next forward."""
         d = _Deferred(hps, step_before, grad_scale, dict(self.unused), dict(redo or {}))
+        if self.rollback is not None:  # committed speculations: their pre-step states are not needed
+            for u in self.speculated:
+                if d.redo.get(u) != REDO:
+                    self.rollback.release(u)
         if any(self._has_forward_job(u, d) for u in range(len(self._units))):
             self._deferred = d
 
@@ -178,6 +183,7 @@ class OptimizerOverlap:
         start_s = time.perf_counter()
         self._step_range(unit, self.rollback.starts[u], shard_range(unit)[1], None, [], 0, None, [],
                          source=STATES)
+        self.rollback.release(u)
         self._add_busy(time.perf_counter() - start_s)
 
     def drop_forward_parts(self) -> None:
@@ -226,6 +232,7 @@ class OptimizerOverlap:
 
                     self._step_range(unit, self.rollback.starts[u], hi, saved_grad, hps, step_before, grad_scale,
                                      unused, source=STATES if redo == REDO else None)
+                    self.rollback.release(u)
             finally:
                 grad_pool.release(buffer)
             if self.gather is not None:
@@ -346,6 +353,8 @@ class OptimizerOverlap:
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
+        if self.rollback is not None:
+            self.rollback.release_all()
         self._backward_jobs, self._deferred = {}, None
         for pool in self._scratch.values():
             pool.clear()

@@ -57,6 +57,19 @@ class ShardView:
     def evict(self, src: Tensor, lo: int, hi: int) -> None:
         self.tensor.evict(src, lo - self.base, hi - self.base)
 
+    @property
+    def host_end(self) -> int:
+        return self.base + self.tensor.host_end
+
+    def hold(self, lo: int, hi: int) -> None:
+        self.tensor.hold(lo - self.base, hi - self.base)
+
+    def fetch_held(self, out: Tensor, lo: int, hi: int) -> Tensor:
+        return self.tensor.fetch_held(out, lo - self.base, hi - self.base)
+
+    def release_hold(self) -> None:
+        self.tensor.release_hold()
+
     def read_shard(self) -> Tensor:
         return self.tensor.read_full()
 

@@ -10,9 +10,11 @@ worker saves its raw gradient and its pre-step master weights and moments here; 
 they are read back: a clipped step is redone from them with the true factor (at the next forward, like a
 forward part), an overflowing one is restored (nothing changed, the step is skipped).
 
-``RollbackStore``: one slot per unit over this rank's backward part, overwritten every step, all on the
-host or all in SSD files (``storage.rollback``), counted by ``memory.rollback_elems``. Its files are the
-engine's own, separate from any checkpoint: a killed run resumes from its last checkpoint.
+``RollbackStore``: per unit over this rank's backward part, the raw gradient and the in-memory part of the
+pre-step states in slots overwritten every step (all on the host or all in SSD files,
+``storage.rollback``); the states' SSD part held as the previous versions of their files. Counted by
+``memory.rollback_copied_elems`` and ``memory.rollback_held_bytes``. Its files are the engine's own,
+separate from any checkpoint: a killed run resumes from its last checkpoint.
 
 ``SpeculationPolicy``: when the last step clipped (or overflowed) the next one is not speculated (the
 "deferred" mode: the backward part's raw gradient is saved here and applied at the next forward, with
@@ -29,7 +31,7 @@ from snake_strategy.engine.state import UnitStore
 from snake_strategy.engine.view import StepStats
 from snake_strategy.storage import IOEngine, SsdDirectory, TieredTensor, TrafficCounters
 from snake_strategy.precision import LossScaler
-from snake_strategy.storage.io_engine import Ticket
+from snake_strategy.storage.io_engine import DONE, Ticket
 
 GRAD, STATES = "grad", ("master", "exp_avg", "exp_avg_sq")
 SPECULATE, DEFER = "speculate", "defer"  # a step's mode
@@ -39,37 +41,94 @@ REDO, APPLY = "redo", "apply"
 
 
 class RollbackStore:
-    """Per unit, elements [start, hi) of this rank's range (``start = max(split, lo)``): the raw gradient
-    and the pre-step master weights and moments of the last speculative step. Indices are the unit's."""
+    """Per unit, elements [start, hi) of this rank's range (``start = max(split, lo)``): the raw gradient and
+    the pre-step master weights and moments of the last speculative step. Indices are the unit's.
+
+    The raw gradient is copied into a slot (on ``storage.rollback``). Of each state, only the part in
+    memory (device and host segments, stepped in place) is copied; its SSD part is *held*: the step's
+    writes go to a new version of the state file and the pre-step bytes stay in the previous one
+    (``TieredTensor.hold``, storage/versions.py), so a speculation writes no extra state bytes and a commit
+    frees the dead copy (``release``)."""
 
     def __init__(self, units: list[UnitStore], tier: str, dtype: torch.dtype, device: torch.device,
                  counters: TrafficCounters, io: IOEngine | None, ssd: SsdDirectory | None) -> None:
         split = TierSplit(host=0.0, ssd=1.0) if tier == "ssd" else TierSplit()
         self.starts: list[int] = []
+        self._ends: list[int] = []
+        self._units = units
         self._slots: list[dict[str, TieredTensor]] = []
+        self._held: set[int] = set()
         for unit in units:
             lo, hi = shard_range(unit)
             start = max(unit.split, lo)
             self.starts.append(start)
-            n = max(0, hi - start)
+            self._ends.append(hi)
             name = f"unit{unit.layout.index:05d}"
-            self._slots.append({state: TieredTensor(f"{name}.{state}", "rollback", n, dtype, split, device,
-                                                    counters, io, ssd) for state in (GRAD, *STATES)} if n else {})
+            slots = {}
+            if hi > start:
+                slots[GRAD] = TieredTensor(f"{name}.{GRAD}", "rollback", hi - start, dtype, split, device, counters,
+                                           io, ssd)
+                for state in STATES:
+                    n = self._memory_end(u=len(self._slots), state=state) - start
+                    if n > 0:
+                        slots[state] = TieredTensor(f"{name}.{state}", "rollback", n, dtype, split, device,
+                                                    counters, io, ssd)
+            self._slots.append(slots)
+
+    def _state(self, u: int, state: str):
+        return getattr(self._units[u], state)
+
+    def _memory_end(self, u: int, state: str) -> int:
+        """The end of the part of [start, hi) that state keeps in memory (copied); from there on: held."""
+        return max(self.starts[u], min(self._ends[u], self._state(u, state).host_end))
+
+    def copied_elems(self) -> int:
+        """Elements the store copies per speculative step (the planner's ``memory.rollback_copied_elems``)."""
+        return sum(slot.numel for slots in self._slots for slot in slots.values())
 
     def holds(self, u: int) -> bool:
         """Whether unit ``u`` has a backward part on this rank (else nothing is ever saved for it)."""
         return bool(self._slots[u])
 
+    def hold(self, u: int) -> None:
+        """Before unit ``u``'s speculative step: hold the SSD part of its pre-step states."""
+        for state in STATES:
+            a, b = self._memory_end(u, state), self._ends[u]
+            if b > a:
+                self._state(u, state).hold(a, b)
+        self._held.add(u)
+
+    def release(self, u: int) -> None:
+        """Unit ``u``'s pre-step states are no longer needed (committed, redone or restored)."""
+        if u in self._held:
+            self._held.discard(u)
+            for state in STATES:
+                self._state(u, state).release_hold()
+
+    def release_all(self) -> None:
+        for u in list(self._held):
+            self.release(u)
+
     def start_save(self, u: int, state: str, src: torch.Tensor, lo: int, hi: int) -> Ticket:
-        """Begin writing ``src`` (unit elements [lo, hi)) into the slot; ``src`` must stay untouched until the
-        ticket is waited on."""
+        """Begin copying what the store copies of ``src`` (unit elements [lo, hi)): all of a gradient, the
+        in-memory part of a state; ``src`` must stay untouched until the ticket is waited on."""
         start = self.starts[u]
-        return self._slots[u][state].start_evict(src, lo - start, hi - start)
+        if state != GRAD:
+            hi = min(hi, self._memory_end(u, state))
+            if hi <= lo:
+                return DONE
+        return self._slots[u][state].start_evict(src[:hi - lo], lo - start, hi - start)
 
     def fetch(self, u: int, state: str, out: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
-        """Unit elements [lo, hi) of the slot into ``out`` (blocking)."""
+        """Unit elements [lo, hi) of the saved values into ``out`` (blocking): from the slot, and a state's
+        SSD part from its held version."""
         start = self.starts[u]
-        return self._slots[u][state].fetch(out[:hi - lo], lo - start, hi - start)
+        mid = hi if state == GRAD else min(hi, max(lo, self._memory_end(u, state)))
+        if mid > lo:
+            self._slots[u][state].fetch(out[:mid - lo], lo - start, mid - start)
+        if hi > mid:
+            self._state(u, state).fetch_held(out[mid - lo:hi - lo], mid, hi)
+        return out[:hi - lo]
 
 
 class SpeculationPolicy:

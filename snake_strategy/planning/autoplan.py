@@ -44,7 +44,7 @@ from snake_strategy.config import STATES, ScheduleConfig, StorageConfig, TierSpl
 from snake_strategy.contract import check_trainable
 from snake_strategy.planning.hardware import matmul_flops_per_s, probe_hardware
 from snake_strategy.planning.host_memory import SOURCE_AVAILABLE, host_budget
-from snake_strategy.planning.memory import ROLLBACK_VECTORS, host_plan, rollback_elems
+from snake_strategy.planning.memory import host_plan, rollback_copied_elems, rollback_held_bytes
 from snake_strategy.planning.planner import (HardwareProfile, ModelShape, StepPrediction, choose_alpha, memory_inputs,
                                              plan, predict)
 from snake_strategy.units import UnitLayout, build_layouts
@@ -79,7 +79,8 @@ class RunPlan:
     # The optimizer step that runs: "overlapped" (no global decision needed), "speculative" (norm clipping
     # or fp16 loss scaling, rolled back when wrong) or "deferred" (alpha 1: whole updates deferred).
     step_mode: str = "overlapped"
-    rollback_bytes: int = 0  # the speculative step's rollback state, on storage.rollback
+    rollback_bytes: int = 0  # the speculative step's rollback copies, on storage.rollback
+    rollback_held_bytes: int = 0  # and the SSD bytes its held state versions keep (disk only)
 
     def describe(self) -> str:
         s, st = self.schedule, self.storage
@@ -89,7 +90,8 @@ class RunPlan:
         kept = s.keep_activations if self.kept_units is None else f"{len(self.kept_units)} units"
         step = self.step_mode
         if step == "speculative":
-            step = f"speculative (rollback state {self.rollback_bytes / 2**30:.2f} GiB on the {st.rollback})"
+            step = (f"speculative (rollback state {self.rollback_bytes / 2**30:.2f} GiB copied to the {st.rollback}, "
+                    f"{self.rollback_held_bytes / 2**30:.2f} GiB held as SSD file versions)")
         text = (f"{s.kind}, {s.num_micro_batches} micro-batches, {batching}, alpha {s.alpha}, optimizer step "
                 f"{step}, prefetch {s.prefetch_depth}, keep activations {kept}; {places}; host "
                 f"{self.host_bytes / 2**30:.2f} of {self.host_budget_bytes / 2**30:.2f} GiB (bounded by "
@@ -106,6 +108,7 @@ class RunPlan:
                 "host_budget_source": self.host_budget_source, "host_budget_detail": self.host_budget_detail,
                 "host_bytes": self.host_bytes, "kept_units": self.kept_units, "step_mode": self.step_mode,
                 "rollback_bytes": self.rollback_bytes,
+                "rollback_held_bytes": self.rollback_held_bytes,
                 "prediction": self.prediction.as_dict() if self.prediction is not None else None}
 
 
@@ -172,7 +175,8 @@ def resolve(module: nn.Module, optimizer: torch.optim.Optimizer | None, storage:
                                                    budget, speculative)
     inputs = memory_inputs(shape, hardware, storage, kind, alpha, depth, speculative)
     host_bytes = sum(host_plan(inputs).values())
-    rollback_bytes = ROLLBACK_VECTORS * sum(rollback_elems(inputs)) * master_bytes
+    rollback_bytes = sum(rollback_copied_elems(inputs)) * master_bytes
+    rollback_held = rollback_held_bytes(inputs)
     if storage.checkpoints.ssd > 0 and concrete.num_micro_batches <= 2 * storage.checkpoint_host_ends:
         log.warning(
             "storage.checkpoints puts %.0f%% on the SSD, but with schedule.num_micro_batches=%d and "
@@ -180,7 +184,8 @@ def resolve(module: nn.Module, optimizer: torch.optim.Optimizer | None, storage:
             "activation checkpoint will reach the SSD. Lower checkpoint_host_ends or raise num_micro_batches",
             100 * storage.checkpoints.ssd, concrete.num_micro_batches, storage.checkpoint_host_ends)
     return RunPlan(storage, concrete, reasons, budget, host_bytes, bounded.source, bounded.detail, layouts=layouts,
-                   shape=shape, step_mode=step_mode, rollback_bytes=rollback_bytes)
+                   shape=shape, step_mode=step_mode, rollback_bytes=rollback_bytes,
+                   rollback_held_bytes=rollback_held)
 
 
 def prefetch_depth(storage: StorageConfig) -> tuple[int, str]:

@@ -101,7 +101,8 @@ class MemoryInputs:
     shard_world_size: int = 1
     shard_rank: int = 0
     # The speculative optimizer step (engine/rollback.py): each unit's backward part keeps its raw
-    # gradient and pre-step master weights and moments, on the tier ``storage.rollback`` says.
+    # gradient and the in-memory part of its pre-step master weights and moments, on the tier
+    # ``storage.rollback`` says; their SSD part stays in the previous versions of the files.
     speculative: bool = False
 
     @property
@@ -203,16 +204,47 @@ def stored_gradient_elems(inputs: MemoryInputs) -> int:
 ROLLBACK_VECTORS = 4
 
 
+def unit_rollback_elems(trainable: int, numel: int, alpha: float, storage: StorageConfig, separate_master: bool,
+                        world_size: int = 1, rank: int = 0) -> tuple[int, int, int]:
+    """One unit's rollback state, in elements: (the backward part [max(split, lo), hi) it covers, the
+    elements copied every speculative step onto ``storage.rollback``, the elements held). Copied: the raw
+    gradient and the in-memory (device and host) part of the pre-step master weights and moments, updated
+    in place by the step. Held: their SSD part, kept as the previous versions of the files, no copy and
+    no write (storage/versions.py). ``numel``: the unit's elements, frozen ones included."""
+    lo, hi = shard_bounds(trainable, world_size, rank)
+    start = min(max(forward_split(trainable, alpha), lo), hi)
+    copied, held = hi - start, 0
+    # The master copy spans the unit (unit indices; the compute weights themselves, frozen elements too,
+    # unless it is separate); the moments span this rank's shard [lo, hi).
+    master = (storage.master, trainable) if separate_master else (storage.weights, numel)
+    for split, size, base in (master + (0,), (storage.optimizer, hi - lo, lo), (storage.optimizer, hi - lo, lo)):
+        memory_end = max(start, min(hi, base + tier_bounds(size, split)[1]))
+        copied += memory_end - start
+        held += hi - memory_end
+    return hi - start, copied, held
+
+
+def _unit_rollbacks(inputs: MemoryInputs) -> list[tuple[int, int, int]]:
+    return [unit_rollback_elems(t, n, inputs.alpha, inputs.storage, inputs.separate_master, inputs.shard_world_size,
+                                inputs.shard_rank) for t, n in zip(inputs.trainable, inputs.unit_params)
+            ] if inputs.speculative else []
+
+
 def rollback_elems(inputs: MemoryInputs) -> tuple[int, ...]:
-    """Per unit, the elements of this rank's backward part [max(split, lo), hi) that the speculative step's
-    rollback state holds (``ROLLBACK_VECTORS`` vectors each); empty without speculation."""
-    if not inputs.speculative:
-        return ()
-    out = []
-    for t in inputs.trainable:
-        lo, hi = shard_bounds(t, inputs.shard_world_size, inputs.shard_rank)
-        out.append(max(0, hi - max(forward_split(t, inputs.alpha), lo)))
-    return tuple(out)
+    """Per unit, the elements of this rank's backward part that the speculative step's rollback state
+    covers (``ROLLBACK_VECTORS`` vectors each); empty without speculation."""
+    return tuple(kept for kept, _, _ in _unit_rollbacks(inputs))
+
+
+def rollback_copied_elems(inputs: MemoryInputs) -> tuple[int, ...]:
+    """Per unit, the elements the rollback store copies every speculative step (``unit_rollback_elems``)."""
+    return tuple(copied for _, copied, _ in _unit_rollbacks(inputs))
+
+
+def rollback_held_bytes(inputs: MemoryInputs) -> int:
+    """SSD bytes the held versions keep besides the live files (page-rounded per unit, as files are): disk
+    space only, nothing is written for them."""
+    return sum(round_up(held * inputs.master_bytes) for _, _, held in _unit_rollbacks(inputs))
 
 
 def _in_memory(split: TierSplit, device_is_cpu: bool) -> float:
@@ -257,7 +289,7 @@ def _pinned_items(inputs: MemoryInputs) -> dict[str, int]:
     if inputs.separate_master:
         items["master"] = pinned_host_shares(units, s.master, e_m)
     if inputs.speculative and s.rollback != "ssd":
-        items["rollback_state"] = ROLLBACK_VECTORS * pinned_host_shares(rollback_elems(inputs), TierSplit(), e_m)
+        items["rollback_state"] = pinned_host_shares(rollback_copied_elems(inputs), TierSplit(), e_m)
     staging = weight_staging_elems(inputs.weight_elems, s.weights)
     if staging:
         items["weight_staging"] = WEIGHT_STAGING_BUFFERS * aligned_allocation_bytes(staging, inputs.e_w,
@@ -299,7 +331,7 @@ def _host_plan(inputs: MemoryInputs) -> dict[str, int]:
     if inputs.separate_master:
         plan["master"] = int(trained * e_m * _in_memory(s.master, cpu))
     if inputs.speculative and s.rollback != "ssd":
-        plan["rollback_state"] = ROLLBACK_VECTORS * sum(rollback_elems(inputs)) * e_m
+        plan["rollback_state"] = sum(rollback_copied_elems(inputs)) * e_m
     if inputs.shard_world_size > 1 and cpu:
         world = inputs.shard_world_size
         plan["partition_buffers"] = partition_host_bytes(max(shard_size(t, world) for t in inputs.trainable) * world,
@@ -338,7 +370,9 @@ def ssd_plan(inputs: MemoryInputs) -> dict[str, int]:
     if inputs.separate_master:
         plan["master"] = per_unit(s.master.ssd, e_m, trained)
     if inputs.speculative and s.rollback == "ssd":
-        plan["rollback_state"] = ROLLBACK_VECTORS * per_unit(1.0, e_m, rollback_elems(inputs))
+        plan["rollback_state"] = per_unit(1.0, e_m, rollback_copied_elems(inputs))
+    if rollback_held_bytes(inputs):
+        plan["rollback_versions"] = rollback_held_bytes(inputs)
     if inputs.checkpoint_bytes:
         num_ssd = checkpoint_tiers(s, inputs.num_micro).count("ssd")
         plan["checkpoints"] = num_ssd * len(units) * round_up(inputs.checkpoint_bytes)

@@ -26,8 +26,8 @@ from dataclasses import asdict, dataclass
 from torch import nn
 
 from snake_strategy.config import StorageConfig, TierSplit
-from snake_strategy.planning.memory import (ROLLBACK_VECTORS, MemoryInputs, checkpoint_tiers, forward_split,
-                                            host_plan, shard_bounds)
+from snake_strategy.planning.memory import (MemoryInputs, checkpoint_tiers, forward_split,
+                                            host_plan, shard_bounds, unit_rollback_elems)
 from snake_strategy.storage.tiered import tier_bytes
 from snake_strategy.units import UnitLayout, nonlayer_numel
 
@@ -188,13 +188,12 @@ def predict(shape: ModelShape, hw: HardwareProfile, storage: StorageConfig, kind
             refresh = tier_bytes(shape.weight_elems_per_unit or u, storage.weights, e_w, 0, t)
             write += refresh["ssd"]
             host_bytes += refresh["host"] + tail
-        if speculative:  # raw gradient + pre-step master and moments of this rank's backward part
-            lo, hi = shard_bounds(t, shape.optimizer_shards, 0)
-            kept = max(0, hi - max(forward_split(t, alpha), lo))
-            rollback = tier_bytes(kept, TierSplit(host=0.0, ssd=1.0) if storage.rollback == "ssd" else TierSplit(),
+        if speculative:  # the rollback copies (gradient + in-memory states); the states' SSD part is held
+            _, copied, _ = unit_rollback_elems(t, u, alpha, storage, separate_master, shape.optimizer_shards, 0)
+            rollback = tier_bytes(copied, TierSplit(host=0.0, ssd=1.0) if storage.rollback == "ssd" else TierSplit(),
                                   e_m)
-            write += ROLLBACK_VECTORS * rollback["ssd"]
-            host_bytes += ROLLBACK_VECTORS * rollback["host"]
+            write += rollback["ssd"]
+            host_bytes += rollback["host"]
     if L > 1:
         # Each SSD checkpoint (a unit's input) is written once and read by the unit's forward and by its
         # recompute; the last unit's input only once (its backward is fused with its forward), and units

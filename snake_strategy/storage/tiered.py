@@ -154,9 +154,9 @@ class TieredTensor:
         staging = staging[:s1 - s0]
         return _StagedFetch(self._read(offset, padded_bytes(staging)), staging, dst)
 
-    def _read(self, offset: int, buffer: torch.Tensor) -> Ticket:
+    def _read(self, offset: int, buffer: torch.Tensor, held: bool = False) -> Ticket:
         # One read, or one per piece while a new version is partly written (storage/versions.py).
-        pieces = self.ssd_file.read_pieces(offset, buffer.numel())
+        pieces = (self.ssd_file.held_pieces if held else self.ssd_file.read_pieces)(offset, buffer.numel())
         tickets = [self._io.submit_read(fd, at, buffer[start:start + length], self.state)
                    for fd, at, start, length in pieces]
         ticket = tickets[0] if len(tickets) == 1 else _Joined(tickets)
@@ -168,6 +168,34 @@ class TieredTensor:
         ticket = self._io.submit_write(fd, offset, buffer, self.state)
         self.ssd_file.track(ticket)  # a pin waits for it
         return ticket
+
+    # ------------------------------------------------------------------ rollback holds (engine/rollback.py)
+    def hold(self, lo: int, hi: int) -> None:
+        """Keep the SSD part of elements [lo, hi) readable as it is now (``fetch_held``) while updates go
+        on: they go to a new version of the file (storage/versions.py), nothing is copied. The device and
+        host parts are updated in place: a caller that needs them keeps its own copy."""
+        (_, _), (_, _), (s0, s1) = self._segments(lo, hi)
+        if s1 > s0:
+            self.ssd_file.hold((s0 - self.host_end) * self.elem_bytes, round_up((s1 - s0) * self.elem_bytes))
+
+    def fetch_held(self, out: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+        """Elements [lo, hi), all in the SSD part and held, as they were at ``hold`` (blocking)."""
+        (_, _), (h0, h1), (s0, s1) = self._segments(lo, hi)
+        assert s0 == lo and s1 == hi, f"[{lo}, {hi}) is not all on the SSD (from {self.host_end})"
+        if s1 == s0:
+            return out
+        self._counters.add("ssd", self.state, "read", round_up((s1 - s0) * self.elem_bytes))
+        if out.device.type == "cpu":
+            self._read((s0 - self.host_end) * self.elem_bytes, padded_bytes(out[:s1 - s0]), held=True).wait()
+            return out
+        staging = aligned_empty(s1 - s0, self.dtype, pin_memory=True)
+        _StagedFetch(self._read((s0 - self.host_end) * self.elem_bytes, padded_bytes(staging), held=True),
+                     staging, out[:s1 - s0]).wait()
+        return out
+
+    def release_hold(self) -> None:
+        if self.ssd_file is not None and self.ssd_file.holding:
+            self.ssd_file.release_hold()
 
     def start_evict(self, src: torch.Tensor, lo: int = 0, hi: int | None = None) -> Ticket:
         """Begin writing ``src`` (elements [lo, hi)) back; ``src`` must stay untouched until the ticket

@@ -11,6 +11,12 @@ The versioning API (used by checkpoints, open to any caller that needs a stable 
                                   ranges not yet written come from the previous (held) version
     ``release``                   is unlinking the links (removing the checkpoint directory): the kernel
                                   frees the held version once nothing references it
+    ``hold(off, n)``              keep bytes [off, off+n) readable as they are now (``held_pieces``) while
+                                  writes go on, without a link: the speculative optimizer step's pre-step
+                                  state (engine/rollback.py). Like a pin, the next write starts a new version
+    ``release_hold()``            the held bytes are not needed any more: the rewritten part of them is
+                                  punched out of the previous version (unless a checkpoint holds it), so
+                                  the disk keeps one copy of every byte
 
 "Held" is the inode's link count, read with one ``fstat`` at the first write after each pin: a file with
 more names than its own (one in a named ``ssd_dir``, none for an anonymous ``O_TMPFILE``) is held.
@@ -27,6 +33,8 @@ mounts of one btrfs/XFS volume) and otherwise copies with a pipelined, bounded-b
 """
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import errno
 import fcntl
 import mmap
@@ -49,6 +57,7 @@ class VersionedFile:
         self.size_bytes = size_bytes
         self.fd, self._own_links = open_version()
         self._previous: int | None = None  # the held version a new one is replacing
+        self._held: tuple[int, int] | None = None  # bytes a rollback hold keeps (hold/release_hold)
         self._written: list[tuple[int, int]] = []  # byte ranges of the new version written so far
         self._tickets: list = []  # submitted transfers (anything with done()/wait()) that pin waits for
         self._lock = threading.Lock()
@@ -57,9 +66,9 @@ class VersionedFile:
     # ---------------------------------------------------------------------- the I/O path
     def fd_for_write(self, offset: int, num_bytes: int) -> int:
         with self._lock:
-            if self._previous is None and os.fstat(self.fd).st_nlink > self._own_links:
-                # Held by a checkpoint: never write it again. The new file starts empty (sparse); the
-                # ranges not yet written are read from the held version (read_pieces).
+            if self._previous is None and (self._held is not None or os.fstat(self.fd).st_nlink > self._own_links):
+                # Held by a checkpoint or a rollback: never write it again. The new file starts empty
+                # (sparse); the ranges not yet written are read from the held version (read_pieces).
                 self._previous = self.fd
                 self.fd, self._own_links = self._open_version()
                 self._written = []
@@ -94,16 +103,71 @@ class VersionedFile:
         with self._lock:
             self._tickets = [t for t in self._tickets if not t.done()] + [ticket]
 
+    # ---------------------------------------------------------------------- rollback holds
+    def hold(self, offset: int, num_bytes: int) -> None:
+        """Keep bytes [offset, offset+num_bytes) readable as they are now (``held_pieces``) until
+        ``release_hold``; writes go on into a new version. No copy: either the next write starts a new
+        version (the current one then holds everything), or a new version already exists and has not
+        rewritten the range yet (the previous one holds it). Only when it has (a pin's new version, partly
+        rewritten) is the previous version settled first, at the cost of copying its other ranges."""
+        self._wait_tickets()
+        with self._lock:
+            assert self._held is None, "one rollback hold at a time"
+            rewritten = self._previous is not None and any(a < offset + num_bytes and offset < b
+                                                           for a, b in self._written)
+        if rewritten:
+            self.settle()
+        with self._lock:
+            self._held = (offset, offset + num_bytes)
+
+    def held_pieces(self, offset: int, num_bytes: int) -> list[tuple[int, int, int, int]]:
+        """``read_pieces`` of the held bytes, as they were at ``hold``."""
+        with self._lock:
+            assert self._held is not None and self._held[0] <= offset and offset + num_bytes <= self._held[1], \
+                f"bytes [{offset}, {offset + num_bytes}) are not held"
+            return [(self._previous if self._previous is not None else self.fd, offset, 0, num_bytes)]
+
+    def release_hold(self) -> None:
+        """Forget the hold. What the new version has rewritten of the held range is dead in the previous
+        one: punched out (``fallocate``), unless a checkpoint holds that version too. Its other ranges stay
+        until rewritten (the next ``hold`` or ``pin`` closes it)."""
+        self._wait_tickets()  # the held bytes' reads are done
+        with self._lock:
+            held, self._held = self._held, None
+            previous = self._previous
+            # A replaced version has no name of its own (a named one's name went to the new version): any
+            # link it has is a checkpoint's, and a checkpoint's bytes are never touched.
+            if held is None or previous is None or os.fstat(previous).st_nlink > 0:
+                return
+            dead = [(max(a, held[0]), min(b, held[1])) for a, b in self._written if max(a, held[0]) < min(b, held[1])]
+        for a, b in dead:
+            _punch_hole(previous, a, b - a)
+
+    @property
+    def holding(self) -> bool:
+        return self._held is not None
+
+    def allocated_bytes(self) -> int:
+        """Disk blocks this state takes now, every open version together (``fstat``): telemetry and tests
+        of what holds and pins cost."""
+        with self._lock:
+            fds = [fd for fd in (self.fd, self._previous) if fd is not None]
+            return sum(os.fstat(fd).st_blocks * 512 for fd in fds)
+
     # ---------------------------------------------------------------------- versions
-    def settle(self, keep: bool = True) -> None:
-        """Wait for the submitted transfers; then close the previous version, copying first what the new one
-        never received (one ``copy_file_range`` per gap, in the kernel; not when ``keep`` is False: the
-        file is being closed for good)."""
+    def _wait_tickets(self) -> None:
         with self._lock:
             tickets, self._tickets = self._tickets, []
         for ticket in tickets:
             ticket.wait()
+
+    def settle(self, keep: bool = True) -> None:
+        """Wait for the submitted transfers; then close the previous version, copying first what the new one
+        never received (one ``copy_file_range`` per gap, in the kernel; not when ``keep`` is False: the
+        file is being closed for good)."""
+        self._wait_tickets()
         with self._lock:
+            assert self._held is None or not keep, "a held version is settled only when the file closes"
             previous, self._previous = self._previous, None
             if previous is None:
                 return
@@ -260,6 +324,20 @@ def _copy_range(src: int, dst: int, a: int, b: int) -> None:
         if done == 0:
             break  # past the end of the source: the new version's sparse zeros are the same bytes
         at += done
+
+
+_FALLOC_FL_KEEP_SIZE, _FALLOC_FL_PUNCH_HOLE = 0x01, 0x02
+_libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+_libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+
+
+def _punch_hole(fd: int, offset: int, num_bytes: int) -> None:
+    """Free the blocks of bytes [offset, offset+num_bytes) (they read as zeros). Best effort: where the
+    filesystem cannot punch, the bytes stay until the file is closed."""
+    if _libc.fallocate(fd, _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE, offset, num_bytes) != 0:
+        err = ctypes.get_errno()
+        if err not in (errno.EOPNOTSUPP, errno.ENOSYS):
+            raise OSError(err, f"fallocate(PUNCH_HOLE) failed: {os.strerror(err)}")
 
 
 def _merged(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:

@@ -1,0 +1,87 @@
+"""Versioned SSD state files (storage/versions.py) seen from their API: a rollback hold keeps the pre-step
+bytes without a copy, never touches a version a checkpoint pinned, and gives the dead copy's disk back."""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from snake_strategy.storage.io_engine import SsdDirectory
+
+MIB = 2**20
+SIZE = 8 * MIB
+
+
+def _write(vf, offset: int, data: bytes) -> None:
+    fd = vf.fd_for_write(offset, len(data))
+    assert os.pwrite(fd, data, offset) == len(data)
+
+
+def _read(pieces) -> bytes:
+    out = bytearray()
+    for fd, at, _, n in pieces:
+        out += os.pread(fd, n, at)
+    return bytes(out)
+
+
+@pytest.fixture(params=["named", "anonymous"])
+def ssd(request, tmp_path):
+    directory = SsdDirectory(str(tmp_path / "ssd") if request.param == "named" else None, use_o_direct=False)
+    yield directory
+    directory.close()
+
+
+def test_a_hold_keeps_the_old_bytes_while_writes_go_on_and_release_frees_the_dead_copy(ssd):
+    vf = ssd.open_versioned("master/unit0.bin", SIZE)
+    half = SIZE // 2
+    _write(vf, 0, b"a" * SIZE)
+    os.fsync(vf.fd)
+    one_copy = vf.allocated_bytes()
+    assert one_copy >= SIZE
+    vf.hold(half, half)  # the backward part [half, SIZE)
+    _write(vf, half, b"b" * half)  # the speculative step: a new version receives it
+    assert vf.versions == 2
+    assert _read(vf.read_pieces(0, SIZE)) == b"a" * half + b"b" * half  # the live state
+    assert _read(vf.held_pieces(half, half)) == b"a" * half  # the pre-step bytes
+    os.fsync(vf.fd)
+    assert vf.allocated_bytes() >= one_copy + half  # two copies of the backward part while held
+    vf.release_hold()  # committed: the previous version's copy of [half, SIZE) is dead
+    assert vf.allocated_bytes() <= one_copy + 64 * 1024
+    assert _read(vf.read_pieces(0, SIZE)) == b"a" * half + b"b" * half
+    _write(vf, 0, b"c" * half)  # the next forward part: the whole state is in the new version now
+    vf.hold(half, half)  # the next step's hold closes the previous version (nothing left to copy)
+    _write(vf, half, b"d" * half)
+    assert vf.versions == 3
+    assert _read(vf.read_pieces(0, SIZE)) == b"c" * half + b"d" * half
+    assert _read(vf.held_pieces(half, half)) == b"b" * half
+    vf.release_hold()
+
+
+def test_a_hold_never_writes_or_punches_a_version_a_checkpoint_pinned(ssd, tmp_path):
+    vf = ssd.open_versioned("master/unit0.bin", SIZE)
+    half = SIZE // 2
+    _write(vf, 0, b"a" * SIZE)
+    dest = tmp_path / "unit0.master.bin"
+    assert vf.pin(dest) == "link"
+    _write(vf, 0, b"f" * half)  # the forward part after the save: a new version, the pinned one held
+    vf.hold(half, half)  # [half, SIZE) is not rewritten yet: its pre-step bytes are the pinned version's
+    _write(vf, half, b"b" * half)
+    assert _read(vf.held_pieces(half, half)) == b"a" * half
+    vf.release_hold()  # must not punch the checkpoint's bytes
+    assert dest.read_bytes() == b"a" * SIZE
+    vf.hold(0, half)  # [0, half) was rewritten since the pin: the pinned version is settled first
+    _write(vf, 0, b"g" * half)
+    assert _read(vf.held_pieces(0, half)) == b"f" * half
+    vf.release_hold()
+    assert dest.read_bytes() == b"a" * SIZE
+    assert _read(vf.read_pieces(0, SIZE)) == b"g" * half + b"b" * half
+
+
+def test_a_pin_while_a_hold_is_active_is_an_invariant_violation(ssd, tmp_path):
+    vf = ssd.open_versioned("master/unit0.bin", SIZE)
+    _write(vf, 0, b"a" * SIZE)
+    vf.hold(0, SIZE)
+    _write(vf, 0, b"b" * SIZE)
+    with pytest.raises(AssertionError, match="held version"):
+        vf.pin(tmp_path / "x.bin")
+    vf.release_hold()
