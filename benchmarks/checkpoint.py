@@ -90,7 +90,8 @@ def run(preset_name: str, context_len: int, micro_batch_size: int, num_micro: in
                 trainer.save_checkpoint(str(work / "zero_copy.ckpt"))
                 save = trainer.strategy.last_save
                 out["zero_copy"] = {"seconds": save["seconds"], "written_bytes_own": save["written_bytes"],
-                                    "written_bytes_process": _written_bytes() - before, "methods": save["methods"]}
+                                    "written_bytes_process": _written_bytes() - before, "methods": save["methods"],
+                                    "phases_s": save["phases_s"]}
                 ssd_bytes = sum(t.ssd_bytes for u in range(engine.num_units) for t in engine.unit_tiers(u).values())
                 out["ssd_state_bytes"] = ssd_bytes
             if step == 3:

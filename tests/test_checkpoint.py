@@ -56,6 +56,16 @@ def test_resume_is_bitwise_identical(tmp_path):
 
 def test_consolidated_file_equals_live_model(tmp_path):
     live, trainer = _fit(3, tmp_path / "ssd", ckpt_dir=tmp_path / "ckpts")
+    path = tmp_path / "ckpts" / "epoch=0-step=3.ckpt"
+    # meta.pt does not repeat the non-layer weights nonlayer.pt holds (one copy per save); readers put
+    # them back, bitwise, in Lightning's key order.
+    shared = snake_strategy.checkpoint.read_manifest(path)["state_dict_from_nonlayer"]
+    assert set(shared) == {name for name in live if not name.startswith("blocks.")}
+    assert not set(torch.load(path / "meta.pt", weights_only=False)["state_dict"]) & set(shared)
+    meta = snake_strategy.checkpoint.CheckpointWeights(path).meta()
+    assert list(meta["state_dict"]) == [k for k in trainer.lightning_module.state_dict() if not k.startswith("blocks.")]
+    for name in shared:
+        assert torch.equal(meta["state_dict"][name], live[name]), name
     out = tmp_path / "model.ckpt"
     subprocess.run([sys.executable, "-m", "snake_strategy.checkpoint", str(tmp_path / "ckpts" / "epoch=0-step=3.ckpt"),
                     str(out)], check=True, capture_output=True)

@@ -1,5 +1,6 @@
 """Versioned SSD state files (storage/versions.py) seen from their API: a rollback hold keeps the pre-step
-bytes without a copy, never touches a version a checkpoint pinned, and gives the dead copy's disk back."""
+bytes without a copy in two alternating files (no allocation per step), and never touches a version a
+checkpoint pinned."""
 from __future__ import annotations
 
 import os
@@ -31,30 +32,37 @@ def ssd(request, tmp_path):
     directory.close()
 
 
-def test_a_hold_keeps_the_old_bytes_while_writes_go_on_and_release_frees_the_dead_copy(ssd):
+def _step(vf, tag: bytes, half: int) -> None:
+    """One training step of a unit under speculation: the forward part [0, half) is written, then the
+    backward part [half, SIZE) is held and written."""
+    _write(vf, 0, tag * half)
+    vf.hold(half, half)
+    _write(vf, half, tag * half)
+
+
+def test_a_hold_keeps_the_old_bytes_while_writes_go_on_in_two_alternating_files(ssd):
     vf = ssd.open_versioned("master/unit0.bin", SIZE)
     half = SIZE // 2
     _write(vf, 0, b"a" * SIZE)
     os.fsync(vf.fd)
-    one_copy = vf.allocated_bytes()
-    assert one_copy >= SIZE
     vf.hold(half, half)  # the backward part [half, SIZE)
     _write(vf, half, b"b" * half)  # the speculative step: a new version receives it
     assert vf.versions == 2
     assert _read(vf.read_pieces(0, SIZE)) == b"a" * half + b"b" * half  # the live state
     assert _read(vf.held_pieces(half, half)) == b"a" * half  # the pre-step bytes
-    os.fsync(vf.fd)
-    assert vf.allocated_bytes() >= one_copy + half  # two copies of the backward part while held
-    vf.release_hold()  # committed: the previous version's copy of [half, SIZE) is dead
-    assert vf.allocated_bytes() <= one_copy + 64 * 1024
-    assert _read(vf.read_pieces(0, SIZE)) == b"a" * half + b"b" * half
-    _write(vf, 0, b"c" * half)  # the next forward part: the whole state is in the new version now
-    vf.hold(half, half)  # the next step's hold closes the previous version (nothing left to copy)
-    _write(vf, half, b"d" * half)
-    assert vf.versions == 3
-    assert _read(vf.read_pieces(0, SIZE)) == b"c" * half + b"d" * half
-    assert _read(vf.held_pieces(half, half)) == b"b" * half
-    vf.release_hold()
+    vf.release_hold()  # committed
+    for step, tag in enumerate((b"c", b"d", b"e", b"f")):
+        before = _read(vf.read_pieces(half, half))
+        _step(vf, tag, half)
+        assert vf.versions == 3 + step
+        assert _read(vf.read_pieces(0, SIZE)) == tag * SIZE
+        assert _read(vf.held_pieces(half, half)) == before
+        vf.release_hold()
+        os.fsync(vf.fd)
+        # Two files, alternating: the closed version is overwritten next, no third file is allocated.
+        assert vf.allocated_bytes() <= 2 * SIZE + 2 * MIB
+    if not ssd.anonymous:
+        assert sorted(os.listdir(os.path.join(ssd.path, "master"))) == ["unit0.bin", "unit0.bin.alt"]
 
 
 def test_a_hold_never_writes_or_punches_a_version_a_checkpoint_pinned(ssd, tmp_path):
@@ -67,14 +75,18 @@ def test_a_hold_never_writes_or_punches_a_version_a_checkpoint_pinned(ssd, tmp_p
     vf.hold(half, half)  # [half, SIZE) is not rewritten yet: its pre-step bytes are the pinned version's
     _write(vf, half, b"b" * half)
     assert _read(vf.held_pieces(half, half)) == b"a" * half
-    vf.release_hold()  # must not punch the checkpoint's bytes
+    vf.release_hold()
     assert dest.read_bytes() == b"a" * SIZE
     vf.hold(0, half)  # [0, half) was rewritten since the pin: the pinned version is settled first
+    assert os.stat(dest).st_nlink == 1  # closed, never a spare, its own name dropped: the checkpoint's alone
     _write(vf, 0, b"g" * half)
     assert _read(vf.held_pieces(0, half)) == b"f" * half
     vf.release_hold()
-    assert dest.read_bytes() == b"a" * SIZE
-    assert _read(vf.read_pieces(0, SIZE)) == b"g" * half + b"b" * half
+    for tag in (b"h", b"i", b"j"):  # steps on: the checkpoint's bytes are never written
+        _step(vf, tag, half)
+        vf.release_hold()
+        assert dest.read_bytes() == b"a" * SIZE
+    assert _read(vf.read_pieces(0, SIZE)) == b"j" * SIZE
 
 
 def test_a_pin_while_a_hold_is_active_is_an_invariant_violation(ssd, tmp_path):

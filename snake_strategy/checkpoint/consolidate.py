@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from snake_strategy.checkpoint.format import DTYPES, read_range, verified_manifest
+from snake_strategy.checkpoint.format import DTYPES, read_meta, read_range, verified_manifest
 from snake_strategy.checkpoint.store import locate
 from snake_strategy.progress import Progress, or_quiet
 from snake_strategy.sources.pretrained import PretrainedSource
@@ -160,7 +160,7 @@ class CheckpointWeights:
 
     def meta(self) -> dict[str, Any]:
         """Lightning's checkpoint dict (loops, callbacks, hparams; non-layer ``state_dict`` entries)."""
-        return torch.load(self.root / "meta.pt", map_location="cpu", weights_only=False)
+        return read_meta(self.root, self.manifest)
 
     def _unit(self, u: int) -> torch.Tensor:
         if self._cached is None or self._cached[0] != u:
@@ -268,7 +268,7 @@ def load_consolidated(path: str | os.PathLike, progress: Progress | None = None)
     shards are merged (each unit's master weights read from the shards that hold them)."""
     root = locate(path)
     manifest = verified_manifest(root, progress)
-    checkpoint = torch.load(root / "meta.pt", map_location="cpu", weights_only=False)
+    checkpoint = read_meta(root, manifest)
     dtype = DTYPES[manifest["master_dtype"]]
     state = dict(checkpoint.get("state_dict", {}))
     tracker = or_quiet(progress).phase("consolidate", len(manifest["units"]),

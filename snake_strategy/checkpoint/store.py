@@ -35,9 +35,9 @@ import torch.distributed as dist
 
 from snake_strategy.checkpoint import pins
 from snake_strategy.checkpoint.pins import CHECKSUMS, ZERO_COPY_FORMAT
-from snake_strategy.checkpoint.format import (DTYPES, FORMAT, STATES, fsync_file, fsync_parent, fsync_tree, save_torch,
-                                              read_range, remove_path, unit_pieces, verified_manifest, verify_file,
-                                              write_raw)
+from snake_strategy.checkpoint.format import (DTYPES, FORMAT, STATES, fsync_file, fsync_parent, fsync_tree, read_meta,
+                                              read_range, remove_path, save_torch, unit_pieces, verified_manifest,
+                                              verify_file, without_nonlayer_copies, write_raw)
 from snake_strategy.progress import Progress, or_quiet
 from snake_strategy.storage.io_engine import pid_alive
 
@@ -55,7 +55,8 @@ def save(engine: SnakeEngine, checkpoint: dict[str, Any], path: str | os.PathLik
     ``zero_copy``: pin the SSD files instead of copying them (pins.py; format /3: what the
     strategy does); False streams every unit state through memory into new files (format /1: a copy that
     shares nothing with the run, e.g. for an archive).
-    Returns what was done: ``written_bytes``, ``seconds``, ``methods`` (how the SSD files got there)."""
+    Returns what was done: ``written_bytes``, ``seconds``, ``methods`` (how the SSD files got there),
+    ``phases_s`` (seconds of the flush, the unit files, and the rest: non-layer state, meta, manifest)."""
     start_s = time.perf_counter()
     final = Path(path)
     _recover(final, clean=True)
@@ -64,6 +65,7 @@ def save(engine: SnakeEngine, checkpoint: dict[str, Any], path: str | os.PathLik
     (tmp / "units").mkdir(parents=True)
     try:
         engine.flush()  # pending deferred updates belong to the saved state
+        phases_s = {"flush": time.perf_counter() - start_s}
         unit_bytes = sum(engine.unit_numel(u) for u in range(engine.num_units)) * engine.dtypes.bytes_per("master")
         tracker = or_quiet(progress).phase("checkpoint_save", len(STATES) * engine.num_units + 2, what="files",
                                            total_bytes=len(STATES) * unit_bytes)
@@ -78,14 +80,17 @@ def save(engine: SnakeEngine, checkpoint: dict[str, Any], path: str | os.PathLik
                     files[name] = write_raw(tmp / name, values[state])
                     tracker.advance(1, files[name]["bytes"])
                 del values  # one unit in memory at a time
+        phases_s["units"] = time.perf_counter() - start_s - sum(phases_s.values())
         commit(engine, checkpoint, tmp, final, files, tracker, unit_extra=unit_extra)
+        phases_s["commit"] = time.perf_counter() - start_s - sum(phases_s.values())
         pinned = [name for name, info in files.items() if info["crc32"] is None]
         CHECKSUMS.submit(final, pinned)  # in the background: reading them back is what zero-copy avoids
         written = sum(info["bytes"] for name, info in files.items() if name not in pinned
                       or (methods and "copy" in methods))
         if methods is not None:
             log.info("checkpoint %s: %s", final, pins.describe_methods(methods))
-        return {"written_bytes": written, "seconds": time.perf_counter() - start_s, "methods": dict(methods or {})}
+        return {"written_bytes": written, "seconds": time.perf_counter() - start_s, "methods": dict(methods or {}),
+                "phases_s": phases_s}
     except BaseException:
         # Before the replacement ``tmp`` holds the unfinished new checkpoint, after an exchange the old one:
         # garbage either way. The checkpoint under ``final`` (or set aside, see _replace) is untouched.
@@ -103,7 +108,10 @@ def commit(engine: SnakeEngine, checkpoint: dict[str, Any], tmp: Path, final: Pa
               "frozen": {"names": [slot[0] for slot in engine.unit_slots(u, trainable=False)],
                          "crc32": frozen["units"][u]}, **(unit_extra[u] if unit_extra else {})}
              for u in range(engine.num_units)]
-    files["nonlayer.pt"] = save_torch(engine.nonlayer_state(), tmp / "nonlayer.pt")
+    nonlayer = engine.nonlayer_state()
+    checkpoint, meta_record = without_nonlayer_copies(checkpoint, nonlayer)
+    files["nonlayer.pt"] = save_torch(nonlayer, tmp / "nonlayer.pt")
+    del nonlayer
     tracker.advance(1, files["nonlayer.pt"]["bytes"])
     files["meta.pt"] = save_torch(checkpoint, tmp / "meta.pt")
     tracker.advance(1, files["meta.pt"]["bytes"])
@@ -111,7 +119,7 @@ def commit(engine: SnakeEngine, checkpoint: dict[str, Any], tmp: Path, final: Pa
                 "master_dtype": str(engine.dtypes.master),
                 "compute_dtype": str(engine.dtypes.compute),  # the frozen CRC-32s are of these bytes
                 "blocks_per_unit": engine.schedule.blocks_per_unit, "units": units, "files": files,
-                "frozen_nonlayer": frozen["nonlayer"], **(extra or {})}
+                "frozen_nonlayer": frozen["nonlayer"], **meta_record, **(extra or {})}
     (tmp / "manifest.json").write_text(json.dumps(manifest))
     fsync_file(tmp / "manifest.json")
     fsync_tree(tmp)
@@ -331,7 +339,7 @@ def load(engine: SnakeEngine, path: str | os.PathLike, progress: Progress | None
     load_units(engine, root, manifest, progress)
     engine.load_nonlayer_state(torch.load(root / "nonlayer.pt", map_location="cpu", weights_only=True))
     engine.step_count = manifest["step_count"]
-    return torch.load(root / "meta.pt", map_location="cpu", weights_only=False)
+    return read_meta(root, manifest)
 
 
 def _check_frozen(root: Path, manifest: dict, current: dict) -> None:

@@ -207,10 +207,11 @@ ROLLBACK_VECTORS = 4
 def unit_rollback_elems(trainable: int, numel: int, alpha: float, storage: StorageConfig, separate_master: bool,
                         world_size: int = 1, rank: int = 0) -> tuple[int, int, int]:
     """One unit's rollback state, in elements: (the backward part [max(split, lo), hi) it covers, the
-    elements copied every speculative step onto ``storage.rollback``, the elements held). Copied: the raw
-    gradient and the in-memory (device and host) part of the pre-step master weights and moments, updated
-    in place by the step. Held: their SSD part, kept as the previous versions of the files, no copy and
-    no write (storage/versions.py). ``numel``: the unit's elements, frozen ones included."""
+    elements copied every speculative step onto ``storage.rollback``, the SSD elements held). Copied: the
+    raw gradient and the in-memory (device and host) part of the pre-step master weights and moments,
+    updated in place by the step. Held: their SSD part stays in the previous version of each file, no copy
+    and no write; each such file has a second one of its size to alternate with (storage/versions.py,
+    "Spares"), the disk cost counted here. ``numel``: the unit's elements, frozen ones included."""
     lo, hi = shard_bounds(trainable, world_size, rank)
     start = min(max(forward_split(trainable, alpha), lo), hi)
     copied, held = hi - start, 0
@@ -218,9 +219,11 @@ def unit_rollback_elems(trainable: int, numel: int, alpha: float, storage: Stora
     # unless it is separate); the moments span this rank's shard [lo, hi).
     master = (storage.master, trainable) if separate_master else (storage.weights, numel)
     for split, size, base in (master + (0,), (storage.optimizer, hi - lo, lo), (storage.optimizer, hi - lo, lo)):
-        memory_end = max(start, min(hi, base + tier_bounds(size, split)[1]))
+        host_end = tier_bounds(size, split)[1]
+        memory_end = max(start, min(hi, base + host_end))
         copied += memory_end - start
-        held += hi - memory_end
+        if hi > memory_end:  # held: the whole SSD file gets a second one to alternate with
+            held += size - host_end
     return hi - start, copied, held
 
 
@@ -242,8 +245,8 @@ def rollback_copied_elems(inputs: MemoryInputs) -> tuple[int, ...]:
 
 
 def rollback_held_bytes(inputs: MemoryInputs) -> int:
-    """SSD bytes the held versions keep besides the live files (page-rounded per unit, as files are): disk
-    space only, nothing is written for them."""
+    """SSD bytes of the state files' second versions under rollback holds (page-rounded per unit, as files
+    are): disk space only, nothing is written for them besides what the steps write."""
     return sum(round_up(held * inputs.master_bytes) for _, _, held in _unit_rollbacks(inputs))
 
 

@@ -38,6 +38,7 @@ log = logging.getLogger(__name__)
 
 CHUNK_BYTES = 4 * 2**20
 LOCK_NAME = ".snake.lock"
+ALT_SUFFIX = ".alt"  # a versioned state file's second name (storage/versions.py, "Spares")
 # Transfer priorities, lowest first (see the module docstring).
 URGENT, NORMAL, BACKGROUND = 0, 1, 2
 _thread_state = threading.local()
@@ -338,9 +339,14 @@ class SsdDirectory:
         full = os.path.join(self.path, relative_path)
         with self._lock:
             self._makedirs(os.path.dirname(full))
-        versioned = VersionedFile(lambda: self._open_version(full, size_bytes), size_bytes)
+        names = (full, full + ALT_SUFFIX)  # a version's two names (storage/versions.py, "Spares")
+        versioned = VersionedFile(lambda slot: self._open_version(names[slot], size_bytes), size_bytes,
+                                  lambda slot, fd: _drop_name(names[slot], fd))
         with self._lock:
             self._versioned[full] = versioned
+            if not self.anonymous:  # a dead run's files are reclaimed by name (leftovers.py)
+                leftovers.record_file(self.path, relative_path)
+                leftovers.record_file(self.path, relative_path + ALT_SUFFIX)
         return versioned
 
     def _open_version(self, full: str, size_bytes: int) -> tuple[int, int]:
@@ -429,6 +435,7 @@ class SsdDirectory:
             attempt(state_file.close)
             if not self._keep_files and not self.anonymous:
                 attempt(_remove_file, full)
+                attempt(_remove_file, full + ALT_SUFFIX)
         if not self._keep_files:
             attempt(leftovers.forget, self.path)
         attempt(self._release_lock)
@@ -453,6 +460,15 @@ class SsdDirectory:
             except OSError:
                 pass
         self._created_dirs = []
+
+
+def _drop_name(path: str, fd: int) -> None:
+    """Unlink ``path`` if it still names ``fd``'s file."""
+    try:
+        if os.stat(path).st_ino == os.fstat(fd).st_ino:
+            os.remove(path)
+    except FileNotFoundError:
+        pass
 
 
 def _remove_file(path: str) -> None:

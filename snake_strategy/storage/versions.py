@@ -14,12 +14,16 @@ The versioning API (used by checkpoints, open to any caller that needs a stable 
     ``hold(off, n)``              keep bytes [off, off+n) readable as they are now (``held_pieces``) while
                                   writes go on, without a link: the speculative optimizer step's pre-step
                                   state (engine/rollback.py). Like a pin, the next write starts a new version
-    ``release_hold()``            the held bytes are not needed any more: the rewritten part of them is
-                                  punched out of the previous version (unless a checkpoint holds it), so
-                                  the disk keeps one copy of every byte
+    ``release_hold()``            the held bytes are not needed any more
 
 "Held" is the inode's link count, read with one ``fstat`` at the first write after each pin: a file with
 more names than its own (one in a named ``ssd_dir``, none for an anonymous ``O_TMPFILE``) is held.
+
+Spares. A file under rollback holds starts a version every step. A new file would cost the filesystem a
+block allocation per write and a free per closed version (measured: docs/LOG.md, 2026-12-02), so a
+version that nothing but this file references is kept as the *spare* when it is closed, and the next
+new version overwrites it: two files per state, alternating, their blocks allocated once. In a named
+directory the two are ``<name>`` and ``<name>.alt``; a version a checkpoint holds is never a spare.
 
 A new version receives every write of the state from then on; the previous version stays open for the
 reads of what was not yet rewritten. An optimizer step rewrites every trainable element of a unit, so
@@ -33,8 +37,6 @@ mounts of one btrfs/XFS volume) and otherwise copies with a pipelined, bounded-b
 """
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import errno
 import fcntl
 import mmap
@@ -49,14 +51,22 @@ COPY_THREADS = 8  # x COPY_CHUNK_BYTES = 128 MiB of buffers at most
 
 
 class VersionedFile:
-    """One state's SSD file and its versions. ``open_version()`` returns ``(fd, own_links)`` of a new, empty
-    file of ``size_bytes`` (the directory's job: a named file or an anonymous one)."""
+    """One state's SSD file and its versions. ``open_version(slot)`` returns ``(fd, own_links)`` of a new,
+    empty file of ``size_bytes`` in slot 0 or 1 (the directory's job: ``<name>`` or ``<name>.alt`` in a named
+    directory, an anonymous file otherwise); ``drop_name(slot, fd)`` unlinks the slot's name if it still
+    names ``fd``'s file (a held version closed: the checkpoint keeps the only link)."""
 
-    def __init__(self, open_version: Callable[[], tuple[int, int]], size_bytes: int) -> None:
+    def __init__(self, open_version: Callable[[int], tuple[int, int]], size_bytes: int,
+                 drop_name: Callable[[int, int], None] | None = None) -> None:
         self._open_version = open_version
+        self._drop_name = drop_name
         self.size_bytes = size_bytes
-        self.fd, self._own_links = open_version()
+        self._slot = 0
+        self.fd, self._own_links = open_version(0)
         self._previous: int | None = None  # the held version a new one is replacing
+        self._previous_own_links = 0
+        self._spare: tuple[int, int] | None = None  # (fd, own_links) of a version to overwrite (see above)
+        self._reuse = False  # under rollback holds: keep closed versions as spares
         self._held: tuple[int, int] | None = None  # bytes a rollback hold keeps (hold/release_hold)
         self._written: list[tuple[int, int]] = []  # byte ranges of the new version written so far
         self._tickets: list = []  # submitted transfers (anything with done()/wait()) that pin waits for
@@ -69,8 +79,12 @@ class VersionedFile:
             if self._previous is None and (self._held is not None or os.fstat(self.fd).st_nlink > self._own_links):
                 # Held by a checkpoint or a rollback: never write it again. The new file starts empty
                 # (sparse); the ranges not yet written are read from the held version (read_pieces).
-                self._previous = self.fd
-                self.fd, self._own_links = self._open_version()
+                self._previous, self._previous_own_links = self.fd, self._own_links
+                self._slot = 1 - self._slot
+                if self._spare is not None:  # allocated blocks: overwritten, nothing to allocate
+                    (self.fd, self._own_links), self._spare = self._spare, None
+                else:
+                    self.fd, self._own_links = self._open_version(self._slot)
                 self._written = []
                 self.versions += 1
             if self._previous is not None:
@@ -119,6 +133,7 @@ class VersionedFile:
             self.settle()
         with self._lock:
             self._held = (offset, offset + num_bytes)
+            self._reuse = True
 
     def held_pieces(self, offset: int, num_bytes: int) -> list[tuple[int, int, int, int]]:
         """``read_pieces`` of the held bytes, as they were at ``hold``."""
@@ -128,20 +143,10 @@ class VersionedFile:
             return [(self._previous if self._previous is not None else self.fd, offset, 0, num_bytes)]
 
     def release_hold(self) -> None:
-        """Forget the hold. What the new version has rewritten of the held range is dead in the previous
-        one: punched out (``fallocate``), unless a checkpoint holds that version too. Its other ranges stay
-        until rewritten (the next ``hold`` or ``pin`` closes it)."""
+        """Forget the hold (the previous version stays until the next ``hold`` or ``pin`` closes it)."""
         self._wait_tickets()  # the held bytes' reads are done
         with self._lock:
-            held, self._held = self._held, None
-            previous = self._previous
-            # A replaced version has no name of its own (a named one's name went to the new version): any
-            # link it has is a checkpoint's, and a checkpoint's bytes are never touched.
-            if held is None or previous is None or os.fstat(previous).st_nlink > 0:
-                return
-            dead = [(max(a, held[0]), min(b, held[1])) for a, b in self._written if max(a, held[0]) < min(b, held[1])]
-        for a, b in dead:
-            _punch_hole(previous, a, b - a)
+            self._held = None
 
     @property
     def holding(self) -> bool:
@@ -151,7 +156,7 @@ class VersionedFile:
         """Disk blocks this state takes now, every open version together (``fstat``): telemetry and tests
         of what holds and pins cost."""
         with self._lock:
-            fds = [fd for fd in (self.fd, self._previous) if fd is not None]
+            fds = [fd for fd in (self.fd, self._previous, self._spare and self._spare[0]) if fd is not None]
             return sum(os.fstat(fd).st_blocks * 512 for fd in fds)
 
     # ---------------------------------------------------------------------- versions
@@ -188,7 +193,18 @@ class VersionedFile:
                     os.close(src)
                     os.close(dst)
         finally:
-            os.close(previous)  # frees the held version once its checkpoints are released too
+            self._retire(previous, keep)
+
+    def _retire(self, previous: int, keep: bool) -> None:
+        """The previous version is read no more: the spare when nothing else references it (rollback
+        holds), else closed, which frees it once its checkpoints are released too."""
+        pinned = os.fstat(previous).st_nlink > self._previous_own_links
+        if keep and self._reuse and not pinned and self._spare is None:
+            self._spare = (previous, self._previous_own_links)
+            return
+        if pinned and self._previous_own_links and self._drop_name is not None:
+            self._drop_name(1 - self._slot, previous)  # the checkpoint keeps the only link
+        os.close(previous)
 
     def pin(self, dest: str | os.PathLike) -> str:
         """Make ``dest`` hold the current version (durable: fsynced); returns "link", "reflink" or "copy"."""
@@ -207,6 +223,9 @@ class VersionedFile:
         try:
             self.settle(keep=False)
         finally:
+            if self._spare is not None:
+                os.close(self._spare[0])
+                self._spare = None
             if self.fd is not None:
                 os.close(self.fd)
                 self.fd = None
@@ -324,20 +343,6 @@ def _copy_range(src: int, dst: int, a: int, b: int) -> None:
         if done == 0:
             break  # past the end of the source: the new version's sparse zeros are the same bytes
         at += done
-
-
-_FALLOC_FL_KEEP_SIZE, _FALLOC_FL_PUNCH_HOLE = 0x01, 0x02
-_libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
-_libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
-
-
-def _punch_hole(fd: int, offset: int, num_bytes: int) -> None:
-    """Free the blocks of bytes [offset, offset+num_bytes) (they read as zeros). Best effort: where the
-    filesystem cannot punch, the bytes stay until the file is closed."""
-    if _libc.fallocate(fd, _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE, offset, num_bytes) != 0:
-        err = ctypes.get_errno()
-        if err not in (errno.EOPNOTSUPP, errno.ENOSYS):
-            raise OSError(err, f"fallocate(PUNCH_HOLE) failed: {os.strerror(err)}")
 
 
 def _merged(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
