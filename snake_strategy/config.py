@@ -277,3 +277,15 @@ def coerce_config(cls: type, value: Any, name: str) -> Any:
             raise ValueError(f"{name} has unknown fields {sorted(unknown)}; known: {sorted(known)}")
         return cls(**{k: v for k, v in value.items() if k != "_target_"})
     raise ValueError(f"{name} must be a {cls.__name__} or a mapping, got {type(value).__name__}")
+
+
+def requested_storage(value: Any) -> StorageConfig:
+    """The storage a strategy is given: None, "auto", or a mapping that names no state and sets no
+    ``placement`` (e.g. ``{"ssd_dir": "/nvme/run"}``) is placed by the planner (``placement="auto"``); a
+    mapping that names a state keeps the manual default (the states it does not name on the host) unless
+    it says ``placement: auto``; a ``StorageConfig`` is taken as built."""
+    if value is None or (isinstance(value, str) and value == "auto"):
+        value = {"placement": "auto"}
+    elif isinstance(value, Mapping) and "placement" not in value and not set(value) & {*STATES, "rollback"}:
+        value = {**value, "placement": "auto"}
+    return coerce_config(StorageConfig, value, "storage")

@@ -35,7 +35,7 @@ from snake_strategy.after_fit import (PreFitWeights, after_failure, after_setup_
                                       remove_weight_guard, teardown_after_failure)
 from snake_strategy.checkpoint import pins as checkpoint_pins, shards as checkpoint_shards, store as checkpoint_store
 from snake_strategy.checkpoint.consolidate import CheckpointWeights
-from snake_strategy.config import ScheduleConfig, StorageConfig, coerce_config
+from snake_strategy.config import ScheduleConfig, StorageConfig, coerce_config, requested_storage
 from snake_strategy.contract import check_contract, check_not_empty, check_outputs_on_meta
 from snake_strategy.distributed import DataParallelMixin, build_engine, check_rank_loader, close_engine, rank_storage, sync_initial_state
 from snake_strategy.engine import EngineHooks, EngineRuntime, EvalEngine, SnakeEngine
@@ -55,8 +55,9 @@ class GreedySnakeStrategy(DataParallelMixin, ParallelStrategy):
     """Train a layered model whose state lives on device, host and SSD tiers, with the snake schedule.
 
     Args:
-        storage: where each state lives (``StorageConfig`` or a mapping of its fields); None or "auto":
-            placed by the planner (``StorageConfig(placement="auto")``).
+        storage: where each state lives (``StorageConfig`` or a mapping of its fields); None, "auto", or a
+            mapping that names no state (``{"ssd_dir": ...}``): placed by the planner
+            (``StorageConfig(placement="auto")``).
         schedule: task order, micro-batches per step and blocks per unit (``ScheduleConfig`` or mapping;
             its default kind "auto" lets the planner choose what is not given). ``strategy.plan`` holds the
             choice after setup.
@@ -95,8 +96,7 @@ class GreedySnakeStrategy(DataParallelMixin, ParallelStrategy):
         shard_optimizer_state: bool = True,
     ) -> None:
         # As asked ("auto" fields unset); self.storage / self.schedule hold the concrete plan after setup.
-        self.requested = (coerce_config(StorageConfig, {"placement": "auto"} if storage in (None, "auto") else storage,
-                                        "storage"),
+        self.requested = (requested_storage(storage),
                           coerce_config(ScheduleConfig, None if schedule == "auto" else schedule, "schedule"))
         self.storage, self.schedule = self.requested
         self.plan: RunPlan | None = None

@@ -219,3 +219,14 @@ def _resolve_args(schedule):
     optimizer = optimizer["optimizer"] if isinstance(optimizer, dict) else optimizer
     return (module, optimizer, StorageConfig(placement="auto"), schedule, 8, 8, torch.device("cpu"),
             HardwareProfile())
+
+
+def test_a_storage_mapping_that_places_nothing_is_planned(tmp_path):
+    """``storage={"ssd_dir": ...}`` (where the SSD tier goes, nothing else) leaves placement to the planner;
+    a mapping that names a state keeps the manual default for the others; ``placement`` always wins."""
+    placed = snake_strategy.GreedySnakeStrategy(storage={"ssd_dir": str(tmp_path), "host_budget_bytes": 2**30})
+    assert placed.requested[0].placement == "auto" and placed.requested[0].weights is None
+    named = snake_strategy.GreedySnakeStrategy(storage={"ssd_dir": str(tmp_path), "weights": "ssd"})
+    assert named.requested[0].placement == "manual" and named.requested[0].optimizer.host == 1.0
+    told = snake_strategy.GreedySnakeStrategy(storage={"ssd_dir": str(tmp_path), "placement": "manual"})
+    assert told.requested[0].placement == "manual"
