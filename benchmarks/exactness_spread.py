@@ -22,7 +22,7 @@ from torch.utils.data import DataLoader, TensorDataset
 import snake_strategy
 from snake_strategy.gpt import Block, GPTConfig, GPTModule
 from snake_strategy.precision import GreedySnakePrecision
-from tests.helpers import SMALL_GPT, run_reference, run_snake, token_data, trainer_kwargs
+from tests.helpers import SMALL_GPT, fp16_scaled_backward, run_reference, run_snake, token_data, trainer_kwargs
 
 STEPS, MICRO, MICRO_SIZE = 5, 4, 2
 
@@ -56,12 +56,7 @@ def _torch_fp16(x, y, gpt: GPTConfig, steps: int, algorithm: str | None, value: 
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16)
     params, states = list(module.parameters()), []
     for step in range(steps):
-        for m in range(MICRO):
-            lo = (step * MICRO + m) * MICRO_SIZE
-            batch = (x[lo:lo + MICRO_SIZE], y[lo:lo + MICRO_SIZE])
-            with torch.autocast("cpu", dtype=torch.float16):
-                loss = module.compute_loss(module(batch), batch)
-            scaler.scale(loss / MICRO).backward()
+        fp16_scaled_backward(module, scaler, x, y, step, MICRO, MICRO_SIZE)
         scaler.unscale_(optimizer)
         if algorithm == "norm" and norm_in_float64:
             grads = [p.grad for p in params if p.grad is not None]

@@ -495,7 +495,9 @@ class GreedySnakeStrategy(DataParallelMixin, ParallelStrategy):
         if shards:  # every rank writes its shard, rank 0 the manifest last
             checkpoint_shards.save(self.engine, checkpoint, filepath, self.progress)
         elif self.is_global_zero:  # one writer, as DDPStrategy (replicated state); Lightning barriers after
-            self.last_save = checkpoint_store.save(self.engine, checkpoint, filepath, self.progress, zero_copy=True)
+            rate = checkpoint_pins.checksum_read_rate(self.hardware_profile and self.hardware_profile.ssd_read_gb_per_s)
+            self.last_save = checkpoint_store.save(self.engine, checkpoint, filepath, self.progress, zero_copy=True,
+                                                   checksum_read_bytes_per_s=rate)
 
     @override
     def remove_checkpoint(self, filepath: Any) -> None:

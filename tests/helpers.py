@@ -121,6 +121,18 @@ def run_snake(config: GPTConfig, steps: int, micro: int, micro_size: int, precis
     return rec.states, strategy
 
 
+def fp16_scaled_backward(module, scaler, x: torch.Tensor, y: torch.Tensor, step: int, micro: int,
+                         micro_size: int) -> None:
+    """Plain torch's fp16 recipe for one step's micro-batches: autocast forward, ``scaler.scale(loss / micro)
+    .backward()`` (the caller unscales, clips, steps and updates the scaler). Batches are consecutive rows."""
+    for m in range(micro):
+        lo = (step * micro + m) * micro_size
+        batch = (x[lo:lo + micro_size], y[lo:lo + micro_size])
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = module.compute_loss(module(batch), batch)
+        scaler.scale(loss / micro).backward()
+
+
 def max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     assert a.keys() == b.keys(), (sorted(a), sorted(b))
     return max((a[k].double() - b[k].double()).abs().max().item() for k in a)

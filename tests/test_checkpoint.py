@@ -66,6 +66,7 @@ def test_consolidated_file_equals_live_model(tmp_path):
     assert list(meta["state_dict"]) == [k for k in trainer.lightning_module.state_dict() if not k.startswith("blocks.")]
     for name in shared:
         assert torch.equal(meta["state_dict"][name], live[name]), name
+    assert meta["state_dict"]["lm_head.weight"] is meta["state_dict"]["wte.weight"]  # tied, as in the module
     out = tmp_path / "model.ckpt"
     subprocess.run([sys.executable, "-m", "snake_strategy.checkpoint", str(tmp_path / "ckpts" / "epoch=0-step=3.ckpt"),
                     str(out)], check=True, capture_output=True)

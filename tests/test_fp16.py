@@ -14,7 +14,7 @@ from torch.utils.data import DataLoader, TensorDataset
 import snake_strategy
 from snake_strategy.gpt import GPTModule
 from snake_strategy.precision import GreedySnakePrecision
-from tests.helpers import SMALL_GPT, token_data, trainer_kwargs
+from tests.helpers import SMALL_GPT, fp16_scaled_backward, token_data, trainer_kwargs
 
 POISONED_STEP, POISONED_MICRO = 2, 1
 
@@ -107,12 +107,7 @@ def _gradscaler_reference(x, y, steps, overflow_step, growth_interval=2000):
     states, scales, skipped = [], [], []
     for step in range(steps):
         module.loss_factor = OVERFLOW_FACTOR if step == overflow_step else 1.0
-        for m in range(MICRO):
-            lo = (step * MICRO + m) * MICRO_SIZE
-            batch = (x[lo:lo + MICRO_SIZE], y[lo:lo + MICRO_SIZE])
-            with torch.autocast("cpu", dtype=torch.float16):
-                loss = module.compute_loss(module(batch), batch)
-            scaler.scale(loss / MICRO).backward()
+        fp16_scaled_backward(module, scaler, x, y, step, MICRO, MICRO_SIZE)
         scales.append(scaler.get_scale())
         scaler.step(optimizer)
         scaler.update()

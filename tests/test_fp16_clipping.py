@@ -24,7 +24,7 @@ from torch.utils.data import DataLoader, TensorDataset
 import snake_strategy
 from snake_strategy.gpt import GPTModule
 from snake_strategy.precision import GreedySnakePrecision
-from tests.helpers import SMALL_GPT, ParamRecorder, max_abs_diff, token_data, trainer_kwargs
+from tests.helpers import SMALL_GPT, ParamRecorder, fp16_scaled_backward, max_abs_diff, token_data, trainer_kwargs
 
 # Untied head (see tests/test_fp16.py: the tied head's gradient sum order is one more fp16-amplified ulp).
 GPT = dataclasses.replace(SMALL_GPT, tied_head=False)
@@ -43,12 +43,7 @@ def _reference(x, y, algorithm: str | None, value: float, norm_in_float64: bool 
     params = list(module.parameters())
     states, norms = [], []
     for step in range(STEPS):
-        for m in range(MICRO):
-            lo = (step * MICRO + m) * MICRO_SIZE
-            batch = (x[lo:lo + MICRO_SIZE], y[lo:lo + MICRO_SIZE])
-            with torch.autocast("cpu", dtype=torch.float16):
-                loss = module.compute_loss(module(batch), batch)
-            scaler.scale(loss / MICRO).backward()
+        fp16_scaled_backward(module, scaler, x, y, step, MICRO, MICRO_SIZE)
         scaler.unscale_(optimizer)  # clip the true gradients
         if algorithm == "norm" and norm_in_float64:  # the same clip, its norm summed in float64
             grads = [p.grad for p in params if p.grad is not None]

@@ -22,7 +22,7 @@ from torch.utils.data import DataLoader, TensorDataset
 import snake_strategy
 from snake_strategy.gpt import GPTModule
 from snake_strategy.precision import GreedySnakePrecision
-from tests.helpers import SMALL_GPT, run_reference, run_snake, token_data, trainer_kwargs
+from tests.helpers import SMALL_GPT, fp16_scaled_backward, run_reference, run_snake, token_data, trainer_kwargs
 from tests.test_fp16 import FP16_ATOL, FP16_GPT, OVERFLOW_FACTOR, ScaledLossGPT
 
 STEPS, MICRO, MICRO_SIZE = 6, 4, 2
@@ -162,12 +162,7 @@ def _gradscaler_clip_reference(x, y, overflow_step):
     states, skipped = [], []
     for step in range(FP16_STEPS):
         module.loss_factor = _fp16_factor(step, overflow_step)
-        for m in range(FP16_MICRO):
-            lo = (step * FP16_MICRO + m) * MICRO_SIZE
-            batch = (x[lo:lo + MICRO_SIZE], y[lo:lo + MICRO_SIZE])
-            with torch.autocast("cpu", dtype=torch.float16):
-                loss = module.compute_loss(module(batch), batch)
-            scaler.scale(loss / FP16_MICRO).backward()
+        fp16_scaled_backward(module, scaler, x, y, step, FP16_MICRO, MICRO_SIZE)
         scale = scaler.get_scale()
         scaler.unscale_(optimizer)
         torch.nn.utils.clip_grad_norm_(module.parameters(), FP16_MAX_NORM)

@@ -29,6 +29,7 @@ import mmap
 import os
 import queue
 import threading
+import time
 import zlib
 from collections import Counter
 from pathlib import Path
@@ -92,20 +93,28 @@ class Checksums:
         self._jobs: queue.Queue = queue.Queue()
         self._thread: threading.Thread | None = None
         self._start_lock = threading.Lock()
+        self._full_speed = threading.Event()  # set by wait(): no pacing
         self.remove_lock = threading.Lock()  # held around a manifest rewrite and around a removal
 
-    def submit(self, root: Path, names: list[str]) -> None:
+    def submit(self, root: Path, names: list[str], read_bytes_per_s: float | None = None) -> None:
+        """Queue the CRC-32s of ``names`` in ``root``; their reads are paced to ``read_bytes_per_s`` (None:
+        ``DEFAULT_CHECKSUM_READ_BYTES_PER_S``; ``checksum_read_rate`` derives it from the SSD's rate)."""
         if not names:
             return
         dir_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)  # follows the directory through renames
-        self._jobs.put((dir_fd, names))
+        self._jobs.put((dir_fd, names, read_bytes_per_s or DEFAULT_CHECKSUM_READ_BYTES_PER_S))
         with self._start_lock:
             if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(target=self._work, name="snake-checksums", daemon=True)
                 self._thread.start()
 
     def wait(self) -> None:
-        self._jobs.join()
+        """Finish every queued job at full speed (training is over: end of fit) and return."""
+        self._full_speed.set()
+        try:
+            self._jobs.join()
+        finally:
+            self._full_speed.clear()
 
     def _work(self) -> None:
         # Training comes first: this thread runs on the cores training leaves idle (nice 19: the kernel
@@ -116,17 +125,18 @@ class Checksums:
         except (OSError, AttributeError):
             pass
         while True:
-            dir_fd, names = self._jobs.get()
+            dir_fd, names, rate = self._jobs.get()
             try:
-                self._complete(dir_fd, names)
+                self._complete(dir_fd, names, rate)
             except OSError as err:  # the checkpoint was released meanwhile: nothing to complete
                 log.debug("checksums of a released checkpoint dropped: %s", err)
             finally:
                 os.close(dir_fd)
                 self._jobs.task_done()
 
-    def _complete(self, dir_fd: int, names: list[str]) -> None:
-        crcs = {name: _crc_file(name, dir_fd) for name in names}  # the long part, outside the lock
+    def _complete(self, dir_fd: int, names: list[str], read_bytes_per_s: float) -> None:
+        pace = _Pace(read_bytes_per_s, self._full_speed)
+        crcs = {name: _crc_file(name, dir_fd, pace) for name in names}  # the long part, outside the lock
         with self.remove_lock:
             with open(os.open("manifest.json", os.O_RDONLY, dir_fd=dir_fd)) as f:
                 manifest = json.load(f)
@@ -142,9 +152,37 @@ class Checksums:
 
 
 CRC_CHUNK_BYTES = 16 * 2**20
+# The checksums read the pinned state back once. Unpaced, that read competed with the step after the
+# save for the disk: gpt_1b with every state on the SSD ran that step 1.54x slower (docs/LOG.md,
+# 2026-12-02). Paced to a small share of the SSD's read rate, the cost is spread over the next steps.
+CHECKSUM_READ_SHARE = 0.05
+DEFAULT_CHECKSUM_READ_BYTES_PER_S = 64 * 2**20
 
 
-def _crc_file(name: str, dir_fd: int) -> int:
+def checksum_read_rate(ssd_read_gb_per_s: float | None) -> float:
+    """Bytes per second the checksums read: ``CHECKSUM_READ_SHARE`` of the SSD's probed read rate."""
+    if not ssd_read_gb_per_s:
+        return DEFAULT_CHECKSUM_READ_BYTES_PER_S
+    return CHECKSUM_READ_SHARE * ssd_read_gb_per_s * 1e9
+
+
+class _Pace:
+    """Sleeps so that the bytes read so far take at least ``bytes / rate`` seconds (until ``full_speed``)."""
+
+    def __init__(self, bytes_per_s: float, full_speed: threading.Event) -> None:
+        self.bytes_per_s, self.start_s, self.done_bytes = bytes_per_s, time.monotonic(), 0
+        self.full_speed = full_speed
+
+    def read(self, num_bytes: int) -> None:
+        self.done_bytes += num_bytes
+        if self.full_speed.is_set():
+            return
+        ahead_s = self.done_bytes / self.bytes_per_s - (time.monotonic() - self.start_s)
+        if ahead_s > 0:
+            time.sleep(ahead_s)
+
+
+def _crc_file(name: str, dir_fd: int, pace: _Pace | None = None) -> int:
     """CRC-32 of a file, read with O_DIRECT where the filesystem allows it: reading gigabytes of pinned
     state through the page cache would evict what training reads (and count against a cgroup's memory)."""
     try:
@@ -166,6 +204,8 @@ def _crc_file(name: str, dir_fd: int) -> int:
                 break
             crc = zlib.crc32(view[:got], crc)
             at += got
+            if pace is not None:
+                pace.read(got)
             if got < CRC_CHUNK_BYTES:  # the end of the file
                 break
     finally:

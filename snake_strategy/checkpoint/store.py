@@ -48,7 +48,8 @@ log = logging.getLogger(__name__)
 
 
 def save(engine: SnakeEngine, checkpoint: dict[str, Any], path: str | os.PathLike,
-         progress: Progress | None = None, zero_copy: bool = False) -> dict[str, Any]:
+         progress: Progress | None = None, zero_copy: bool = False,
+         checksum_read_bytes_per_s: float | None = None) -> dict[str, Any]:
     """Write ``engine``'s state to the directory ``path`` (one process's format; a data-parallel run with
     partitioned optimizer state writes per-rank shards instead: shards.save).
 
@@ -56,7 +57,8 @@ def save(engine: SnakeEngine, checkpoint: dict[str, Any], path: str | os.PathLik
     strategy does); False streams every unit state through memory into new files (format /1: a copy that
     shares nothing with the run, e.g. for an archive).
     Returns what was done: ``written_bytes``, ``seconds``, ``methods`` (how the SSD files got there),
-    ``phases_s`` (seconds of the flush, the unit files, and the rest: non-layer state, meta, manifest)."""
+    ``phases_s`` (seconds of the flush, the unit files, and the rest: non-layer state, meta, manifest).
+    ``checksum_read_bytes_per_s``: the pace of the pinned files' background CRC-32s (pins.Checksums)."""
     start_s = time.perf_counter()
     final = Path(path)
     _recover(final, clean=True)
@@ -84,7 +86,8 @@ def save(engine: SnakeEngine, checkpoint: dict[str, Any], path: str | os.PathLik
         commit(engine, checkpoint, tmp, final, files, tracker, unit_extra=unit_extra)
         phases_s["commit"] = time.perf_counter() - start_s - sum(phases_s.values())
         pinned = [name for name, info in files.items() if info["crc32"] is None]
-        CHECKSUMS.submit(final, pinned)  # in the background: reading them back is what zero-copy avoids
+        # In the background, paced: reading them back at full speed is what zero-copy avoids.
+        CHECKSUMS.submit(final, pinned, checksum_read_bytes_per_s)
         written = sum(info["bytes"] for name, info in files.items() if name not in pinned
                       or (methods and "copy" in methods))
         if methods is not None:

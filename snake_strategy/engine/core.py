@@ -429,7 +429,7 @@ class SnakeEngine:
     def trainable_named_weights(self) -> Iterator[tuple[str, Tensor]]:
         """The trainable parameters by module name (EngineView), master values, one unit at a time."""
         state = self.nonlayer_state()  # flushes pending updates first
-        yield from zip(state["names"], state["master"])
+        yield from ((name, value.clone()) for name, value in zip(state["names"], state["master"]))  # not live
         for u, unit in enumerate(self.units):
             views = named_tensors(unit.master.read_copy(0, unit.train_end), self.unit_slots(u))
             yield from ((name, value.clone()) for name, value in views.items())  # see unit_weights
