@@ -1,10 +1,13 @@
 """Resumable directory checkpoints of the SSD-resident state, consolidation, and corruption detection."""
 import errno
+import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import time
+import zlib
 
 import lightning as L
 import pytest
@@ -13,7 +16,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import snake_strategy
 from snake_strategy import checkpoint as snake_checkpoint
-from snake_strategy.checkpoint import store as checkpoint_store
+from snake_strategy.checkpoint import format as checkpoint_format, store as checkpoint_store
 from snake_strategy.gpt import GPTModule
 from tests.helpers import SMALL_GPT, ParamRecorder, token_data, trainer_kwargs
 
@@ -298,3 +301,27 @@ def test_enospc_during_a_step_is_clear_and_keeps_the_last_checkpoint(tmp_path, m
     resumed, _ = _fit(6, tmp_path / "ssd_b", ckpt_path=str(saved))
     for name in straight:
         assert torch.equal(straight[name], resumed[name]), name
+
+
+def test_a_checkpoint_with_the_older_nonlayer_file_still_resumes(tmp_path):
+    """Checkpoints written before the non-layer vectors became raw files hold them inside nonlayer.pt:
+    resuming one gives the same parameters as resuming the same state in today's layout."""
+    _, _ = _fit(3, tmp_path / "ssd", ckpt_dir=tmp_path / "ckpts")
+    new = tmp_path / "ckpts" / "epoch=0-step=3.ckpt"
+    old = tmp_path / "old.ckpt"
+    shutil.copytree(new, old)
+    manifest = json.loads((old / "manifest.json").read_text())
+    state = checkpoint_format.read_nonlayer(old, manifest)
+    state = {k: [t.clone() for t in v] if k in ("master", "exp_avg", "exp_avg_sq") else v for k, v in state.items()}
+    torch.save(state, old / "nonlayer.pt")
+    for name in ("master", "exp_avg", "exp_avg_sq"):
+        (old / f"nonlayer.{name}.bin").unlink()
+        del manifest["files"][f"nonlayer.{name}.bin"]
+    del manifest["nonlayer"]
+    manifest["files"]["nonlayer.pt"] = {"bytes": (old / "nonlayer.pt").stat().st_size,
+                                        "crc32": zlib.crc32((old / "nonlayer.pt").read_bytes())}
+    (old / "manifest.json").write_text(json.dumps(manifest))
+    from_new, _ = _fit(4, tmp_path / "ssd_new", ckpt_path=str(new))
+    from_old, _ = _fit(4, tmp_path / "ssd_old", ckpt_path=str(old))
+    for name in from_new:
+        assert torch.equal(from_new[name], from_old[name]), name

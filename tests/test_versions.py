@@ -78,8 +78,8 @@ def test_a_hold_never_writes_or_punches_a_version_a_checkpoint_pinned(ssd, tmp_p
     vf.release_hold()
     assert dest.read_bytes() == b"a" * SIZE
     vf.hold(0, half)  # [0, half) was rewritten since the pin: the pinned version is settled first
-    assert os.stat(dest).st_nlink == 1  # closed, never a spare, its own name dropped: the checkpoint's alone
-    _write(vf, 0, b"g" * half)
+    _write(vf, 0, b"g" * half)  # a new version: the pinned one is never reused while the checkpoint links it
+    assert os.stat(dest).st_nlink == 1  # closed, its own name dropped: the checkpoint's alone
     assert _read(vf.held_pieces(0, half)) == b"f" * half
     vf.release_hold()
     for tag in (b"h", b"i", b"j"):  # steps on: the checkpoint's bytes are never written
@@ -97,3 +97,27 @@ def test_a_pin_while_a_hold_is_active_is_an_invariant_violation(ssd, tmp_path):
     with pytest.raises(AssertionError, match="held version"):
         vf.pin(tmp_path / "x.bin")
     vf.release_hold()
+
+
+def test_a_released_checkpoint_version_is_overwritten_by_the_next_one_not_freed_and_allocated(ssd, tmp_path):
+    """Saves that rotate (``last``, top-k): the version the released checkpoint pinned becomes the next
+    version's blocks (a named one; an anonymous one a pin linked can never be linked again, so it is
+    freed), and every checkpoint keeps its bytes."""
+    vf = ssd.open_versioned("master/unit0.bin", SIZE)
+    _write(vf, 0, b"a" * SIZE)
+    previous, inodes = None, set()
+    for step, tag in enumerate((b"b", b"c", b"d", b"e")):
+        dest = tmp_path / f"ckpt{step}.bin"
+        assert vf.pin(dest) == "link"
+        if previous is not None:
+            previous.unlink()  # the rotation: the older checkpoint is released after the new one is saved
+        _write(vf, 0, tag * SIZE)  # the step after the save: copy-on-write
+        inodes.add(os.fstat(vf.fd).st_ino)
+        assert dest.read_bytes() == (b"a" if step == 0 else (b"b", b"c", b"d")[step - 1]) * SIZE
+        previous = dest
+        os.fsync(vf.fd)
+        assert vf.allocated_bytes() <= 2 * SIZE + 2 * MIB  # never a third copy
+    assert vf.versions == 5
+    if not ssd.anonymous:
+        assert len(inodes) == 2  # two files, alternating
+        assert sorted(os.listdir(os.path.join(ssd.path, "master"))) == ["unit0.bin", "unit0.bin.alt"]

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from snake_strategy.checkpoint.format import DTYPES, read_meta, read_range, verified_manifest
+from snake_strategy.checkpoint.format import DTYPES, read_meta, read_nonlayer, read_range, verified_manifest
 from snake_strategy.checkpoint.store import locate
 from snake_strategy.progress import Progress, or_quiet
 from snake_strategy.sources.pretrained import PretrainedSource
@@ -94,7 +94,7 @@ class CheckpointWeights:
         self._where = {name: (u, shape, offset, numel) for u, unit in enumerate(self.manifest["units"])
                        for name, shape, offset, numel in unit["slots"]}
         # mmap: the non-layer moments in the same file are not read into memory.
-        nonlayer = torch.load(self.root / "nonlayer.pt", map_location="cpu", mmap=True, weights_only=True)
+        nonlayer = read_nonlayer(self.root, self.manifest, ("master",))
         self._nonlayer = dict(zip(nonlayer["names"], nonlayer["master"]))
         self._cached: tuple[int, torch.Tensor] | None = None  # the last unit read (units are read in order)
         if base is not None:

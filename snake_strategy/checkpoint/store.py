@@ -30,14 +30,14 @@ import zlib
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import torch
 import torch.distributed as dist
 
 from snake_strategy.checkpoint import pins
 from snake_strategy.checkpoint.pins import CHECKSUMS, ZERO_COPY_FORMAT
 from snake_strategy.checkpoint.format import (DTYPES, FORMAT, STATES, fsync_file, fsync_parent, fsync_tree, read_meta,
-                                              read_range, remove_path, save_torch, unit_pieces, verified_manifest,
-                                              verify_file, without_nonlayer_copies, write_raw)
+                                              read_nonlayer, read_range, remove_path, save_torch, unit_pieces,
+                                              verified_manifest, verify_file, without_nonlayer_copies, write_nonlayer,
+                                              write_raw)
 from snake_strategy.progress import Progress, or_quiet
 from snake_strategy.storage.io_engine import pid_alive
 
@@ -113,16 +113,17 @@ def commit(engine: SnakeEngine, checkpoint: dict[str, Any], tmp: Path, final: Pa
              for u in range(engine.num_units)]
     nonlayer = engine.nonlayer_state()
     checkpoint, meta_record = without_nonlayer_copies(checkpoint, nonlayer)
-    files["nonlayer.pt"] = save_torch(nonlayer, tmp / "nonlayer.pt")
+    nonlayer_files, nonlayer_record = write_nonlayer(nonlayer, tmp)
+    files.update(nonlayer_files)
     del nonlayer
-    tracker.advance(1, files["nonlayer.pt"]["bytes"])
+    tracker.advance(1, sum(info["bytes"] for info in nonlayer_files.values()))
     files["meta.pt"] = save_torch(checkpoint, tmp / "meta.pt")
     tracker.advance(1, files["meta.pt"]["bytes"])
     manifest = {"format": ZERO_COPY_FORMAT if unit_extra is not None else FORMAT, "step_count": engine.step_count,
                 "master_dtype": str(engine.dtypes.master),
                 "compute_dtype": str(engine.dtypes.compute),  # the frozen CRC-32s are of these bytes
                 "blocks_per_unit": engine.schedule.blocks_per_unit, "units": units, "files": files,
-                "frozen_nonlayer": frozen["nonlayer"], **meta_record, **(extra or {})}
+                "frozen_nonlayer": frozen["nonlayer"], "nonlayer": nonlayer_record, **meta_record, **(extra or {})}
     (tmp / "manifest.json").write_text(json.dumps(manifest))
     fsync_file(tmp / "manifest.json")
     fsync_tree(tmp)
@@ -340,7 +341,7 @@ def load(engine: SnakeEngine, path: str | os.PathLike, progress: Progress | None
     engine.flush()
     _check_frozen(root, manifest, engine.frozen_checksums())
     load_units(engine, root, manifest, progress)
-    engine.load_nonlayer_state(torch.load(root / "nonlayer.pt", map_location="cpu", weights_only=True))
+    engine.load_nonlayer_state(read_nonlayer(root, manifest))
     engine.step_count = manifest["step_count"]
     return read_meta(root, manifest)
 

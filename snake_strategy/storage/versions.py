@@ -19,11 +19,14 @@ The versioning API (used by checkpoints, open to any caller that needs a stable 
 "Held" is the inode's link count, read with one ``fstat`` at the first write after each pin: a file with
 more names than its own (one in a named ``ssd_dir``, none for an anonymous ``O_TMPFILE``) is held.
 
-Spares. A file under rollback holds starts a version every step. A new file would cost the filesystem a
-block allocation per write and a free per closed version (measured: docs/LOG.md, 2026-12-02), so a
-version that nothing but this file references is kept as the *spare* when it is closed, and the next
-new version overwrites it: two files per state, alternating, their blocks allocated once. In a named
-directory the two are ``<name>`` and ``<name>.alt``; a version a checkpoint holds is never a spare.
+Spares. A file under rollback holds starts a version every step, and one under checkpoints a version per
+save. A new file costs the filesystem a block allocation per write and a free per closed version
+(measured: docs/LOG.md, 2026-12-02), so a version is kept as the *spare* when it is closed, and the next
+new version overwrites it: two files per state, alternating, their blocks allocated once. A spare that a
+checkpoint still links when the next version starts is closed instead (the checkpoint owns it; a
+rotating ``last`` or top-k has released it by then). In a named directory the two are ``<name>`` and
+``<name>.alt``; an anonymous version that a pin linked is never a spare (the kernel gives an O_TMPFILE
+file a name only while it never had one, and a later pin must link it).
 
 A new version receives every write of the state from then on; the previous version stays open for the
 reads of what was not yet rewritten. An optimizer step rewrites every trainable element of a unit, so
@@ -67,6 +70,7 @@ class VersionedFile:
         self._previous_own_links = 0
         self._spare: tuple[int, int] | None = None  # (fd, own_links) of a version to overwrite (see above)
         self._reuse = False  # under rollback holds: keep closed versions as spares
+        self._linked: set[int] = set()  # descriptors of anonymous versions a pin has linked
         self._held: tuple[int, int] | None = None  # bytes a rollback hold keeps (hold/release_hold)
         self._written: list[tuple[int, int]] = []  # byte ranges of the new version written so far
         self._tickets: list = []  # submitted transfers (anything with done()/wait()) that pin waits for
@@ -81,8 +85,9 @@ class VersionedFile:
                 # (sparse); the ranges not yet written are read from the held version (read_pieces).
                 self._previous, self._previous_own_links = self.fd, self._own_links
                 self._slot = 1 - self._slot
-                if self._spare is not None:  # allocated blocks: overwritten, nothing to allocate
-                    (self.fd, self._own_links), self._spare = self._spare, None
+                spare = self._take_spare()
+                if spare is not None:  # allocated blocks: overwritten, nothing to allocate
+                    self.fd, self._own_links = spare
                 else:
                     self.fd, self._own_links = self._open_version(self._slot)
                 self._written = []
@@ -196,15 +201,37 @@ class VersionedFile:
             self._retire(previous, keep)
 
     def _retire(self, previous: int, keep: bool) -> None:
-        """The previous version is read no more: the spare when nothing else references it (rollback
-        holds), else closed, which frees it once its checkpoints are released too."""
+        """The previous version is read no more: kept as the spare (under rollback holds; or when a
+        checkpoint holds it, in case that checkpoint is released before the next version starts, as a
+        rotating ``last`` or top-k is: its blocks are then overwritten instead of freed and allocated again),
+        else closed, which frees it once its checkpoints are released too."""
         pinned = os.fstat(previous).st_nlink > self._previous_own_links
-        if keep and self._reuse and not pinned and self._spare is None:
+        if keep and (self._reuse or pinned) and self._spare is None and self._linkable_again(previous,
+                                                                                           self._previous_own_links):
             self._spare = (previous, self._previous_own_links)
             return
-        if pinned and self._previous_own_links and self._drop_name is not None:
-            self._drop_name(1 - self._slot, previous)  # the checkpoint keeps the only link
-        os.close(previous)
+        self._close_version(previous, self._previous_own_links, pinned, 1 - self._slot)
+
+    def _linkable_again(self, fd: int, own_links: int) -> bool:
+        """Whether a later pin can link this version: a named one always; an anonymous one only if it was
+        never linked (the kernel lets an O_TMPFILE file get a name while it never had one)."""
+        return own_links > 0 or fd not in self._linked
+
+    def _take_spare(self) -> tuple[int, int] | None:
+        """The spare, if no checkpoint holds it any more; one still held is closed (the checkpoint's now)."""
+        if self._spare is None:
+            return None
+        (fd, own_links), self._spare = self._spare, None
+        if os.fstat(fd).st_nlink > own_links:
+            self._close_version(fd, own_links, True, self._slot)
+            return None
+        return fd, own_links
+
+    def _close_version(self, fd: int, own_links: int, pinned: bool, slot: int) -> None:
+        if pinned and own_links and self._drop_name is not None:
+            self._drop_name(slot, fd)  # the checkpoint keeps the only link
+        self._linked.discard(fd)
+        os.close(fd)
 
     def pin(self, dest: str | os.PathLike) -> str:
         """Make ``dest`` hold the current version (durable: fsynced); returns "link", "reflink" or "copy"."""
@@ -212,6 +239,7 @@ class VersionedFile:
         os.fsync(self.fd)
         try:
             link_open_file(self.fd, dest)
+            self._linked.add(self.fd)
             return "link"
         except OSError as err:
             if err.errno not in (errno.EXDEV, errno.EPERM, errno.EMLINK, errno.EOPNOTSUPP, errno.ENOENT):
@@ -229,6 +257,7 @@ class VersionedFile:
             if self.fd is not None:
                 os.close(self.fd)
                 self.fd = None
+            self._linked.clear()
 
 
 def link_open_file(fd: int, dest: str | os.PathLike) -> None:
