@@ -115,9 +115,18 @@ def export_directory(storage_export_dir: str | None, trainer: Any) -> str:
     return os.path.abspath(trainer.default_root_dir)
 
 
+def weights_fit(weights_bytes: int, budget_bytes: int | None, engine_host_bytes: int) -> bool:
+    """Whether the trained weights go back in memory. The export copies them while the engine still holds
+    its host memory (``engine_host_bytes``, the plan's), so both together must fit the budget: measured,
+    gpt_1b in an 8 GiB cgroup copied its 4.83 GB of weights next to the engine's ~5 GiB and was
+    OOM-killed (docs/LOG.md, 2026-12-02)."""
+    return budget_bytes is None or weights_bytes + engine_host_bytes <= budget_bytes
+
+
 def give_back_weights(module: nn.Module, engine: SnakeEngine | EvalEngine, budget_bytes: int | None,
                       budget_source: str, directory: str, pre_fit: PreFitWeights | None,
-                      file_name: str = WEIGHTS_FILE, progress: Progress | None = None) -> str | None:
+                      file_name: str = WEIGHTS_FILE, progress: Progress | None = None,
+                      engine_host_bytes: int = 0) -> str | None:
     """After a normal fit: the trained weights into the module. Returns the file they map, or None when
     they went back in memory (or a guard was installed because no file could be written). After an
     evaluation: weights an earlier fit mapped from a file are mapped again (evaluation did not change
@@ -127,14 +136,15 @@ def give_back_weights(module: nn.Module, engine: SnakeEngine | EvalEngine, budge
             engine.export_to_module()
         return None
     weights_bytes = engine.master_bytes()
-    if budget_bytes is None or weights_bytes <= budget_bytes:
+    if weights_fit(weights_bytes, budget_bytes, engine_host_bytes):
         engine.export_to_module()
         return None
     path = os.path.join(directory, file_name)
     plan = weights_file_plan(engine)
     why_not = _why_not_writable(directory, file_bytes_needed(plan))
-    over = (f"the trained weights ({weights_bytes / 2**30:.2f} GiB) exceed the host budget "
-            f"({budget_bytes / 2**30:.2f} GiB, bounded by {budget_source})")
+    over = (f"the trained weights ({weights_bytes / 2**30:.2f} GiB) and the engine's host memory while they are "
+            f"copied ({engine_host_bytes / 2**30:.2f} GiB) exceed the host budget ({budget_bytes / 2**30:.2f} GiB, "
+            f"bounded by {budget_source})")
     if why_not is not None:
         install_weight_guard(module, (
             f"{over}, so they were not copied into the module, and no weights file could be written: {why_not}. "

@@ -32,7 +32,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from snake_strategy import preemption
 from snake_strategy.after_fit import (PreFitWeights, after_failure, after_setup_failure, export_directory,
                                       give_back_weights, guard_message, has_weight_guard,
-                                      remove_weight_guard, teardown_after_failure)
+                                      remove_weight_guard, teardown_after_failure, weights_fit)
 from snake_strategy.checkpoint import pins as checkpoint_pins, shards as checkpoint_shards, store as checkpoint_store
 from snake_strategy.checkpoint.consolidate import CheckpointWeights
 from snake_strategy.config import ScheduleConfig, StorageConfig, coerce_config, requested_storage
@@ -355,8 +355,8 @@ class GreedySnakeStrategy(DataParallelMixin, ParallelStrategy):
         self.checkpoint_io.teardown()
 
     def weights_fit_host(self, engine: SnakeEngine | EvalEngine) -> bool:
-        """Whether the weights fit the plan's budget: given back in memory (else mapped from a file)."""
-        return engine.master_bytes() <= self.plan.host_budget_bytes  # host_memory.host_budget decided it
+        """Whether the weights go back in memory after fit (else mapped from a file): ``after_fit.weights_fit``."""
+        return weights_fit(engine.master_bytes(), self.plan.host_budget_bytes, self.plan.host_bytes)
 
     def _give_back_weights(self, engine: SnakeEngine | EvalEngine) -> None:
         """The module's weights after the engine (after_fit.give_back_weights): in memory, or mapped from a file."""
@@ -364,7 +364,7 @@ class GreedySnakeStrategy(DataParallelMixin, ParallelStrategy):
         self.weights_file = give_back_weights(
             module, engine, self.plan.host_budget_bytes, self.plan.host_budget_source,
             export_directory(self.storage.export_dir, module.trainer), self._pre_fit,
-            weights_file_name(self.world_size, self.global_rank), self.progress)
+            weights_file_name(self.world_size, self.global_rank), self.progress, self.plan.host_bytes)
         self._gave_back_weights = not has_weight_guard(module)
 
     # ------------------------------------------------------------------ the step

@@ -431,3 +431,17 @@ def test_peft_save_pretrained_after_a_mapped_fit(tmp_path):
     assert adapters and saved.keys() == adapters.keys()
     for key, value in adapters.items():
         assert torch.equal(saved[key], value.detach()), key
+
+
+def test_weights_that_fit_only_without_the_engine_are_mapped_not_copied(tmp_path):
+    """The export copies the weights while the engine still holds its host memory: weights that fit the
+    budget alone, but not next to the engine, go to a mapped file (the in-memory copy is what an 8 GiB
+    cgroup OOM-killed on gpt_1b); with room for both they go back in memory."""
+    module, roomy = _fit(tmp_path / "a", budget=64 * 2**20)
+    assert roomy.weights_file is None  # in memory
+    weights_bytes = sum(p.numel() * p.element_size() for p in module.parameters())
+    budget = weights_bytes + roomy.plan.host_bytes - 1
+    assert weights_bytes < budget
+    _, tight = _fit(tmp_path / "b", budget=budget)
+    assert tight.plan.host_bytes == roomy.plan.host_bytes  # the same plan: only the export's choice differs
+    assert tight.weights_file is not None and os.path.getsize(tight.weights_file) > weights_bytes

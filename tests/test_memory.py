@@ -129,10 +129,15 @@ def test_host_budget_error_before_any_step(tmp_path):
         def on_train_batch_end(self, *args):
             steps_run.append(1)
 
+    # A manual plan (everything on the host) over the budget: refused with the placement's numbers.
     with pytest.raises(ValueError, match=r"host_budget_bytes allows 0.00 GiB \(1000 bytes\)") as err:
-        run_snake(cfg, 2, 4, 2, "32-true", storage={"host_budget_bytes": 1000, "ssd_dir": str(tmp_path)},
-                  callbacks=[Count()])
+        run_snake(cfg, 2, 4, 2, "32-true", storage={"host_budget_bytes": 1000, "ssd_dir": str(tmp_path),
+                                                    "placement": "manual"}, callbacks=[Count()])
     assert "needs" in str(err.value) and "ssd" in str(err.value)
+    # The planner (a mapping that places nothing): even all on the SSD the working set does not fit.
+    with pytest.raises(ValueError, match=r"cannot hold the working set of .*raise the budget"):
+        run_snake(cfg, 2, 4, 2, "32-true", storage={"host_budget_bytes": 1000, "ssd_dir": str(tmp_path / "auto")},
+                  callbacks=[Count()])
     assert steps_run == []
 
 

@@ -21,6 +21,8 @@ from tests.helpers import SMALL_GPT, token_data, trainer_kwargs
 
 MICRO, MICRO_SIZE = 4, 2
 NUM_UNITS = SMALL_GPT.num_layers  # one block per unit
+# Files a checkpoint verifies: three per unit, the three non-layer vectors, nonlayer.pt and meta.pt.
+CHECKPOINT_FILES = 3 * NUM_UNITS + 5
 # A slowed SSD (every transfer sleeps) makes each step run far longer than the test's cadence.
 SSD_DELAY_S, EVERY_S = 0.01, 0.05
 
@@ -203,7 +205,7 @@ def test_consolidate_reports_verify_read_and_write(saved_run, tmp_path):
     snake_checkpoint.consolidate(fit.checkpoint, out, Progress(log=False, listeners=[events.append]))
     assert _labels(events) == ["checkpoint_verify", "consolidate", "consolidate_write"]
     counts = {phase: sum(e.stage == UPDATE for e in events if e.phase == phase) for phase in _labels(events)}
-    assert counts == {"checkpoint_verify": 3 * NUM_UNITS + 2, "consolidate": NUM_UNITS, "consolidate_write": 1}
+    assert counts == {"checkpoint_verify": CHECKPOINT_FILES, "consolidate": NUM_UNITS, "consolidate_write": 1}
     assert events[-1].stage == END and events[-1].done_bytes == out.stat().st_size
 
 
@@ -216,7 +218,7 @@ def test_progress_bar_on_logs_setup_and_resume_lines(saved_run, tmp_path, caplog
     phases = [line.split(":")[0] for line in lines]
     assert [p for p, _ in itertools.groupby(phases)] == ["materialize", "checkpoint_verify", "checkpoint_load",
                                                          "export"], lines
-    assert f"checkpoint_verify: done, {3 * NUM_UNITS + 2}/{3 * NUM_UNITS + 2} files" in "\n".join(lines)
+    assert f"checkpoint_verify: done, {CHECKPOINT_FILES}/{CHECKPOINT_FILES} files" in "\n".join(lines)
     assert f"checkpoint_load: done, {NUM_UNITS}/{NUM_UNITS} units" in "\n".join(lines)
 
 
@@ -229,7 +231,7 @@ def test_cli_prints_progress_lines(saved_run, tmp_path):
     assert done.returncode == 0, done.stderr
     lines = [line for line in done.stderr.splitlines() if line.split(":")[0] in
              ("checkpoint_verify", "consolidate", "consolidate_write")]
-    assert lines[0] == f"checkpoint_verify: 0/{3 * NUM_UNITS + 2} files" + lines[0][lines[0].index(" ("):]
+    assert lines[0] == f"checkpoint_verify: 0/{CHECKPOINT_FILES} files" + lines[0][lines[0].index(" ("):]
     assert any(line.startswith(f"consolidate: done, {NUM_UNITS}/{NUM_UNITS} units") for line in lines), lines
     assert lines[-1].startswith("consolidate_write: done, 1/1 files"), lines
     assert done.stdout.startswith(f"wrote {out}")

@@ -69,8 +69,10 @@ def save(engine: SnakeEngine, checkpoint: dict[str, Any], path: str | os.PathLik
         engine.flush()  # pending deferred updates belong to the saved state
         phases_s = {"flush": time.perf_counter() - start_s}
         unit_bytes = sum(engine.unit_numel(u) for u in range(engine.num_units)) * engine.dtypes.bytes_per("master")
+        nonlayer_bytes = len(STATES) * sum(p.numel() * p.element_size() for p in engine.nonlayer.master)
+        # Bytes now in the checkpoint, linked or written (a zero-copy save writes only the non-SSD parts).
         tracker = or_quiet(progress).phase("checkpoint_save", len(STATES) * engine.num_units + 2, what="files",
-                                           total_bytes=len(STATES) * unit_bytes)
+                                           total_bytes=len(STATES) * unit_bytes + nonlayer_bytes)
         files, unit_extra, methods = {}, None, None
         if zero_copy:
             files, unit_extra, methods = pins.pin_units(engine, tmp, tracker, write_raw)

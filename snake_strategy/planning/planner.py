@@ -276,8 +276,8 @@ def plan(shape: ModelShape, hw: HardwareProfile, host_budget_bytes: int, kind: s
     fixed = sum(host_plan(memory_inputs(shape, hw, all_ssd, kind, alpha, 2, speculative)).values())
     if fixed > host_budget_bytes:
         raise ValueError(
-            f"host_budget_bytes={host_budget_bytes / 2**30:.2f} GiB cannot hold the working set of "
-            f"{fixed / 2**30:.2f} GiB (units of weights in flight, one unit's optimizer chunk, gradient buffers, "
+            f"host_budget_bytes={host_budget_bytes / 2**30:.2f} GiB ({host_budget_bytes} bytes) cannot hold the "
+            f"working set of {fixed / 2**30:.2f} GiB ({fixed} bytes) (units of weights in flight, one unit's optimizer chunk, gradient buffers, "
             "turning-point checkpoints); raise the budget, use more, smaller units (schedule.blocks_per_unit), "
             "or fewer micro-batches"
         )
