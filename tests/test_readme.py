@@ -61,3 +61,12 @@ def test_registered_name_works():
     assert "greedysnake" in L.pytorch.strategies.StrategyRegistry
     trainer = L.Trainer(strategy="greedysnake", **trainer_kwargs())
     assert isinstance(trainer.strategy, snake_strategy.GreedySnakeStrategy)
+
+
+def test_no_merge_conflict_left_in_the_docs():
+    """A merge left conflict markers in the README's benchmark list once; none may land again."""
+    root = README.parent
+    for path in [README, *sorted((root / "docs").glob("*.md"))]:
+        lines = path.read_text().splitlines()
+        marked = [i + 1 for i, line in enumerate(lines) if line.startswith(("<<<<<<< ", ">>>>>>> ")) or line == "======="]
+        assert not marked, f"{path.name}: conflict markers at lines {marked}"
