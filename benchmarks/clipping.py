@@ -1,5 +1,6 @@
 """Norm clipping at full speed: gpt_1b on the defaults (``GreedySnakeStrategy()``: the planner places
-everything within 60% of MemAvailable), side by side in one command, each case in its own process:
+everything within 60% of MemAvailable, read once by this command and given to every case, so that the
+cases plan for the same memory), side by side in one command, each case in its own process:
 
 - ``none``: no clipping (the overlapped step, alpha from the planner);
 - ``high``: ``gradient_clip_val`` far above the norm (never triggers): every step speculative, committed;
@@ -32,7 +33,7 @@ CASES = {"none": dict(clip=None), "high": dict(clip=1e6), "always": dict(clip=1e
 
 
 def run_case(name: str, preset_name: str, steps: int, context_len: int, micro_batch_size: int, lr: float,
-             ssd_root: str | None) -> dict:
+             ssd_root: str | None, host_budget_bytes: int | None = None) -> dict:
     import lightning as L
     import torch
     from torch.utils.data import DataLoader, Subset
@@ -49,7 +50,8 @@ def run_case(name: str, preset_name: str, steps: int, context_len: int, micro_ba
     schedule = {"speculation": case["speculation"]} if "speculation" in case else None
     # placement "auto", as the defaults: a storage mapping without it means "manual" (every state on the host).
     ssd_dir = tempfile.mkdtemp(prefix="snake-clip-", dir=ssd_root)
-    strategy = snake_strategy.GreedySnakeStrategy(storage={"ssd_dir": ssd_dir, "placement": "auto"},
+    strategy = snake_strategy.GreedySnakeStrategy(storage={"ssd_dir": ssd_dir, "placement": "auto",
+                                                           "host_budget_bytes": host_budget_bytes},
                                                   schedule=schedule)
     rows: list[dict] = []
     marks: dict[str, float] = {}
@@ -149,20 +151,27 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--lr", type=float, default=2e-5)
     p.add_argument("--ssd-root", default=None)
     p.add_argument("--cases", default=",".join(CASES))
+    p.add_argument("--host-budget-bytes", type=int, default=None,
+                   help="one budget for every case (default: the default budget, 0.6 x MemAvailable, read once "
+                        "here: each case then plans for the same memory and only the step mode differs)")
     p.add_argument("--case", default=None, help=argparse.SUPPRESS)  # worker: run one case, print its JSON
     p.add_argument("--out", default=str(RESULTS / "clipping.json"))
     args = p.parse_args(argv)
     if args.case:
         result = run_case(args.case, args.preset, args.steps, args.context_len, args.micro_batch_size, args.lr,
-                          args.ssd_root)
+                          args.ssd_root, args.host_budget_bytes)
         print("RESULT " + json.dumps(result))
         return 0
+    if args.host_budget_bytes is None:
+        from snake_strategy.planning.host_memory import host_budget
+        args.host_budget_bytes = host_budget(None).budget_bytes
     report = {"preset": args.preset, "steps": args.steps, "context_len": args.context_len,
-              "micro_batch_size": args.micro_batch_size, "cases": []}
+              "micro_batch_size": args.micro_batch_size, "host_budget_bytes": args.host_budget_bytes, "cases": []}
     for name in args.cases.split(","):
         cmd = [sys.executable, __file__, "--case", name, "--preset", args.preset, "--steps", str(args.steps),
                "--context-len", str(args.context_len), "--micro-batch-size", str(args.micro_batch_size),
-               "--lr", str(args.lr)] + (["--ssd-root", args.ssd_root] if args.ssd_root else [])
+               "--lr", str(args.lr), "--host-budget-bytes", str(args.host_budget_bytes)
+               ] + (["--ssd-root", args.ssd_root] if args.ssd_root else [])
         lines = []
         with tempfile.TemporaryFile("w+") as err:
             proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True)
