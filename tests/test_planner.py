@@ -77,5 +77,5 @@ def test_plan_fills_the_host_budget_weights_first():
 
 def test_plan_that_cannot_fit_names_the_numbers():
     shape = ModelShape(10, 1_000_000, 0, 0, 16, 4, 1000)
-    with pytest.raises(ValueError, match=r"host_budget_bytes=0.00 GiB cannot hold the working set"):
+    with pytest.raises(ValueError, match=r"host_budget_bytes=0.00 GiB \(1000 bytes\) cannot hold the working set"):
         plan(shape, HW, host_budget_bytes=1000, alpha=choose_alpha(shape))
