@@ -22,7 +22,7 @@ from torch.utils.data import DataLoader, TensorDataset
 import snake_strategy
 from snake_strategy.gpt import Block, GPTConfig, GPTModule
 from snake_strategy.precision import GreedySnakePrecision
-from tests.helpers import SMALL_GPT, fp16_scaled_backward, run_reference, run_snake, token_data, trainer_kwargs
+from tests.helpers import SMALL_GPT, fp16_clip_reference, run_reference, run_snake, token_data, trainer_kwargs
 
 STEPS, MICRO, MICRO_SIZE = 5, 4, 2
 
@@ -46,34 +46,6 @@ def fp32_spread(seeds: int) -> None:
                                       "max_abs_per_step": [_max_abs(a, b) for a, b in zip(got, ref)]}), flush=True)
 
 
-def _torch_fp16(x, y, gpt: GPTConfig, steps: int, algorithm: str | None, value: float, lr: float,
-                norm_in_float64: bool = False) -> list[dict]:
-    """Plain torch: fp16 autocast + GradScaler + unscale_ + clip (+ the module's AdamW)."""
-    torch.manual_seed(0)
-    module = GPTModule(gpt, learning_rate=lr)
-    module.configure_model()
-    optimizer = module.configure_optimizers()
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16)
-    params, states = list(module.parameters()), []
-    for step in range(steps):
-        fp16_scaled_backward(module, scaler, x, y, step, MICRO, MICRO_SIZE)
-        scaler.unscale_(optimizer)
-        if algorithm == "norm" and norm_in_float64:
-            grads = [p.grad for p in params if p.grad is not None]
-            norm = float(sum(torch.linalg.vector_norm(g, dtype=torch.float64).square() for g in grads).sqrt())
-            for g in grads:
-                g.mul_(min(1.0, value / (norm + 1e-6)))
-        elif algorithm == "norm":
-            torch.nn.utils.clip_grad_norm_(params, value)
-        elif algorithm == "value":
-            torch.nn.utils.clip_grad_value_(params, value)
-        scaler.step(optimizer)
-        scaler.update()
-        optimizer.zero_grad()
-        states.append({n: p.detach().clone() for n, p in module.named_parameters()})
-    return states
-
-
 class _States(L.Callback):
     def __init__(self) -> None:
         self.states: list[dict] = []
@@ -85,7 +57,7 @@ class _States(L.Callback):
 def fp16_clip(algorithm: str, value: float, lr: float = 1e-3, steps: int = 4) -> None:
     gpt = dataclasses.replace(SMALL_GPT, tied_head=False)
     x, y = token_data(steps * MICRO * MICRO_SIZE, gpt.context_len, gpt.vocab_size)
-    ref = _torch_fp16(x, y, gpt, steps, algorithm, value, lr)
+    ref, _ = fp16_clip_reference(x, y, gpt, steps, MICRO, MICRO_SIZE, lr, algorithm, value)
     torch.manual_seed(0)
     log = _States()
     strategy = snake_strategy.GreedySnakeStrategy(schedule={"kind": "vertical", "num_micro_batches": MICRO},
@@ -101,7 +73,7 @@ def fp16_clip(algorithm: str, value: float, lr: float = 1e-3, steps: int = 4) ->
            "snake_vs_torch": [_max_abs(a, b) for a, b in zip(log.states, ref)],
            "fp16_cast_flips_snake_vs_torch": [flips(a, b) for a, b in zip(log.states, ref)]}
     if algorithm == "norm":
-        ref64 = _torch_fp16(x, y, gpt, steps, algorithm, value, lr, norm_in_float64=True)
+        ref64, _ = fp16_clip_reference(x, y, gpt, steps, MICRO, MICRO_SIZE, lr, algorithm, value, norm_in_float64=True)
         out["torch_float64_norm_vs_torch"] = [_max_abs(a, b) for a, b in zip(ref64, ref)]
         out["snake_vs_torch_float64_norm"] = [_max_abs(a, b) for a, b in zip(log.states, ref64)]
         out["fp16_cast_flips_torch_float64_norm_vs_torch"] = [flips(a, b) for a, b in zip(ref64, ref)]

@@ -133,6 +133,39 @@ def fp16_scaled_backward(module, scaler, x: torch.Tensor, y: torch.Tensor, step:
         scaler.scale(loss / micro).backward()
 
 
+def fp16_clip_reference(x: torch.Tensor, y: torch.Tensor, config: GPTConfig, steps: int, micro: int, micro_size: int,
+                        lr: float, algorithm: str | None, value: float, norm_in_float64: bool = False
+                        ) -> tuple[list[dict[str, torch.Tensor]], list[float]]:
+    """Plain torch: fp16 autocast, GradScaler, ``unscale_``, then the clip (``algorithm`` "norm", "value" or
+    None) and the module's own AdamW. Returns the parameters after every step and, under norm clipping,
+    each step's pre-clip global norm (``norm_in_float64``: the same clip, its norm summed in float64)."""
+    torch.manual_seed(0)
+    module = GPTModule(config, learning_rate=lr)
+    module.configure_model()
+    optimizer = module.configure_optimizers()
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16)
+    params = list(module.parameters())
+    states, norms = [], []
+    for step in range(steps):
+        fp16_scaled_backward(module, scaler, x, y, step, micro, micro_size)
+        scaler.unscale_(optimizer)  # clip the true gradients
+        if algorithm == "norm" and norm_in_float64:
+            grads = [p.grad for p in params if p.grad is not None]
+            norm = float(sum(torch.linalg.vector_norm(g, dtype=torch.float64).square() for g in grads).sqrt())
+            for g in grads:
+                g.mul_(min(1.0, value / (norm + 1e-6)))
+            norms.append(norm)
+        elif algorithm == "norm":
+            norms.append(float(torch.nn.utils.clip_grad_norm_(params, value)))
+        elif algorithm == "value":
+            torch.nn.utils.clip_grad_value_(params, value)
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad()
+        states.append({n: p.detach().clone() for n, p in module.named_parameters()})
+    return states, norms
+
+
 def max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     assert a.keys() == b.keys(), (sorted(a), sorted(b))
     return max((a[k].double() - b[k].double()).abs().max().item() for k in a)

@@ -24,7 +24,7 @@ from torch.utils.data import DataLoader, TensorDataset
 import snake_strategy
 from snake_strategy.gpt import GPTModule
 from snake_strategy.precision import GreedySnakePrecision
-from tests.helpers import SMALL_GPT, ParamRecorder, fp16_scaled_backward, max_abs_diff, token_data, trainer_kwargs
+from tests.helpers import SMALL_GPT, ParamRecorder, fp16_clip_reference, max_abs_diff, token_data, trainer_kwargs
 
 # Untied head (see tests/test_fp16.py: the tied head's gradient sum order is one more fp16-amplified ulp).
 GPT = dataclasses.replace(SMALL_GPT, tied_head=False)
@@ -35,31 +35,7 @@ CLIPS = {"norm": 0.05, "value": 1e-3}  # both trigger: the global norm is ~1.3, 
 
 def _reference(x, y, algorithm: str | None, value: float, norm_in_float64: bool = False):
     """Plain torch, the module's own AdamW; the parameters after every step and the pre-clip norms."""
-    torch.manual_seed(0)
-    module = GPTModule(GPT, learning_rate=LR)
-    module.configure_model()
-    optimizer = module.configure_optimizers()
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16)
-    params = list(module.parameters())
-    states, norms = [], []
-    for step in range(STEPS):
-        fp16_scaled_backward(module, scaler, x, y, step, MICRO, MICRO_SIZE)
-        scaler.unscale_(optimizer)  # clip the true gradients
-        if algorithm == "norm" and norm_in_float64:  # the same clip, its norm summed in float64
-            grads = [p.grad for p in params if p.grad is not None]
-            norm = float(sum(torch.linalg.vector_norm(g, dtype=torch.float64).square() for g in grads).sqrt())
-            for g in grads:
-                g.mul_(min(1.0, value / (norm + 1e-6)))
-            norms.append(norm)
-        elif algorithm == "norm":
-            norms.append(float(torch.nn.utils.clip_grad_norm_(params, value)))
-        elif algorithm == "value":
-            torch.nn.utils.clip_grad_value_(params, value)
-        scaler.step(optimizer)
-        scaler.update()
-        optimizer.zero_grad()
-        states.append({n: p.detach().clone() for n, p in module.named_parameters()})
-    return states, norms
+    return fp16_clip_reference(x, y, GPT, STEPS, MICRO, MICRO_SIZE, LR, algorithm, value, norm_in_float64)
 
 
 def _snake(x, y, algorithm: str, value: float) -> list[dict[str, torch.Tensor]]:
