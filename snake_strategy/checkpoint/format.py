@@ -30,8 +30,8 @@ import json
 import math
 import os
 import shutil
-import threading
 import zlib
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable
 
@@ -282,22 +282,11 @@ def write_nonlayer(state: dict, root: Path) -> tuple[dict[str, dict], dict]:
     assert len(dtypes) <= 1, f"one master dtype for the non-layer state, not {dtypes}"
     record = {"names": list(state["names"]), "shapes": [list(t.shape) for t in state["master"]],
               "dtype": str(dtypes.pop()) if dtypes else "torch.float32"}
-    files: dict[str, dict] = {}
-    errors: list[BaseException] = []
-
-    def write(name: str) -> None:
-        try:
-            files[f"nonlayer.{name}.bin"] = _write_concatenated(root / f"nonlayer.{name}.bin", tensors[name])
-        except BaseException as err:  # noqa: BLE001 - re-raised in the caller's thread
-            errors.append(err)
-
-    threads = [threading.Thread(target=write, args=(name,), name=f"snake-nonlayer-{name}") for name in NONLAYER_STATES]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    if errors:
-        raise errors[0]
+    names = [f"nonlayer.{name}.bin" for name in NONLAYER_STATES]
+    with ThreadPoolExecutor(len(names), thread_name_prefix="snake-nonlayer") as pool:  # re-raises a failure
+        written = list(pool.map(lambda name, values: _write_concatenated(root / name, values), names,
+                                [tensors[name] for name in NONLAYER_STATES]))
+    files = dict(zip(names, written))
     rest = {k: v for k, v in state.items() if k not in NONLAYER_STATES}
     files["nonlayer.pt"] = save_torch(rest, root / "nonlayer.pt")
     return files, record

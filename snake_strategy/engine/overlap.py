@@ -278,37 +278,30 @@ class OptimizerOverlap:
         [a, b) of the unit, a buffer the step may scale in place; None: no step, only put back the saved
         state). ``source=STATES``: the master weights and moments start from the rollback store's saved
         pre-step values, not the tiers. ``snapshot``: save the raw gradient and the pre-step state first."""
+        u = unit.layout.index
         saving: list = []  # raw-gradient saves still writing: the gradient buffer is only read meanwhile
         try:
             for start in range(lo, hi, self._chunk_elems):
-                self._step_chunk_range(unit, start, min(hi, start + self._chunk_elems), grad_of, hps, step_before,
-                                       grad_scale, unused, source, snapshot, saving)
+                end = min(hi, start + self._chunk_elems)
+                chunk_s = time.perf_counter() if self._trace.enabled else 0.0
+                if self._before_chunk is not None:
+                    self._before_chunk(u)
+                grad = grad_of(start, end) if grad_of is not None else None
+                if snapshot:  # the step may redo from it
+                    ticket = self.rollback.start_save(u, GRAD, grad, start, end)
+                    if grad_scale is not None:
+                        ticket.wait()  # before the in-place scaling below
+                    else:
+                        saving.append(ticket)  # AdamW only reads the gradient: the write overlaps the step
+                if grad is not None and grad_scale is not None:
+                    grad.mul_(grad_scale)  # as torch.nn.utils.clip_grad_norm_ does, even when the factor is 1
+                keep = [(max(a, start), min(b, end)) for a, b in unused if max(a, start) < min(b, end)]
+                self._step_chunk(unit, start, end, grad, hps, step_before, keep, source, snapshot)
+                if self._trace.enabled:
+                    self._trace.span(OPTIMIZER, f"chunk u{u}", chunk_s, unit=u, elements=end - start, offset=start)
         finally:
             for ticket in saving:
                 ticket.wait()  # before the caller gives the gradient buffer back
-
-    def _step_chunk_range(self, unit: UnitStore, start: int, end: int,
-                          grad_of: Callable[[int, int], torch.Tensor] | None, hps: list[AdamHyperParams],
-                          step_before: int, grad_scale: float | None, unused: list[tuple[int, int]],
-                          source: tuple[str, ...] | None, snapshot: bool, saving: list) -> None:
-        u = unit.layout.index
-        chunk_s = time.perf_counter() if self._trace.enabled else 0.0
-        if self._before_chunk is not None:
-            self._before_chunk(u)
-        grad = grad_of(start, end) if grad_of is not None else None
-        if snapshot:  # the step may redo from it
-            ticket = self.rollback.start_save(u, GRAD, grad, start, end)
-            if grad_scale is not None:
-                ticket.wait()  # before the in-place scaling below
-            else:
-                saving.append(ticket)  # AdamW only reads the gradient: the write overlaps the step
-        if grad is not None and grad_scale is not None:
-            grad.mul_(grad_scale)  # as torch.nn.utils.clip_grad_norm_ does, even when the factor is 1
-        keep = [(max(a, start), min(b, end)) for a, b in unused if max(a, start) < min(b, end)]
-        self._step_chunk(unit, start, end, grad, hps, step_before, keep, source, snapshot)
-        if self._trace.enabled:
-            self._trace.span(OPTIMIZER, f"chunk u{unit.layout.index}", chunk_s, unit=unit.layout.index,
-                             elements=end - start, offset=start)
 
     def _step_chunk(self, unit: UnitStore, lo: int, hi: int, grad: torch.Tensor | None,
                     hps: list[AdamHyperParams], step_before: int, keep: list[tuple[int, int]],

@@ -16,8 +16,9 @@ The versioning API (used by checkpoints, open to any caller that needs a stable 
                                   state (engine/rollback.py). Like a pin, the next write starts a new version
     ``release_hold()``            the held bytes are not needed any more
 
-"Held" is the inode's link count, read with one ``fstat`` at the first write after each pin: a file with
-more names than its own (one in a named ``ssd_dir``, none for an anonymous ``O_TMPFILE``) is held.
+"Held" is the inode's link count, read with one ``fstat`` per write while no new version is open (a
+syscall beside each multi-MiB write): a file with more names than its own (one in a named ``ssd_dir``,
+none for an anonymous ``O_TMPFILE``) is held.
 
 Spares. A file under rollback holds starts a version every step, and one under checkpoints a version per
 save. A new file costs the filesystem a block allocation per write and a free per closed version
