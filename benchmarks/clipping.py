@@ -33,7 +33,7 @@ CASES = {"none": dict(clip=None), "high": dict(clip=1e6), "always": dict(clip=1e
 
 
 def run_case(name: str, preset_name: str, steps: int, context_len: int, micro_batch_size: int, lr: float,
-             ssd_root: str | None, host_budget_bytes: int | None = None) -> dict:
+             ssd_root: str | None, host_budget_bytes: int | None = None, trace_dir: str | None = None) -> dict:
     import lightning as L
     import torch
     from torch.utils.data import DataLoader, Subset
@@ -52,7 +52,8 @@ def run_case(name: str, preset_name: str, steps: int, context_len: int, micro_ba
     ssd_dir = tempfile.mkdtemp(prefix="snake-clip-", dir=ssd_root)
     strategy = snake_strategy.GreedySnakeStrategy(storage={"ssd_dir": ssd_dir, "placement": "auto",
                                                            "host_budget_bytes": host_budget_bytes},
-                                                  schedule=schedule)
+                                                  schedule=schedule,
+                                                  trace_path=f"{trace_dir}/{name}.json" if trace_dir else None)
     rows: list[dict] = []
     marks: dict[str, float] = {}
     peak: list[int] = []
@@ -93,7 +94,13 @@ def run_case(name: str, preset_name: str, steps: int, context_len: int, micro_ba
     trainer.fit(module, train_dataloaders=loader)
     plan = strategy.plan
     times = [r["step_s"] for r in rows]
-    return dict(case=name, clip=case["clip"], speculation_setting=case.get("speculation", "on"),
+    breakdowns = []
+    if trace_dir:  # where each step's time went: busy seconds of compute, the disk and the worker
+        from snake_strategy.timeline import STEPS, lanes, read_trace, step_breakdown
+        events = read_trace(f"{trace_dir}/{name}.json")
+        breakdowns = [dict(index=e["args"]["step"], **step_breakdown(events, e["args"]["step"]))
+                      for e in lanes(events)[STEPS]]
+    return dict(breakdown_s=breakdowns, case=name, clip=case["clip"], speculation_setting=case.get("speculation", "on"),
                 params=cfg.num_params(), steps=rows, s_per_step=statistics.median(times[1:] or times),
                 peak_rss_bytes=peak[0] if peak else None, host_budget_bytes=plan.host_budget_bytes,
                 plan_host_bytes=plan.host_bytes, describe=plan.describe(), step_mode=plan.step_mode,
@@ -154,12 +161,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--host-budget-bytes", type=int, default=None,
                    help="one budget for every case (default: the default budget, 0.6 x MemAvailable, read once "
                         "here: each case then plans for the same memory and only the step mode differs)")
+    p.add_argument("--trace-dir", default=None,
+                   help="write each case's timeline there (<case>.json) and add each step's busy seconds per "
+                        "resource (timeline.step_breakdown) to the report")
     p.add_argument("--case", default=None, help=argparse.SUPPRESS)  # worker: run one case, print its JSON
     p.add_argument("--out", default=str(RESULTS / "clipping.json"))
     args = p.parse_args(argv)
     if args.case:
         result = run_case(args.case, args.preset, args.steps, args.context_len, args.micro_batch_size, args.lr,
-                          args.ssd_root, args.host_budget_bytes)
+                          args.ssd_root, args.host_budget_bytes, args.trace_dir)
         print("RESULT " + json.dumps(result))
         return 0
     if args.host_budget_bytes is None:
@@ -171,7 +181,8 @@ def main(argv: list[str] | None = None) -> int:
         cmd = [sys.executable, __file__, "--case", name, "--preset", args.preset, "--steps", str(args.steps),
                "--context-len", str(args.context_len), "--micro-batch-size", str(args.micro_batch_size),
                "--lr", str(args.lr), "--host-budget-bytes", str(args.host_budget_bytes)
-               ] + (["--ssd-root", args.ssd_root] if args.ssd_root else [])
+               ] + (["--ssd-root", args.ssd_root] if args.ssd_root else []) + (
+                   ["--trace-dir", args.trace_dir] if args.trace_dir else [])
         lines = []
         with tempfile.TemporaryFile("w+") as err:
             proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True)

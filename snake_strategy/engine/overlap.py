@@ -35,7 +35,7 @@ from typing import Callable
 import torch
 
 from snake_strategy.engine.partition import shard_range
-from snake_strategy.engine.rollback import DEFER, GRAD, REDO, SPECULATE, STATES, RollbackStore
+from snake_strategy.engine.rollback import DEFER, GRAD, REDO, STATES, RollbackStore
 from snake_strategy.engine.state import UnitStore
 from snake_strategy.engine.trace import OPTIMIZER, WAIT, TaskTrace
 from snake_strategy.engine.worker_threads import single_threaded_ops
@@ -94,9 +94,6 @@ class OptimizerOverlap:
         self._spec_scale: float | None = None  # the factor a speculative step assumes (the unscale only)
         self.speculated: set[int] = set()  # units whose backward part was stepped speculatively
         self.saved: set[int] = set()  # units whose backward part's raw gradient waits in the rollback store
-        # units whose this-step copy of the pre-step states (``RollbackStore.save_ahead``) waits for their
-        # queued redo or apply: their forward job starts it
-        self._save_after_forward_job: set[int] = set()
 
     def begin_step(self, mode: str | None, spec_scale: float | None) -> None:
         """This iteration's backward parts: SPECULATE (stepped, assuming ``spec_scale``), DEFER (saved) or
@@ -104,14 +101,6 @@ class OptimizerOverlap:
         assert mode is None or self.rollback is not None, "a speculative mode needs the rollback store"
         self._mode, self._spec_scale = mode, spec_scale
         self.speculated, self.saved = set(), set()
-        # A speculative step's pre-step states are final now, except a unit's whose redo or apply is still
-        # queued for its forward job (that job starts its copy). Last unit first: the backward steps it first.
-        queued = set(self._deferred.redo) if self._deferred is not None and mode == SPECULATE else set()
-        self._save_after_forward_job = queued
-        if mode == SPECULATE:
-            for u in reversed(range(len(self._units))):
-                if self.rollback.holds(u) and u not in queued:
-                    self.rollback.save_ahead(u)
 
     # ------------------------------------------------------------------ backward parts
     def submit_backward_part(self, u: int, grad: torch.Tensor, release: Callable[[], None],
@@ -175,7 +164,6 @@ class OptimizerOverlap:
                             redo: dict[int, str] | None = None) -> None:
         """Queue this iteration's forward parts (and the backward parts in ``redo``) for the next forward."""
         d = _Deferred(hps, step_before, grad_scale, dict(self.unused), dict(redo or {}))
-        self._save_after_forward_job = set()  # the step's forward jobs are done: a flush's are not its
         if self.rollback is not None:  # committed speculations: their pre-step states are not needed
             for u in self.speculated:
                 if d.redo.get(u) != REDO:
@@ -202,7 +190,6 @@ class OptimizerOverlap:
         """Forget the parked gradients (a skipped fp16 step): nothing is applied, and the backward parts
         stepped speculatively get their pre-step state back (``restore``)."""
         self._deferred = None
-        self._save_after_forward_job = set()
         self.restore(self.speculated)
 
     def submit_forward_parts(self) -> None:
@@ -246,8 +233,6 @@ class OptimizerOverlap:
                     self._step_range(unit, self.rollback.starts[u], hi, saved_grad, hps, step_before, grad_scale,
                                      unused, source=STATES if redo == REDO else None)
                     self.rollback.release(u)
-                    if u in self._save_after_forward_job:  # this step's pre-step states are final from here
-                        self.rollback.save_ahead(u)
             finally:
                 grad_pool.release(buffer)
             if self.gather is not None:

@@ -61,9 +61,6 @@ class ShardView:
     def host_end(self) -> int:
         return self.base + self.tensor.host_end
 
-    def host_view(self, lo: int, hi: int) -> Tensor | None:
-        return self.tensor.host_view(lo - self.base, hi - self.base)
-
     def hold(self, lo: int, hi: int) -> None:
         self.tensor.hold(lo - self.base, hi - self.base)
 

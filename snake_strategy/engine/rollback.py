@@ -12,11 +12,7 @@ forward part), an overflowing one is restored (nothing changed, the step is skip
 
 ``RollbackStore``: per unit over this rank's backward part, the raw gradient and the in-memory part of the
 pre-step states in slots overwritten every step (all on the host or all in SSD files,
-``storage.rollback``); the states' SSD part held as the previous versions of their files. The in-memory
-states are final from the moment the last step committed (or this step's redo of the unit ran), so they
-are copied from then on, at the disk's idle priority (``save_ahead``), not on the worker's way to the
-unit's step: a copy waited for before each chunk's step made the worker wait for the disk (the gpt_1b
-speculative step ran 1.23x the unclipped one with the wait, docs/LOG.md 2026-12-02). Counted by
+``storage.rollback``); the states' SSD part held as the previous versions of their files. Counted by
 ``memory.rollback_copied_elems`` and ``memory.rollback_held_bytes``. Its files are the engine's own,
 separate from any checkpoint: a killed run resumes from its last checkpoint.
 
@@ -35,7 +31,7 @@ from snake_strategy.engine.state import UnitStore
 from snake_strategy.engine.view import StepStats
 from snake_strategy.storage import IOEngine, SsdDirectory, TieredTensor, TrafficCounters
 from snake_strategy.precision import LossScaler
-from snake_strategy.storage.io_engine import DONE, IDLE, Ticket, submitting_at
+from snake_strategy.storage.io_engine import DONE, Ticket
 
 GRAD, STATES = "grad", ("master", "exp_avg", "exp_avg_sq")
 SPECULATE, DEFER = "speculate", "defer"  # a step's mode
@@ -62,8 +58,6 @@ class RollbackStore:
         self._units = units
         self._slots: list[dict[str, TieredTensor]] = []
         self._held: set[int] = set()
-        self._ahead: list[tuple[str, ...]] = []  # per unit: the states copied by ``save_ahead``
-        self._in_flight: dict[int, list[Ticket]] = {}  # per unit: its ``save_ahead`` copies
         for unit in units:
             lo, hi = shard_range(unit)
             start = max(unit.split, lo)
@@ -80,11 +74,6 @@ class RollbackStore:
                         slots[state] = TieredTensor(f"{name}.{state}", "rollback", n, dtype, split, device,
                                                     counters, io, ssd)
             self._slots.append(slots)
-            u = len(self._slots) - 1
-            # Copied ahead: a state whose in-memory part is all in host memory, page-aligned (written to
-            # the slot straight from there); a device share is copied chunk by chunk with the step.
-            self._ahead.append(tuple(state for state in STATES if state in slots and self._state(u, state).host_view(
-                start, self._memory_end(u, state)) is not None))
 
     def _state(self, u: int, state: str):
         return getattr(self._units[u], state)
@@ -101,29 +90,8 @@ class RollbackStore:
         """Whether unit ``u`` has a backward part on this rank (else nothing is ever saved for it)."""
         return bool(self._slots[u])
 
-    def save_ahead(self, u: int) -> None:
-        """Begin copying unit ``u``'s in-memory pre-step states into their slots, straight from host
-        memory, at ``IDLE`` priority. Call it once they are final for this step (nothing but the unit's
-        speculative step writes them after that); ``hold`` waits for it before the step."""
-        self._wait_ahead(u)  # a failed step's copy into the same slots lands first
-        tickets = []
-        with submitting_at(IDLE):
-            for state in self._ahead[u]:
-                end = self._memory_end(u, state)
-                view = self._state(u, state).host_view(self.starts[u], end)
-                tickets.append(self._slots[u][state].start_evict(view, 0, end - self.starts[u]))
-        self._in_flight[u] = tickets
-
-    def _wait_ahead(self, u: int) -> None:
-        for ticket in self._in_flight.pop(u, []):
-            ticket.wait()  # sync point: the step writes this memory in place next
-
     def hold(self, u: int) -> None:
-        """Before unit ``u``'s speculative step: its in-memory states copied (``save_ahead``, issued now if
-        it was not), the SSD part of its pre-step states held."""
-        if u not in self._in_flight and self._ahead[u]:
-            self.save_ahead(u)
-        self._wait_ahead(u)
+        """Before unit ``u``'s speculative step: hold the SSD part of its pre-step states."""
         for state in STATES:
             a, b = self._memory_end(u, state), self._ends[u]
             if b > a:
@@ -138,18 +106,13 @@ class RollbackStore:
                 self._state(u, state).release_hold()
 
     def release_all(self) -> None:
-        """Release every hold, after every copy in flight has landed (teardown, a failed step)."""
-        for u in list(self._in_flight):
-            self._wait_ahead(u)
         for u in list(self._held):
             self.release(u)
 
     def start_save(self, u: int, state: str, src: torch.Tensor, lo: int, hi: int) -> Ticket:
         """Begin copying what the store copies of ``src`` (unit elements [lo, hi)): all of a gradient, the
-        in-memory part of a state not copied ahead; ``src`` must stay untouched until the ticket is waited on."""
+        in-memory part of a state; ``src`` must stay untouched until the ticket is waited on."""
         start = self.starts[u]
-        if state in self._ahead[u]:
-            return DONE  # copied by ``save_ahead``
         if state != GRAD:
             hi = min(hi, self._memory_end(u, state))
             if hi <= lo:

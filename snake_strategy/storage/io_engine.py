@@ -11,9 +11,7 @@ submitting thread's (``set_thread_priority``): reads of the main and prefetch th
 weights, the next activation checkpoints) are ``URGENT``; their writes (checkpoints) ``NORMAL``; the
 optimizer worker's reads and writes (master, moments, parked gradients, refreshed weights) ``BACKGROUND``,
 except while it steps a unit's deferred forward part, which the fetch of that unit's weights waits for
-(reads ``URGENT``, writes ``NORMAL``). ``IDLE``: writes issued long before anyone waits for them (the
-speculative step's copies of in-memory state, engine/rollback.py); they use the disk when nothing else
-waits, and a wait on one of them only blocks its own thread.
+(reads ``URGENT``, writes ``NORMAL``).
 A chunk already on the disk is not interrupted: an urgent read waits for at most ``num_threads`` chunks.
 """
 from __future__ import annotations
@@ -42,7 +40,7 @@ CHUNK_BYTES = 4 * 2**20
 LOCK_NAME = ".snake.lock"
 ALT_SUFFIX = ".alt"  # a versioned state file's second name (storage/versions.py, "Spares")
 # Transfer priorities, lowest first (see the module docstring).
-URGENT, NORMAL, BACKGROUND, IDLE = 0, 1, 2, 3
+URGENT, NORMAL, BACKGROUND = 0, 1, 2
 _thread_state = threading.local()
 
 
@@ -54,17 +52,6 @@ def set_thread_priority(priority: int) -> None:
 
 def thread_priority() -> int:
     return getattr(_thread_state, "priority", URGENT)
-
-
-@contextlib.contextmanager
-def submitting_at(priority: int):
-    """This thread's transfers at ``priority`` inside the block, its own priority again after it."""
-    before = thread_priority()
-    set_thread_priority(priority)
-    try:
-        yield
-    finally:
-        set_thread_priority(before)
 
 
 class Ticket:
@@ -164,7 +151,7 @@ class IOEngine:
             return
         self._closed = True
         for _ in self._threads:
-            self._queue.put((IDLE + 1, next(self._order), None))  # after every queued transfer
+            self._queue.put((BACKGROUND + 1, next(self._order), None))  # after every queued transfer
         for thread in self._threads:
             thread.join()
 

@@ -169,14 +169,6 @@ class TieredTensor:
         self.ssd_file.track(ticket)  # a pin waits for it
         return ticket
 
-    def host_view(self, lo: int, hi: int) -> torch.Tensor | None:
-        """Elements [lo, hi) in place in the host segment, when they all lie there and start on a page (an
-        O_DIRECT write goes straight from it); else None. The caller must not let it be written meanwhile."""
-        if not (self.device_end <= lo < hi <= self.host_end):
-            return None
-        view = self._host_seg[lo - self.device_end:hi - self.device_end]
-        return view if view.data_ptr() % PAGE_BYTES == 0 else None
-
     # ------------------------------------------------------------------ rollback holds (engine/rollback.py)
     def hold(self, lo: int, hi: int) -> None:
         """Keep the SSD part of elements [lo, hi) readable as it is now (``fetch_held``) while updates go
