@@ -7,10 +7,14 @@ bandwidth, and (``--sigterm``) the seconds from SIGTERM to exit of a training pr
     flock /tmp/snake-bench.lock python benchmarks/checkpoint.py --preset gpt_1b --micro-batch-size 1 --only-sigterm
     flock /tmp/snake-bench.lock python benchmarks/checkpoint.py --preset gpt_4b
 
-One fit, every state on the SSD tier (as benchmarks/scale.py): step 1 warms up; step 2 runs with no
-checkpoint pinned; a zero-copy save after it; step 3 is the first step after the save (every unit gets a
-new version); the zero-copy checkpoint is released and a copy save (what saves did before) follows;
-step 4 again has nothing pinned. Bytes written are the process's own (``/proc/self/io`` write_bytes:
+One fit, every state on the SSD tier (as benchmarks/scale.py): step 1 warms up; then ``--rounds`` rounds
+of a step with no checkpoint pinned, a zero-copy save after it, and the first step after the save (every
+unit's update goes to a new version), after which the checkpoint is released (as a rotating ``last``
+is). In a named ``ssd_dir`` the released version is the next round's spare, so round 1 is the first
+save's case (new files) and the later rounds a rotation's (overwritten spares); both are reported, with
+medians. After the rounds, the pipelined copy's rate and a copy save (what saves did before); a last
+step again has nothing pinned. Each step's busy seconds per resource come from the run's timeline
+(``timeline.step_breakdown``). Bytes written are the process's own (``/proc/self/io`` write_bytes:
 what reached the block layer, page cache included), and the save's own account.
 
 Writes ``benchmarks/results/checkpoint_<preset>.json`` and ``checkpoint_<preset>.png``. Not part of the
@@ -37,7 +41,8 @@ def _written_bytes() -> int:
         return next(int(line.split()[1]) for line in f if line.startswith("write_bytes:"))
 
 
-def _model_and_strategy(preset_name: str, context_len: int, ssd_dir: str, num_micro: int):
+def _model_and_strategy(preset_name: str, context_len: int, ssd_dir: str, num_micro: int,
+                        trace_path: str | None = None):
     import torch
 
     import snake_strategy
@@ -51,7 +56,8 @@ def _model_and_strategy(preset_name: str, context_len: int, ssd_dir: str, num_mi
         ssd_dir=ssd_dir, weights={"ssd": 1.0}, optimizer={"ssd": 1.0}, gradients={"host": 1.0},
         checkpoints={"ssd": 1.0}, checkpoint_host_ends=0)
     schedule = snake_strategy.ScheduleConfig(kind="vertical", num_micro_batches=num_micro, alpha=0.0)
-    strategy = snake_strategy.GreedySnakeStrategy(storage=storage, schedule=schedule, hardware="probe")
+    strategy = snake_strategy.GreedySnakeStrategy(storage=storage, schedule=schedule, hardware="probe",
+                                                  trace_path=trace_path)
     return cfg, module, strategy
 
 
@@ -64,19 +70,30 @@ def _loader(cfg, steps: int, micro_batch_size: int, num_micro: int):
     return DataLoader(TensorDataset(x, torch.roll(x, -1, 1)), batch_size=micro_batch_size * num_micro)
 
 
-def run(preset_name: str, context_len: int, micro_batch_size: int, num_micro: int, root: str) -> dict:
+def run(preset_name: str, context_len: int, micro_batch_size: int, num_micro: int, root: str,
+        rounds: int = 3) -> dict:
+    import statistics
+
     import lightning as L
 
     from snake_strategy import checkpoint as snake_checkpoint
     from snake_strategy.planning.hardware import _probe_ssd
     from snake_strategy.storage import versions
+    from snake_strategy.timeline import STEPS, lanes, read_trace, step_breakdown
 
     work = Path(tempfile.mkdtemp(prefix="snake-ckpt-bench-", dir=root))
-    cfg, module, strategy = _model_and_strategy(preset_name, context_len, str(work / "ssd"), num_micro)
-    out: dict = {"preset": preset_name, "params": cfg.num_params(), "context_len": context_len}
+    trace_path = work / "timeline.json"
+    cfg, module, strategy = _model_and_strategy(preset_name, context_len, str(work / "ssd"), num_micro,
+                                                str(trace_path))
+    out: dict = {"preset": preset_name, "params": cfg.num_params(), "context_len": context_len, "rounds": []}
     step_s: dict[int, float] = {}
+    saves = {2 * r + 2 for r in range(rounds)}  # a zero-copy save after these steps
+    last = 2 * rounds + 1  # the step after the last save: then the copy measurements
 
     class Probe(L.Callback):
+        def on_train_start(self, trainer, pl_module):
+            trainer.strategy.engine.trace.keep = 2 * rounds + 2  # every step of the run stays in the timeline
+
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
             self.start_s = time.perf_counter()
 
@@ -84,17 +101,19 @@ def run(preset_name: str, context_len: int, micro_batch_size: int, num_micro: in
             step = trainer.global_step
             step_s[step] = time.perf_counter() - self.start_s
             engine = trainer.strategy.engine
-            if step == 2:
+            if step in saves:
                 engine.flush()
                 before = _written_bytes()
                 trainer.save_checkpoint(str(work / "zero_copy.ckpt"))
                 save = trainer.strategy.last_save
-                out["zero_copy"] = {"seconds": save["seconds"], "written_bytes_own": save["written_bytes"],
-                                    "written_bytes_process": _written_bytes() - before, "methods": save["methods"],
-                                    "phases_s": save["phases_s"]}
+                out["rounds"].append({"seconds": save["seconds"], "written_bytes_own": save["written_bytes"],
+                                      "written_bytes_process": _written_bytes() - before,
+                                      "methods": save["methods"], "phases_s": save["phases_s"]})
                 ssd_bytes = sum(t.ssd_bytes for u in range(engine.num_units) for t in engine.unit_tiers(u).values())
                 out["ssd_state_bytes"] = ssd_bytes
-            if step == 3:
+            elif step - 1 in saves and step != last:
+                snake_checkpoint.release(work / "zero_copy.ckpt")  # a rotation: its versions become spares
+            if step == last:
                 # The pipelined copy (the cross-filesystem fallback) of the pinned files, to another
                 # directory: its rate against the probed SSD bandwidth (issue 22: >= 0.5x).
                 pinned = sorted((work / "zero_copy.ckpt" / "units").glob("*.bin"))
@@ -135,14 +154,24 @@ def run(preset_name: str, context_len: int, micro_batch_size: int, num_micro: in
                 out["copy"] = {"seconds": time.perf_counter() - start, "written_bytes_own": save["written_bytes"],
                                "written_bytes_process": _written_bytes() - before}
 
-    trainer = L.Trainer(strategy=strategy, precision="32-true", max_steps=4, callbacks=[Probe()], logger=False,
+    steps = last + 1
+    trainer = L.Trainer(strategy=strategy, precision="32-true", max_steps=steps, callbacks=[Probe()], logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         limit_val_batches=0, num_sanity_val_steps=0)
-    trainer.fit(module, train_dataloaders=_loader(cfg, 4, micro_batch_size, num_micro))
+    trainer.fit(module, train_dataloaders=_loader(cfg, steps, micro_batch_size, num_micro))
     out["step_s"] = step_s
-    out["step_s_no_pinned_checkpoint"] = (step_s[2] + step_s[4]) / 2
-    out["step_s_after_zero_copy_save"] = step_s[3]
-    out["step_after_save_ratio"] = step_s[3] / out["step_s_no_pinned_checkpoint"]
+    events = read_trace(trace_path)
+    out["breakdown_s"] = {e["args"]["step"]: step_breakdown(events, e["args"]["step"]) for e in lanes(events)[STEPS]}
+    for r, row in enumerate(out["rounds"]):
+        before, after = step_s[2 * r + 2], step_s[2 * r + 3]
+        row.update(step_s_no_pinned_checkpoint=before, step_s_after_save=after, step_after_save_ratio=after / before)
+    out["zero_copy"] = out["rounds"][0]  # the first save: what every save costs
+    unpinned = [step_s[s] for s in saves] + [step_s[steps]]
+    after = [step_s[s + 1] for s in sorted(saves)]
+    out["step_s_no_pinned_checkpoint"] = statistics.median(unpinned)
+    out["step_s_after_zero_copy_save"] = statistics.median(after)
+    out["step_after_save_ratio"] = out["step_s_after_zero_copy_save"] / out["step_s_no_pinned_checkpoint"]
+    out["step_after_first_save_ratio"] = out["rounds"][0]["step_after_save_ratio"]
     out["probe"] = {k: v for k, v in vars(trainer.strategy.hardware_profile or {}).items()
                     if isinstance(v, (int, float))} if trainer.strategy.hardware_profile else {}
     subprocess.run(["rm", "-rf", str(work)], check=False)
@@ -201,9 +230,13 @@ def plot(result: dict, path: Path) -> None:
     a.set_ylabel("GB written per save")
     b.bar(kinds, [result[k]["seconds"] for k in kinds], color=["tab:green", "tab:gray"])
     b.set_ylabel("save seconds")
-    c.bar(["no pinned ckpt", "after a save"], [result["step_s_no_pinned_checkpoint"],
-                                              result["step_s_after_zero_copy_save"]], color=["tab:blue", "tab:orange"])
+    rounds = result["rounds"]
+    x = range(1, len(rounds) + 1)
+    c.plot(x, [r["step_s_no_pinned_checkpoint"] for r in rounds], "o-", label="before the save (nothing pinned)")
+    c.plot(x, [r["step_s_after_save"] for r in rounds], "o-", label="first step after the save")
+    c.set_xlabel("round (1: the first save; then a rotation)")
     c.set_ylabel("step seconds")
+    c.legend(fontsize=7)
     fig.suptitle(f"checkpoint cost, {result['preset']} ({result['params'] / 1e6:.0f}M params)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -216,6 +249,7 @@ def main() -> None:
     parser.add_argument("--micro-batch-size", type=int, default=2)
     parser.add_argument("--num-micro", type=int, default=2)
     parser.add_argument("--root", default=None, help="directory for the SSD tier and checkpoints (default: $TMPDIR)")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds of (unpinned step, save, step after)")
     parser.add_argument("--sigterm", action="store_true", help="also measure SIGTERM -> exit in a child")
     parser.add_argument("--only-sigterm", action="store_true", help="only the SIGTERM -> exit measurement "
                         "(merged into an existing result file)")
@@ -224,7 +258,7 @@ def main() -> None:
     if args.only_sigterm:
         result = json.loads(out.read_text()) if out.exists() else {"preset": args.preset}
     else:
-        result = run(args.preset, args.context_len, args.micro_batch_size, args.num_micro, args.root)
+        result = run(args.preset, args.context_len, args.micro_batch_size, args.num_micro, args.root, args.rounds)
     if args.sigterm or args.only_sigterm:
         result["sigterm"] = sigterm_to_exit(args.preset, args.context_len, args.micro_batch_size, args.num_micro,
                                             args.root)
