@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -71,7 +72,7 @@ def _loader(cfg, steps: int, micro_batch_size: int, num_micro: int):
 
 
 def run(preset_name: str, context_len: int, micro_batch_size: int, num_micro: int, root: str,
-        rounds: int = 3) -> dict:
+        rounds: int = 3, timeline: str | None = None) -> dict:
     import statistics
 
     import lightning as L
@@ -87,6 +88,7 @@ def run(preset_name: str, context_len: int, micro_batch_size: int, num_micro: in
                                                 str(trace_path))
     out: dict = {"preset": preset_name, "params": cfg.num_params(), "context_len": context_len, "rounds": []}
     step_s: dict[int, float] = {}
+    ssd_bytes: dict[int, dict[str, int]] = {}  # per step, the engine's SSD bytes per state and direction
     saves = {2 * r + 2 for r in range(rounds)}  # a zero-copy save after these steps
     last = 2 * rounds + 1  # the step after the last save: then the copy measurements
 
@@ -101,6 +103,7 @@ def run(preset_name: str, context_len: int, micro_batch_size: int, num_micro: in
             step = trainer.global_step
             step_s[step] = time.perf_counter() - self.start_s
             engine = trainer.strategy.engine
+            ssd_bytes[step] = {k: v for k, v in engine.last_step.step_traffic().items() if k.startswith("ssd/") and v}
             if step in saves:
                 engine.flush()
                 before = _written_bytes()
@@ -160,7 +163,10 @@ def run(preset_name: str, context_len: int, micro_batch_size: int, num_micro: in
                         limit_val_batches=0, num_sanity_val_steps=0)
     trainer.fit(module, train_dataloaders=_loader(cfg, steps, micro_batch_size, num_micro))
     out["step_s"] = step_s
+    out["ssd_bytes"] = ssd_bytes
     events = read_trace(trace_path)
+    if timeline:
+        shutil.copy(trace_path, timeline)
     out["breakdown_s"] = {e["args"]["step"]: step_breakdown(events, e["args"]["step"]) for e in lanes(events)[STEPS]}
     for r, row in enumerate(out["rounds"]):
         before, after = step_s[2 * r + 2], step_s[2 * r + 3]
@@ -250,6 +256,7 @@ def main() -> None:
     parser.add_argument("--num-micro", type=int, default=2)
     parser.add_argument("--root", default=None, help="directory for the SSD tier and checkpoints (default: $TMPDIR)")
     parser.add_argument("--rounds", type=int, default=3, help="rounds of (unpinned step, save, step after)")
+    parser.add_argument("--timeline", default=None, help="keep the run's timeline (a Perfetto trace) at this path")
     parser.add_argument("--sigterm", action="store_true", help="also measure SIGTERM -> exit in a child")
     parser.add_argument("--only-sigterm", action="store_true", help="only the SIGTERM -> exit measurement "
                         "(merged into an existing result file)")
@@ -258,7 +265,7 @@ def main() -> None:
     if args.only_sigterm:
         result = json.loads(out.read_text()) if out.exists() else {"preset": args.preset}
     else:
-        result = run(args.preset, args.context_len, args.micro_batch_size, args.num_micro, args.root, args.rounds)
+        result = run(args.preset, args.context_len, args.micro_batch_size, args.num_micro, args.root, args.rounds, args.timeline)
     if args.sigterm or args.only_sigterm:
         result["sigterm"] = sigterm_to_exit(args.preset, args.context_len, args.micro_batch_size, args.num_micro,
                                             args.root)
