@@ -88,7 +88,7 @@ def run(preset_name: str, context_len: int, micro_batch_size: int, num_micro: in
                                                 str(trace_path))
     out: dict = {"preset": preset_name, "params": cfg.num_params(), "context_len": context_len, "rounds": []}
     step_s: dict[int, float] = {}
-    ssd_bytes: dict[int, dict[str, int]] = {}  # per step, the engine's SSD bytes per state and direction
+    ssd_traffic: dict[int, dict[str, int]] = {}  # per step, the engine's SSD bytes per state and direction
     saves = {2 * r + 2 for r in range(rounds)}  # a zero-copy save after these steps
     last = 2 * rounds + 1  # the step after the last save: then the copy measurements
 
@@ -103,7 +103,7 @@ def run(preset_name: str, context_len: int, micro_batch_size: int, num_micro: in
             step = trainer.global_step
             step_s[step] = time.perf_counter() - self.start_s
             engine = trainer.strategy.engine
-            ssd_bytes[step] = {k: v for k, v in engine.last_step.step_traffic().items() if k.startswith("ssd/") and v}
+            ssd_traffic[step] = {k: v for k, v in engine.last_step.step_traffic().items() if k.startswith("ssd/") and v}
             if step in saves:
                 engine.flush()
                 before = _written_bytes()
@@ -163,7 +163,7 @@ def run(preset_name: str, context_len: int, micro_batch_size: int, num_micro: in
                         limit_val_batches=0, num_sanity_val_steps=0)
     trainer.fit(module, train_dataloaders=_loader(cfg, steps, micro_batch_size, num_micro))
     out["step_s"] = step_s
-    out["ssd_bytes"] = ssd_bytes
+    out["ssd_bytes"] = ssd_traffic
     events = read_trace(trace_path)
     if timeline:
         shutil.copy(trace_path, timeline)
