@@ -9,10 +9,10 @@ bandwidth, and (``--sigterm``) the seconds from SIGTERM to exit of a training pr
 
 One fit, every state on the SSD tier (as benchmarks/scale.py): step 1 warms up; then ``--rounds`` rounds
 of a step with no checkpoint pinned, a zero-copy save after it, and the first step after the save (every
-unit's update goes to a new version), after which the checkpoint is released (as a rotating ``last``
-is). In a named ``ssd_dir`` the released version is the next round's spare, so round 1 is the first
-save's case (new files) and the later rounds a rotation's (overwritten spares); both are reported, with
-medians. After the rounds, the pipelined copy's rate and a copy save (what saves did before); a last
+unit's update goes to a new version). Each save releases the one before it once it is written, as
+Lightning's rotating ``last`` and top-k do. In a named ``ssd_dir`` the version a released checkpoint
+held is then the spare the next update overwrites, so round 1 is the first save's case (new files) and
+the later rounds a rotation's (overwritten spares); both are reported, with medians. After the rounds, the pipelined copy's rate and a copy save (what saves did before); a last
 step again has nothing pinned. Each step's busy seconds per resource come from the run's timeline
 (``timeline.step_breakdown``). Bytes written are the process's own (``/proc/self/io`` write_bytes:
 what reached the block layer, page cache included), and the save's own account.
@@ -107,19 +107,21 @@ def run(preset_name: str, context_len: int, micro_batch_size: int, num_micro: in
             if step in saves:
                 engine.flush()
                 before = _written_bytes()
-                trainer.save_checkpoint(str(work / "zero_copy.ckpt"))
+                current = work / f"zero_copy_{len(out['rounds'])}.ckpt"
+                trainer.save_checkpoint(str(current))
                 save = trainer.strategy.last_save
                 out["rounds"].append({"seconds": save["seconds"], "written_bytes_own": save["written_bytes"],
                                       "written_bytes_process": _written_bytes() - before,
                                       "methods": save["methods"], "phases_s": save["phases_s"]})
                 ssd_bytes = sum(t.ssd_bytes for u in range(engine.num_units) for t in engine.unit_tiers(u).values())
                 out["ssd_state_bytes"] = ssd_bytes
-            elif step - 1 in saves and step != last:
-                snake_checkpoint.release(work / "zero_copy.ckpt")  # a rotation: its versions become spares
+                if out["rounds"][1:]:  # a rotation: the version the older checkpoint held becomes a spare
+                    snake_checkpoint.release(work / f"zero_copy_{len(out['rounds']) - 2}.ckpt")
             if step == last:
                 # The pipelined copy (the cross-filesystem fallback) of the pinned files, to another
                 # directory: its rate against the probed SSD bandwidth (issue 22: >= 0.5x).
-                pinned = sorted((work / "zero_copy.ckpt" / "units").glob("*.bin"))
+                newest = work / f"zero_copy_{len(out['rounds']) - 1}.ckpt"
+                pinned = sorted((newest / "units").glob("*.bin"))
                 copy_dir = work / "copied"
                 copy_dir.mkdir()
                 copied = 0
@@ -148,7 +150,7 @@ def run(preset_name: str, context_len: int, micro_batch_size: int, num_micro: in
                                          "ratio_to_slower_probe": copied / copy_s / 1e9 / min(read_gbps, write_gbps)}
                 for path in copy_dir.iterdir():
                     path.unlink()
-                snake_checkpoint.release(work / "zero_copy.ckpt")
+                snake_checkpoint.release(newest)
                 engine.flush()
                 before = _written_bytes()
                 start = time.perf_counter()

@@ -76,6 +76,54 @@ def test_save_links_the_ssd_files_and_training_past_it_leaves_it_intact(tmp_path
         assert torch.equal(straight_six[name], resumed[name]), name
 
 
+def test_background_checksums_read_only_while_the_engines_io_is_idle(tmp_path):
+    """The pinned files' CRC-32s wait while training's SSD transfers are queued or moving (a transfer held
+    on the disk here), and complete once the I/O engine is idle."""
+    import json
+    import threading
+    import zlib
+
+    from snake_strategy.checkpoint.pins import Checksums
+    from snake_strategy.storage import IOEngine, aligned_empty
+    from snake_strategy.storage.aligned import padded_bytes
+
+    payload = os.urandom(3 * 2**20 + 123)
+    (tmp_path / "units").mkdir()
+    (tmp_path / "units" / "u.bin").write_bytes(payload)
+    (tmp_path / "manifest.json").write_text(json.dumps({"files": {"units/u.bin": {"bytes": len(payload),
+                                                                                  "crc32": None}}}))
+    on_disk, go = threading.Event(), threading.Event()
+
+    def hold_the_disk(direction, num_bytes):
+        on_disk.set()
+        go.wait(30)
+
+    io = IOEngine(num_threads=1, before_transfer=hold_the_disk)
+    fd = os.open(tmp_path / "training.bin", os.O_RDWR | os.O_CREAT, 0o600)
+    checksums = Checksums()
+    try:
+        buffer = aligned_empty(4096, torch.uint8)
+        ticket = io.submit_write(fd, 0, padded_bytes(buffer))  # training's transfer, held on the disk
+        assert on_disk.wait(10)
+        checksums.submit(tmp_path, ["units/u.bin"], read_bytes_per_s=1e12, disk_idle=io.idle)
+        time.sleep(0.5)
+        assert not io.idle()
+        assert json.loads((tmp_path / "manifest.json").read_text())["files"]["units/u.bin"]["crc32"] is None
+        go.set()
+        ticket.wait()
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            crc = json.loads((tmp_path / "manifest.json").read_text())["files"]["units/u.bin"]["crc32"]
+            if crc is not None:
+                break
+            time.sleep(0.02)
+        assert crc == zlib.crc32(payload)
+    finally:
+        go.set()
+        io.close()
+        os.close(fd)
+
+
 # ------------------------------------------------------------------------------ kills
 class AtStep(L.Callback):
     def __init__(self, step, fn):

@@ -12,8 +12,9 @@ byte of the SSD tier. A kept checkpoint costs no space until training updates it
 holds the versions it pinned, up to one more copy of the SSD state, until it is released.
 
 Checksums. Reading the pinned files back to checksum them would cost what the copy cost, so the save
-records their sizes only, and a background thread (``Checksums``) reads them afterwards and rewrites the
-manifest atomically with their CRC-32s (working through a descriptor of the checkpoint directory, which
+records their sizes only, and a background thread (``Checksums``) reads them afterwards, only while the
+engine's I/O is idle and at most at a small share of the SSD's read rate, and rewrites the manifest
+atomically with their CRC-32s (working through a descriptor of the checkpoint directory, which
 follows it through the renames of ``last``). Loading verifies a file's CRC-32 when the manifest has it,
 its size always. A process killed before its checksums are done leaves sizes only.
 
@@ -96,13 +97,16 @@ class Checksums:
         self._full_speed = threading.Event()  # set by wait(): no pacing
         self.remove_lock = threading.Lock()  # held around a manifest rewrite and around a removal
 
-    def submit(self, root: Path, names: list[str], read_bytes_per_s: float | None = None) -> None:
+    def submit(self, root: Path, names: list[str], read_bytes_per_s: float | None = None,
+               disk_idle: Callable[[], bool] | None = None) -> None:
         """Queue the CRC-32s of ``names`` in ``root``; their reads are paced to ``read_bytes_per_s`` (None:
-        ``DEFAULT_CHECKSUM_READ_BYTES_PER_S``; ``checksum_read_rate`` derives it from the SSD's rate)."""
+        ``DEFAULT_CHECKSUM_READ_BYTES_PER_S``; ``checksum_read_rate`` derives it from the SSD's rate), and
+        each waits until ``disk_idle()`` (the engine's ``IOEngine.idle``) says training's I/O leaves the
+        disk free."""
         if not names:
             return
         dir_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)  # follows the directory through renames
-        self._jobs.put((dir_fd, names, read_bytes_per_s or DEFAULT_CHECKSUM_READ_BYTES_PER_S))
+        self._jobs.put((dir_fd, names, read_bytes_per_s or DEFAULT_CHECKSUM_READ_BYTES_PER_S, disk_idle))
         with self._start_lock:
             if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(target=self._work, name="snake-checksums", daemon=True)
@@ -125,17 +129,18 @@ class Checksums:
         except (OSError, AttributeError):
             pass
         while True:
-            dir_fd, names, rate = self._jobs.get()
+            dir_fd, names, rate, disk_idle = self._jobs.get()
             try:
-                self._complete(dir_fd, names, rate)
+                self._complete(dir_fd, names, rate, disk_idle)
             except OSError as err:  # the checkpoint was released meanwhile: nothing to complete
                 log.debug("checksums of a released checkpoint dropped: %s", err)
             finally:
                 os.close(dir_fd)
                 self._jobs.task_done()
 
-    def _complete(self, dir_fd: int, names: list[str], read_bytes_per_s: float) -> None:
-        pace = _Pace(read_bytes_per_s, self._full_speed)
+    def _complete(self, dir_fd: int, names: list[str], read_bytes_per_s: float,
+                  disk_idle: Callable[[], bool] | None) -> None:
+        pace = _Pace(read_bytes_per_s, self._full_speed, disk_idle)
         crcs = {name: _crc_file(name, dir_fd, pace) for name in names}  # the long part, outside the lock
         with self.remove_lock:
             with open(os.open("manifest.json", os.O_RDONLY, dir_fd=dir_fd)) as f:
@@ -151,10 +156,11 @@ class Checksums:
             os.fsync(dir_fd)
 
 
-CRC_CHUNK_BYTES = 16 * 2**20
+CRC_CHUNK_BYTES = 4 * 2**20  # the engine's chunk: a read of training's waits for at most one of these
 # The checksums read the pinned state back once. Unpaced, that read competed with the step after the
 # save for the disk: gpt_1b with every state on the SSD ran that step 1.54x slower (docs/LOG.md,
-# 2026-12-02). Paced to a small share of the SSD's read rate, the cost is spread over the next steps.
+# 2026-12-02). Paced to a small share of the SSD's read rate, it still slowed that disk-bound step's own
+# transfers by 10-20%; so each read also waits until the engine's I/O is idle (``_Pace``).
 CHECKSUM_READ_SHARE = 0.05
 DEFAULT_CHECKSUM_READ_BYTES_PER_S = 64 * 2**20
 
@@ -166,12 +172,21 @@ def checksum_read_rate(ssd_read_gb_per_s: float | None) -> float:
     return CHECKSUM_READ_SHARE * ssd_read_gb_per_s * 1e9
 
 
-class _Pace:
-    """Sleeps so that the bytes read so far take at least ``bytes / rate`` seconds (until ``full_speed``)."""
+IDLE_POLL_S = 0.01  # how often a checksum read looks again whether training's I/O left the disk
 
-    def __init__(self, bytes_per_s: float, full_speed: threading.Event) -> None:
+
+class _Pace:
+    """Before each read: waits until ``disk_idle()`` and sleeps so that the bytes read so far take at least
+    ``bytes / rate`` seconds; neither once ``full_speed`` is set (training is over)."""
+
+    def __init__(self, bytes_per_s: float, full_speed: threading.Event,
+                 disk_idle: Callable[[], bool] | None = None) -> None:
         self.bytes_per_s, self.start_s, self.done_bytes = bytes_per_s, time.monotonic(), 0
-        self.full_speed = full_speed
+        self.full_speed, self.disk_idle = full_speed, disk_idle
+
+    def before_read(self) -> None:
+        while self.disk_idle is not None and not self.full_speed.is_set() and not self.disk_idle():
+            self.full_speed.wait(IDLE_POLL_S)
 
     def read(self, num_bytes: int) -> None:
         self.done_bytes += num_bytes
@@ -194,6 +209,8 @@ def _crc_file(name: str, dir_fd: int, pace: _Pace | None = None) -> int:
     view = memoryview(buffer)
     try:
         while True:
+            if pace is not None:
+                pace.before_read()
             try:
                 got = os.preadv(fd, [view], at)
             except OSError:  # an unaligned tail under O_DIRECT: read it through a buffered descriptor

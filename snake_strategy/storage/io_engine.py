@@ -89,6 +89,8 @@ class IOEngine:
         # (priority, submission order, job): FIFO within a priority; None as the job stops a worker.
         self._queue: queue.PriorityQueue = queue.PriorityQueue()
         self._order = itertools.count()
+        self._moving = 0  # chunks an I/O thread is transferring now (``idle``)
+        self._moving_lock = threading.Lock()
         self._threads = [threading.Thread(target=self._work, name=f"snake-io_{i}", daemon=True)
                          for i in range(num_threads)]
         for thread in self._threads:
@@ -127,12 +129,17 @@ class IOEngine:
             future, *transfer = job
             if not future.set_running_or_notify_cancel():
                 continue
+            with self._moving_lock:
+                self._moving += 1
             try:
                 self._transfer(*transfer)
             except BaseException as err:  # handed to whoever waits on the ticket
                 future.set_exception(err)
             else:
                 future.set_result(None)
+            finally:
+                with self._moving_lock:
+                    self._moving -= 1
 
     def _transfer(self, fn, direction: str, fd: int, offset: int, piece: torch.Tensor, what: str,
                   priority: int) -> None:
@@ -144,6 +151,12 @@ class IOEngine:
         if start_s is not None:
             trace.span("io", f"ssd {direction} {what}".rstrip(), start_s, direction=direction, state=what,
                        bytes=piece.numel(), priority=priority)
+
+    def idle(self) -> bool:
+        """Whether no transfer is queued or moving right now: the disk is free for work that must not slow
+        training down (the checkpoints' background checksums, checkpoint/pins.py)."""
+        with self._moving_lock:
+            return self._moving == 0 and self._queue.empty()
 
     def close(self) -> None:
         """Finish every queued transfer, then stop the workers (idempotent)."""
