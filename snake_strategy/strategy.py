@@ -254,7 +254,10 @@ class GreedySnakeStrategy(DataParallelMixin, ParallelStrategy):
         runtime = EngineRuntime(self.precision_plugin.dtypes, self.root_device, hooks=self.hooks, progress=self.progress)
         # The module's own weights, mapped from a file: teardown maps them again instead of copying them back.
         self._pre_fit = PreFitWeights(module).setup_done() if source is None else None
-        self.engine = EvalEngine(module, self._rank_plan(), runtime, source=source)
+        plan = self._rank_plan()
+        # As for training: under data parallelism the ranks' SSD directories are checked together first.
+        self.engine, self._created_ssd_dirs = build_engine(lambda: EvalEngine(module, plan, runtime, source=source),
+                                                           self.storage, self.global_rank, self.world_size)
         module._device = self.root_device  # as in setup(): the blocks must not move
         self.setup_precision_plugin()
 

@@ -157,6 +157,9 @@ def main() -> None:
     # from the same seed, Lightning's reset_seed; rank 0's weights are broadcast anyway).
     L.seed_everything(0, verbose=False)
     val = DataLoader(TensorDataset(x[:4 * world * nodes], y[:4 * world * nodes]), batch_size=4) if cfg.get("val") else None
+    if cfg.get("validate_only"):  # trainer.validate on the module's own weights, no fit
+        trainer.validate(module, DataLoader(TensorDataset(x[:4 * world], y[:4 * world]), batch_size=4))
+        return
     trainer.fit(module, train_dataloaders=loader, val_dataloaders=val, ckpt_path=cfg.get("resume"))
     out = cfg.get("out")
     if out:

@@ -377,6 +377,20 @@ def test_mismatched_ssd_dir_layouts_stop_every_rank_before_setup(tmp_path):
     assert list((tmp_path / "kept").iterdir()) == []
 
 
+def test_validate_on_two_ranks_checks_the_ranks_ssd_directories_too(tmp_path):
+    """trainer.validate with devices=2 builds its engine as fit does: rank directories linked to one another
+    are refused on both ranks before either takes a lock; a good layout validates and leaves nothing."""
+    (tmp_path / "link" / "rank0").mkdir(parents=True)
+    (tmp_path / "link" / "rank1").symlink_to(tmp_path / "link" / "rank0")
+    bad = run_worker(tmp_path, "bad", expect_rc=None, world=2, micro=2, steps=1, validate_only=True,
+                     storage={**SSD, "ssd_dir": str(tmp_path / "link")})
+    assert bad["returncode"] != 0
+    assert "would share the SSD directory" in bad["stderr"], bad["stderr"][-3000:]
+    run_worker(tmp_path, "good", world=2, micro=2, steps=1, validate_only=True,
+               storage={**SSD, "ssd_dir": str(tmp_path / "ssd")})
+    assert not (tmp_path / "ssd").exists()  # the ssd_dir root the two ranks created is removed
+
+
 # ---------------------------------------------------------------------- checkpoints
 def _checkpointed_run(tmp_path: Path, steps: int = 4) -> tuple[dict, Path]:
     """2 ranks, 2 steps per epoch (a resume after step 2 starts a fresh epoch: same data order)."""
