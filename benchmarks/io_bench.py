@@ -33,7 +33,8 @@ from pathlib import Path
 import torch
 
 from snake_strategy.storage.aligned import PAGE_BYTES, aligned_empty
-from snake_strategy.storage.io_engine import IOEngine, SsdDirectory
+from snake_strategy.storage.io_engine import IOEngine
+from snake_strategy.storage.ssd_directory import SsdDirectory
 
 MIB = 2**20
 DEFAULT_RESULTS = Path(__file__).resolve().parent / "results" / "io_bench.json"

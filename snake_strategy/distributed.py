@@ -208,7 +208,7 @@ def remove_empty_dirs(levels: list[str]) -> None:
 
 def _layout_problem(given: str, root: str, mine: str) -> str | None:
     """What is wrong with this rank's SSD directory before it is locked (None: nothing)."""
-    from snake_strategy.storage.io_engine import LOCK_NAME, pid_alive
+    from snake_strategy.storage.ssd_directory import LOCK_NAME, pid_alive
 
     if "$" in given:
         return (f"storage.ssd_dir={given!r} names an environment variable that is not set in this process; "

@@ -307,7 +307,7 @@ def _created_root_cleanup(rank: int, world: int, tmp: Path) -> list:
     import torch.distributed as dist
 
     from snake_strategy.distributed import build_engine, close_engine
-    from snake_strategy.storage.io_engine import SsdDirectory
+    from snake_strategy.storage.ssd_directory import SsdDirectory
 
     out = []
     for root in (tmp / "new" / "ssd", tmp / "kept"):  # "kept" exists before the run

@@ -16,7 +16,7 @@ import snake_strategy
 from snake_strategy import GreedySnakePrecision, GreedySnakeStrategy, ScheduleConfig, StorageConfig, TierSplit
 from snake_strategy.gpt import GPTModule
 from snake_strategy.schedule import build_tasks
-from snake_strategy.storage import io_engine
+from snake_strategy.storage import ssd_directory
 from tests.helpers import SMALL_GPT, token_data, trainer_kwargs
 
 
@@ -89,7 +89,7 @@ def test_ssd_dir_is_a_file(tmp_path):
     afile = tmp_path / "afile"
     afile.write_text("x")
     with pytest.raises(ValueError, match="storage.ssd_dir"):
-        io_engine.SsdDirectory(str(afile))
+        ssd_directory.SsdDirectory(str(afile))
 
 
 def test_free_space_check_runs_before_training(tmp_path, monkeypatch):
@@ -98,7 +98,7 @@ def test_free_space_check_runs_before_training(tmp_path, monkeypatch):
     def tiny_disk(path):
         return types.SimpleNamespace(total=2**20, used=2**20 - 1000, free=1000)
 
-    monkeypatch.setattr(io_engine, "shutil", types.SimpleNamespace(disk_usage=tiny_disk, rmtree=shutil.rmtree))
+    monkeypatch.setattr(ssd_directory, "shutil", types.SimpleNamespace(disk_usage=tiny_disk, rmtree=shutil.rmtree))
     ssd_dir = tmp_path / "ssd"
     strategy = GreedySnakeStrategy(storage={"weights": "ssd", "optimizer": "ssd", "ssd_dir": str(ssd_dir)},
                                    schedule={"num_micro_batches": 2})

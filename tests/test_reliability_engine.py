@@ -339,7 +339,7 @@ def test_free_space_check_counts_ssd_activation_checkpoints(tmp_path, monkeypatc
     import shutil
     import types
 
-    from snake_strategy.storage import io_engine
+    from snake_strategy.storage import ssd_directory
 
     storage = {"ssd_dir": str(tmp_path / "ssd"), "weights": "ssd", "optimizer": "ssd", "checkpoints": {"ssd": 1.0},
                "checkpoint_host_ends": 0}
@@ -348,7 +348,7 @@ def test_free_space_check_counts_ssd_activation_checkpoints(tmp_path, monkeypatc
     def disk_usage(path):
         return types.SimpleNamespace(total=2**40, used=2**40 - free_bytes, free=free_bytes)
 
-    monkeypatch.setattr(io_engine, "shutil", types.SimpleNamespace(disk_usage=disk_usage, rmtree=shutil.rmtree))
+    monkeypatch.setattr(ssd_directory, "shutil", types.SimpleNamespace(disk_usage=disk_usage, rmtree=shutil.rmtree))
     big = torch.randint(0, 64, (2, 4096 + 1))  # long sequences: 2 x 4096 x 32 x 4 bytes per checkpoint
     loader = DataLoader(TensorDataset(big[:, :-1], big[:, 1:]), batch_size=2)
     module = GPTModule(snake_strategy.gpt.GPTConfig(vocab_size=64, d_model=32, num_layers=4, num_heads=4,

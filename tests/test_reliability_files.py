@@ -281,12 +281,12 @@ def test_close_releases_everything_even_when_a_step_fails(tmp_path):
 
 
 def test_failed_start_leaves_no_directory(tmp_path, monkeypatch):
-    from snake_strategy.storage import io_engine
+    from snake_strategy.storage import ssd_directory
 
     def refuse(self):
         raise ValueError("storage.ssd_dir is in use")
 
-    monkeypatch.setattr(io_engine.SsdDirectory, "_take_lock", refuse)
+    monkeypatch.setattr(ssd_directory.SsdDirectory, "_take_lock", refuse)
     with pytest.raises(ValueError, match="in use"):
         SsdDirectory(str(tmp_path / "a" / "b"))
     assert os.listdir(tmp_path) == []

@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from snake_strategy.storage.io_engine import SsdDirectory
+from snake_strategy.storage.ssd_directory import SsdDirectory
 
 MIB = 2**20
 SIZE = 8 * MIB

@@ -39,7 +39,7 @@ from snake_strategy.checkpoint.format import (DTYPES, FORMAT, STATES, fsync_file
                                               verified_manifest, verify_file, without_nonlayer_copies, write_nonlayer,
                                               write_raw)
 from snake_strategy.progress import Progress, or_quiet
-from snake_strategy.storage.io_engine import pid_alive
+from snake_strategy.storage.ssd_directory import pid_alive
 
 if TYPE_CHECKING:
     from snake_strategy.engine import SnakeEngine

@@ -19,7 +19,8 @@ import torch
 
 from snake_strategy.storage.aligned import PAGE_BYTES, aligned_empty, padded_bytes, round_up
 from snake_strategy.storage.counters import TrafficCounters
-from snake_strategy.storage.io_engine import DONE, IOEngine, SsdDirectory, Ticket
+from snake_strategy.storage.io_engine import DONE, IOEngine, Ticket
+from snake_strategy.storage.ssd_directory import SsdDirectory
 from snake_strategy.storage.versions import VersionedFile
 from snake_strategy.config import StorageConfig, TierSplit
 
