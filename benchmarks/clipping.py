@@ -9,6 +9,11 @@ cases plan for the same memory), side by side in one command, each case in its o
 
     flock /tmp/snake-bench.lock python benchmarks/clipping.py            # gpt_1b, 6 steps per case
     python benchmarks/clipping.py --preset small --steps 4 --out /tmp/c.json   # a quick look
+    flock /tmp/snake-bench.lock python benchmarks/clipping.py --cases none,high --repeat 2   # ABAB
+
+``--repeat N`` runs the case list N times, interleaved (none, high, none, high, ...): each round's ratio
+is against that round's unclipped case, and the report gives every round's ratio and their median (this
+machine's step times drift by 10-30% within an hour).
 
 Writes ``benchmarks/results/clipping.json`` (per case: step times, peak RSS in training, the host budget
 and plan, speculation and rollbacks per step, rollback-state bytes written per step and read per
@@ -114,14 +119,19 @@ def _plot(report: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     cases = [c for c in report["cases"] if "error" not in c]
+    rounds = len({c.get("round", 0) for c in cases}) > 1
+
+    def label(c: dict) -> str:
+        return f"{c['case']} {c.get('round', 0) + 1}" if rounds else c["case"]
+
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.8))
     for c in cases:
-        a.plot(range(1, len(c["steps"]) + 1), [r["step_s"] for r in c["steps"]], marker="o", label=c["case"])
+        a.plot(range(1, len(c["steps"]) + 1), [r["step_s"] for r in c["steps"]], marker="o", label=label(c))
     a.set_xlabel("step")
     a.set_ylabel("seconds")
     a.set_title(f"{report['preset']}: step time")
     a.legend()
-    names = [c["case"] for c in cases]
+    names = [label(c) for c in cases]
     b.bar(names, [c["peak_rss_bytes"] / 2**30 for c in cases], label="peak RSS in training")
     b.plot(names, [c["host_budget_bytes"] / 2**30 for c in cases], "r_", markersize=30, label="host budget")
     b.set_ylabel("GiB")
@@ -131,14 +141,18 @@ def _plot(report: dict, path: Path) -> None:
 
 
 def _summarize(report: dict, out: Path) -> None:
-    """Ratios to the unclipped case, rollback bytes; writes the JSON and the plot."""
-    done = {c["case"]: c for c in report["cases"] if "error" not in c}
-    if "none" in done:
-        base = done["none"]["s_per_step"]
-        for c in done.values():
-            c["vs_unclipped"] = c["s_per_step"] / base
-            c["peak_rss_within_budget"] = c["peak_rss_bytes"] <= c["host_budget_bytes"]
-    for c in done.values():
+    """Ratios to the same round's unclipped case, their medians, rollback bytes; writes the JSON and the plot."""
+    done = [c for c in report["cases"] if "error" not in c]
+    ratios: dict[str, list[float]] = {}
+    for c in done:
+        base = next((b for b in done if b["case"] == "none" and b.get("round", 0) == c.get("round", 0)), None)
+        c["peak_rss_within_budget"] = c["peak_rss_bytes"] <= c["host_budget_bytes"]
+        if base is not None:
+            c["vs_unclipped"] = c["s_per_step"] / base["s_per_step"]
+            ratios.setdefault(c["case"], []).append(c["vs_unclipped"])
+    report["vs_unclipped_per_round"] = ratios
+    report["vs_unclipped_median"] = {name: statistics.median(r) for name, r in ratios.items()}
+    for c in done:
         rolled = [i for i, r in enumerate(c["steps"]) if r["rollbacks"] and
                   (i == 0 or r["rollbacks"] > c["steps"][i - 1]["rollbacks"])]
         # a rollback's redo reads the saved state in the next step's forward
@@ -161,6 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--host-budget-bytes", type=int, default=None,
                    help="one budget for every case (default: the default budget, 0.6 x MemAvailable, read once "
                         "here: each case then plans for the same memory and only the step mode differs)")
+    p.add_argument("--repeat", type=int, default=1, help="run the case list this many times, interleaved")
     p.add_argument("--trace-dir", default=None,
                    help="write each case's timeline there (<case>.json) and add each step's busy seconds per "
                         "resource (timeline.step_breakdown) to the report")
@@ -177,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
         args.host_budget_bytes = host_budget(None).budget_bytes
     report = {"preset": args.preset, "steps": args.steps, "context_len": args.context_len,
               "micro_batch_size": args.micro_batch_size, "host_budget_bytes": args.host_budget_bytes, "cases": []}
-    for name in args.cases.split(","):
+    for round_, name in [(r, n) for r in range(args.repeat) for n in args.cases.split(",")]:
         cmd = [sys.executable, __file__, "--case", name, "--preset", args.preset, "--steps", str(args.steps),
                "--context-len", str(args.context_len), "--micro-batch-size", str(args.micro_batch_size),
                "--lr", str(args.lr), "--host-budget-bytes", str(args.host_budget_bytes)
@@ -195,9 +210,9 @@ def main(argv: list[str] | None = None) -> int:
             err.seek(0)
             error = err.read()
         if proc.returncode != 0 or not lines:
-            report["cases"].append({"case": name, "error": error[-3000:]})
+            report["cases"].append({"case": name, "round": round_, "error": error[-3000:]})
             continue
-        report["cases"].append(json.loads(lines[-1][len("RESULT "):]))
+        report["cases"].append({**json.loads(lines[-1][len("RESULT "):]), "round": round_})
         _summarize(report, Path(args.out))  # after every case: a long run cut short keeps what it measured
     for c in report["cases"]:
         if "error" in c:
@@ -206,6 +221,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{c['case']:>16}: {c['s_per_step']:.1f} s/step ({c.get('vs_unclipped', float('nan')):.2f}x), peak RSS "
               f"{c['peak_rss_bytes'] / 2**30:.2f} of {c['host_budget_bytes'] / 2**30:.2f} GiB, rollbacks "
               f"{c['steps'][-1]['rollbacks']}, {c['describe']}")
+    if args.repeat > 1:
+        for name, ratio in report.get("vs_unclipped_median", {}).items():
+            print(f"{name:>16}: median {ratio:.2f}x over {args.repeat} rounds "
+                  f"({', '.join(f'{r:.2f}' for r in report['vs_unclipped_per_round'][name])})")
     return 0
 
 
