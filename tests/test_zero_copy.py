@@ -3,14 +3,17 @@ writes a new version, a released checkpoint leaves nothing; preemption by SIGTER
 in a temporary ssd_dir (issue 22); recovery, sweep and fsync of checkpoint files (issue 25 items 2, 3, 17)."""
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 import types
+import zlib
 
 import lightning as L
 import pytest
@@ -18,7 +21,9 @@ import torch
 
 from snake_strategy import checkpoint as snake_checkpoint
 from snake_strategy.checkpoint import store as checkpoint_store
-from snake_strategy.storage import versions
+from snake_strategy.checkpoint.pins import Checksums
+from snake_strategy.storage import IOEngine, aligned_empty, versions
+from snake_strategy.storage.aligned import padded_bytes
 from snake_strategy.storage.leftovers import REGISTRY_DIR
 from tests.helpers import Killed, KillAt, checkpoint_tag
 from tests.test_checkpoint import _fit
@@ -79,14 +84,6 @@ def test_save_links_the_ssd_files_and_training_past_it_leaves_it_intact(tmp_path
 def test_background_checksums_read_only_while_the_engines_io_is_idle(tmp_path):
     """The pinned files' CRC-32s wait while training's SSD transfers are queued or moving (a transfer held
     on the disk here), and complete once the I/O engine is idle."""
-    import json
-    import threading
-    import zlib
-
-    from snake_strategy.checkpoint.pins import Checksums
-    from snake_strategy.storage import IOEngine, aligned_empty
-    from snake_strategy.storage.aligned import padded_bytes
-
     payload = os.urandom(3 * 2**20 + 123)
     (tmp_path / "units").mkdir()
     (tmp_path / "units" / "u.bin").write_bytes(payload)

@@ -269,7 +269,6 @@ def read_meta(root: Path, manifest: dict) -> dict:
 
 
 # ---------------------------------------------------------------------- the non-layer state
-NONLAYER_STATES = ("master", "exp_avg", "exp_avg_sq")
 
 
 def write_nonlayer(state: dict, root: Path) -> tuple[dict[str, dict], dict]:
@@ -277,17 +276,17 @@ def write_nonlayer(state: dict, root: Path) -> tuple[dict[str, dict], dict]:
     the three written at once by three threads (file writes and CRC-32s release the GIL: the disk's rate,
     not one core's; gpt_1b's 1.24 GB took 3.5 s through one ``torch.save``), the rest in nonlayer.pt.
     Returns the files for the manifest and its ``nonlayer`` record (names, shapes, dtype)."""
-    tensors = {name: [t.detach().reshape(-1) for t in state[name]] for name in NONLAYER_STATES}
+    tensors = {name: [t.detach().reshape(-1) for t in state[name]] for name in STATES}
     dtypes = {t.dtype for values in tensors.values() for t in values}
     assert len(dtypes) <= 1, f"one master dtype for the non-layer state, not {dtypes}"
     record = {"names": list(state["names"]), "shapes": [list(t.shape) for t in state["master"]],
               "dtype": str(dtypes.pop()) if dtypes else "torch.float32"}
-    names = [f"nonlayer.{name}.bin" for name in NONLAYER_STATES]
+    names = [f"nonlayer.{name}.bin" for name in STATES]
     with ThreadPoolExecutor(len(names), thread_name_prefix="snake-nonlayer") as pool:  # re-raises a failure
         written = list(pool.map(lambda name, values: _write_concatenated(root / name, values), names,
-                                [tensors[name] for name in NONLAYER_STATES]))
+                                [tensors[name] for name in STATES]))
     files = dict(zip(names, written))
-    rest = {k: v for k, v in state.items() if k not in NONLAYER_STATES}
+    rest = {k: v for k, v in state.items() if k not in STATES}
     files["nonlayer.pt"] = save_torch(rest, root / "nonlayer.pt")
     return files, record
 
@@ -305,13 +304,13 @@ def _write_concatenated(path: Path, values: list[torch.Tensor]) -> dict:
     return {"bytes": size, "crc32": crc}
 
 
-def read_nonlayer(root: Path, manifest: dict, states: tuple[str, ...] = NONLAYER_STATES) -> dict:
+def read_nonlayer(root: Path, manifest: dict, states: tuple[str, ...] = STATES) -> dict:
     """The non-layer state as ``engine.nonlayer_state()`` gave it (only ``states`` of the three vectors),
     the tensors mapped from the files (``mmap``: nothing read until used)."""
     record = manifest.get("nonlayer")
     if record is None:  # before format /3.1: everything inside nonlayer.pt
         state = torch.load(root / "nonlayer.pt", map_location="cpu", mmap=True, weights_only=True)
-        return {k: v for k, v in state.items() if k not in NONLAYER_STATES or k in states}
+        return {k: v for k, v in state.items() if k not in STATES or k in states}
     state = torch.load(root / "nonlayer.pt", map_location="cpu", weights_only=True)
     dtype = DTYPES[record["dtype"]]
     sizes = [math.prod(shape) for shape in record["shapes"]]
