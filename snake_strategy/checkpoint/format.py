@@ -39,6 +39,7 @@ import torch
 
 from snake_strategy.checkpoint.pins import CHECKSUMS, ZERO_COPY_FORMAT
 from snake_strategy.progress import Progress, or_quiet
+from snake_strategy.storage.file_writer import write_tensors
 
 FORMAT = "greedysnake-checkpoint/1"
 SHARDED_FORMAT = "greedysnake-checkpoint/2"  # per-rank shards instead of units/ (shards.py)
@@ -81,12 +82,8 @@ def verified_manifest(root: Path, progress: Progress | None = None,
 
 
 def write_raw(path: Path, value: torch.Tensor) -> dict:
-    data = value.contiguous().view(torch.uint8).numpy()
-    with open(path, "wb") as f:
-        f.write(memoryview(data))
-        f.flush()
-        os.fsync(f.fileno())
-    return {"bytes": data.nbytes, "crc32": zlib.crc32(memoryview(data))}
+    """One tensor's raw bytes into a new file, fsynced (O_DIRECT where it can: storage/file_writer.py)."""
+    return _write_concatenated(path, [value])
 
 
 def read_raw(path: Path, numel: int, dtype: torch.dtype) -> torch.Tensor:
@@ -292,16 +289,8 @@ def write_nonlayer(state: dict, root: Path) -> tuple[dict[str, dict], dict]:
 
 
 def _write_concatenated(path: Path, values: list[torch.Tensor]) -> dict:
-    crc, size = 0, 0
-    with open(path, "wb") as f:
-        for value in values:
-            data = memoryview(value.contiguous().view(torch.uint8).numpy())
-            f.write(data)
-            crc = zlib.crc32(data, crc)
-            size += data.nbytes
-        f.flush()
-        os.fsync(f.fileno())
-    return {"bytes": size, "crc32": crc}
+    written = write_tensors(path, values)
+    return {"bytes": written.bytes, "crc32": written.crc32}
 
 
 def read_nonlayer(root: Path, manifest: dict, states: tuple[str, ...] = STATES) -> dict:
