@@ -7,8 +7,9 @@ bandwidth, and (``--sigterm``) the seconds from SIGTERM to exit of a training pr
     flock /tmp/snake-bench.lock python benchmarks/checkpoint.py --preset gpt_1b --micro-batch-size 1 --only-sigterm
     flock /tmp/snake-bench.lock python benchmarks/checkpoint.py --preset gpt_4b
 
-One fit, every state on the SSD tier (as benchmarks/scale.py): step 1 warms up; then ``--rounds`` rounds
-of a step with no checkpoint pinned, a zero-copy save after it, and the first step after the save (every
+One fit, every state on the SSD tier (as benchmarks/scale.py): step 1 warms up; ``--clean-steps`` steps
+run before any checkpoint exists (the baseline: nothing pinned, no checksum reading state back); then
+``--rounds`` rounds of a step, a zero-copy save after it, and the first step after the save (every
 unit's update goes to a new version). Each save releases the one before it once it is written, as
 Lightning's rotating ``last`` and top-k do. In a named ``ssd_dir`` the version a released checkpoint
 held is then the spare the next update overwrites, so round 1 is the first save's case (new files) and
@@ -72,7 +73,7 @@ def _loader(cfg, steps: int, micro_batch_size: int, num_micro: int):
 
 
 def run(preset_name: str, context_len: int, micro_batch_size: int, num_micro: int, root: str,
-        rounds: int = 3, timeline: str | None = None) -> dict:
+        rounds: int = 3, timeline: str | None = None, clean_steps: int = 2) -> dict:
     import statistics
 
     import lightning as L
@@ -89,12 +90,15 @@ def run(preset_name: str, context_len: int, micro_batch_size: int, num_micro: in
     out: dict = {"preset": preset_name, "params": cfg.num_params(), "context_len": context_len, "rounds": []}
     step_s: dict[int, float] = {}
     ssd_traffic: dict[int, dict[str, int]] = {}  # per step, the engine's SSD bytes per state and direction
-    saves = {2 * r + 2 for r in range(rounds)}  # a zero-copy save after these steps
-    last = 2 * rounds + 1  # the step after the last save: then the copy measurements
+    # Step 1 warms up; steps 2 .. 1 + clean_steps never had a checkpoint (nothing pinned, no checksum
+    # reading the state back): the baseline. Then the rounds.
+    base = 1 + clean_steps
+    saves = {base + 2 * r + 1 for r in range(rounds)}  # a zero-copy save after these steps
+    last = base + 2 * rounds  # the step after the last save: then the copy measurements
 
     class Probe(L.Callback):
         def on_train_start(self, trainer, pl_module):
-            trainer.strategy.engine.trace.keep = 2 * rounds + 2  # every step of the run stays in the timeline
+            trainer.strategy.engine.trace.keep = last + 1  # every step of the run stays in the timeline
 
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
             self.start_s = time.perf_counter()
@@ -170,16 +174,21 @@ def run(preset_name: str, context_len: int, micro_batch_size: int, num_micro: in
     if timeline:
         shutil.copy(trace_path, timeline)
     out["breakdown_s"] = {e["args"]["step"]: step_breakdown(events, e["args"]["step"]) for e in lanes(events)[STEPS]}
+    # The baseline: the steps before any save. A round's step before its save is not one of them: the
+    # previous round's checkpoint is still pinned and its checksums may still be reading it back.
+    clean = [step_s[s] for s in range(2, base + 1)] or [step_s[s] for s in saves]
+    out["step_s_no_checkpoint"] = statistics.median(clean)
     for r, row in enumerate(out["rounds"]):
-        before, after = step_s[2 * r + 2], step_s[2 * r + 3]
-        row.update(step_s_no_pinned_checkpoint=before, step_s_after_save=after, step_after_save_ratio=after / before)
+        before, after = step_s[base + 2 * r + 1], step_s[base + 2 * r + 2]
+        row.update(step_s_before_save=before, step_s_after_save=after, step_after_save_ratio=after / before,
+                   step_after_save_vs_no_checkpoint=after / out["step_s_no_checkpoint"])
     out["zero_copy"] = out["rounds"][0]  # the first save: what every save costs
-    unpinned = [step_s[s] for s in saves] + [step_s[steps]]
     after = [step_s[s + 1] for s in sorted(saves)]
-    out["step_s_no_pinned_checkpoint"] = statistics.median(unpinned)
     out["step_s_after_zero_copy_save"] = statistics.median(after)
-    out["step_after_save_ratio"] = out["step_s_after_zero_copy_save"] / out["step_s_no_pinned_checkpoint"]
-    out["step_after_first_save_ratio"] = out["rounds"][0]["step_after_save_ratio"]
+    out["step_after_save_ratio"] = out["step_s_after_zero_copy_save"] / out["step_s_no_checkpoint"]
+    out["step_after_first_save_ratio"] = out["rounds"][0]["step_after_save_vs_no_checkpoint"]
+    out["step_after_rotating_save_ratio"] = (statistics.median(step_s[s + 1] for s in sorted(saves)[1:])
+                                             / out["step_s_no_checkpoint"]) if rounds > 1 else None
     out["probe"] = {k: v for k, v in vars(trainer.strategy.hardware_profile or {}).items()
                     if isinstance(v, (int, float))} if trainer.strategy.hardware_profile else {}
     subprocess.run(["rm", "-rf", str(work)], check=False)
@@ -240,7 +249,8 @@ def plot(result: dict, path: Path) -> None:
     b.set_ylabel("save seconds")
     rounds = result["rounds"]
     x = range(1, len(rounds) + 1)
-    c.plot(x, [r["step_s_no_pinned_checkpoint"] for r in rounds], "o-", label="before the save (nothing pinned)")
+    c.axhline(result["step_s_no_checkpoint"], color="tab:gray", ls="--", label="no checkpoint yet (median)")
+    c.plot(x, [r["step_s_before_save"] for r in rounds], "o-", label="before the save")
     c.plot(x, [r["step_s_after_save"] for r in rounds], "o-", label="first step after the save")
     c.set_xlabel("round (1: the first save; then a rotation)")
     c.set_ylabel("step seconds")
@@ -257,7 +267,9 @@ def main() -> None:
     parser.add_argument("--micro-batch-size", type=int, default=2)
     parser.add_argument("--num-micro", type=int, default=2)
     parser.add_argument("--root", default=None, help="directory for the SSD tier and checkpoints (default: $TMPDIR)")
-    parser.add_argument("--rounds", type=int, default=3, help="rounds of (unpinned step, save, step after)")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds of (step, save, step after)")
+    parser.add_argument("--clean-steps", type=int, default=2,
+                        help="steps before any save, after the warm-up step: the baseline")
     parser.add_argument("--timeline", default=None, help="keep the run's timeline (a Perfetto trace) at this path")
     parser.add_argument("--sigterm", action="store_true", help="also measure SIGTERM -> exit in a child")
     parser.add_argument("--only-sigterm", action="store_true", help="only the SIGTERM -> exit measurement "
@@ -267,7 +279,8 @@ def main() -> None:
     if args.only_sigterm:
         result = json.loads(out.read_text()) if out.exists() else {"preset": args.preset}
     else:
-        result = run(args.preset, args.context_len, args.micro_batch_size, args.num_micro, args.root, args.rounds, args.timeline)
+        result = run(args.preset, args.context_len, args.micro_batch_size, args.num_micro, args.root, args.rounds, args.timeline,
+                     args.clean_steps)
     if args.sigterm or args.only_sigterm:
         result["sigterm"] = sigterm_to_exit(args.preset, args.context_len, args.micro_batch_size, args.num_micro,
                                             args.root)
