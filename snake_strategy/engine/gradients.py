@@ -27,6 +27,20 @@ from snake_strategy.optim import AdamHyperParams
 from snake_strategy.precision import LossScaler
 from snake_strategy.storage.pool import BufferPool
 
+def squared_norms(grads: list[Tensor]) -> Tensor:
+    """The sum of the squared L2 norms of ``grads``, a 0-d float64 tensor on the CPU (a sync point on GPUs).
+
+    Each norm is taken as ``torch.nn.utils.clip_grad_norm_`` takes a parameter's: over the parameter's
+    gradient, in its own dtype, so the engine's global norm is the one plain Lightning computes up to
+    how the per-parameter norms are combined (here in float64). Not ``vector_norm(dtype=float64)`` over
+    the unit: that casts the whole gradient first, 140-150 ms per 50M fp32 elements on this CPU against
+    18 ms, plus a temporary of twice its bytes (gpt_1b: 3-4 s of the main thread per step, most of what
+    norm clipping cost; docs/LOG.md 2026-12-02 14:13-)."""
+    if not grads:
+        return torch.zeros((), dtype=torch.float64)
+    norms = torch.stack([torch.linalg.vector_norm(g) for g in grads])
+    return norms.double().square().sum().cpu()
+
 
 class GradientPath:
     def __init__(self, units: list[UnitStore], overlap: OptimizerOverlap, pool: BufferPool,
@@ -47,6 +61,7 @@ class GradientPath:
         self._used: list[set[int]] = [set() for _ in self._units]  # slots that received a gradient
         self._overlap.unused = {}
         self._grad_sq = torch.zeros((), dtype=torch.float64)  # squared norm of complete unit gradients
+        self._grad_dtype = torch.float32  # theirs: the clip factor is computed in it (_finish)
         self._found_inf = False
 
     def begin_step(self, num_micro: int, hps: list[AdamHyperParams], step_before: int) -> None:
@@ -138,7 +153,13 @@ class GradientPath:
                 acc.mul_(1.0 / self._scaler.scale)  # clip the true gradient, not the scaled one
             acc.clamp_(-self._clip[1], self._clip[1])
         elif self._clip is not None:
-            self._grad_sq += torch.linalg.vector_norm(acc, dtype=torch.float64).square().cpu()
+            # Per parameter, as torch's clip_grad_norm_; partitioned: the part of each in this shard.
+            lo, hi = shard_range(unit)
+            parts = [acc[max(slot.offset, lo) - lo:min(slot.offset + slot.numel, hi) - lo]
+                     for i, slot in enumerate(unit.layout.trainable_slots)
+                     if i in used and max(slot.offset, lo) < min(slot.offset + slot.numel, hi)]
+            self._grad_sq += squared_norms(parts)
+            self._grad_dtype = acc.dtype
         unused = [(s.offset, s.offset + s.numel) for i, s in enumerate(unit.layout.trainable_slots)
                   if i not in used]
         if unused:
@@ -188,11 +209,13 @@ class GradientPath:
         if self._partition is not None:  # one all-reduce of the squared norm of the shards
             self._grad_sq = self._reducer.all_reduce_now(self._grad_sq.reshape(1), dist.ReduceOp.SUM).reshape(())
         grad_sq = self._grad_sq * (unscale**2 if unscale is not None else 1.0)
-        sq = grad_sq + sum((torch.linalg.vector_norm(g, dtype=torch.float64).square().cpu() for g in used),
-                           torch.zeros((), dtype=torch.float64))
+        sq = grad_sq + squared_norms(used)
         total_norm = float(sq.sqrt())
-        # torch.nn.utils.clip_grad_norm_: factor = min(1, max_norm / (norm + 1e-6)), applied even when 1.
-        factor = min(1.0, value / (total_norm + 1e-6))
+        # torch.nn.utils.clip_grad_norm_: factor = min(1, max_norm / (norm + 1e-6)), applied even when 1,
+        # computed in the gradients' dtype as torch computes it (the norm is a tensor of that dtype there).
+        dtype = next((g.dtype for g in used), self._grad_dtype)
+        norm_t = torch.tensor(total_norm, dtype=dtype)
+        factor = float(torch.clamp(value / (norm_t + 1e-6), max=1.0))
         for g in used:
             g.mul_(factor)
         stats.grad_norm, stats.clip_factor = total_norm, factor
