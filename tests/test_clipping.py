@@ -3,8 +3,10 @@ really triggers (float64: atol 1e-10; float32: rtol/atol 1e-5)."""
 import lightning as L
 import pytest
 import torch
+from torch.utils.data import DataLoader, TensorDataset
 
-from tests.helpers import SMALL_GPT, run_reference, run_snake
+from snake_strategy.gpt import GPTModule
+from tests.helpers import SMALL_GPT, run_reference, run_snake, token_data, trainer_kwargs
 
 STEPS, MICRO, MICRO_SIZE = 4, 4, 2
 
@@ -79,3 +81,34 @@ def test_value_clipping_is_exact(precision, tmp_path):
     assert max((a - b).abs().max().item() for a, b in zip(ref[-1].values(), unclipped[-1].values())) > 1e-4
     for a, b in zip(got, ref):
         _close(a, b, precision)
+
+
+class TorchNorm(L.Callback):
+    """The global norm plain Lightning clips with: torch's, over the parameters' unclipped gradients."""
+
+    def __init__(self):
+        self.norms = []
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):  # before Lightning clips
+        grads = [p.grad for p in pl_module.parameters() if p.grad is not None]
+        self.norms.append(float(torch.nn.utils.get_total_norm(grads)))
+
+
+@pytest.mark.parametrize("precision", ["64-true", "32-true"])
+def test_the_global_norm_is_torchs(precision, tmp_path):
+    """The engine's global norm (per-parameter norms in the gradients' dtype, engine/gradients.py) is the
+    one ``clip_grad_norm_`` computes on the same step-1 gradients, up to how the norms are combined."""
+    x, y = token_data(MICRO * MICRO_SIZE, SMALL_GPT.context_len, SMALL_GPT.vocab_size)
+    torch.manual_seed(0)
+    module = GPTModule(SMALL_GPT, learning_rate=1e-2)
+    torch_norm = TorchNorm()
+    L.Trainer(precision=precision, max_steps=1, accumulate_grad_batches=MICRO, callbacks=[torch_norm],
+              **trainer_kwargs(gradient_clip_val=0.3)).fit(
+        module, train_dataloaders=DataLoader(TensorDataset(x, y), batch_size=MICRO_SIZE))
+    log = NormLog()
+    run_snake(SMALL_GPT, 1, MICRO, MICRO_SIZE, precision, lr=1e-2, callbacks=[log],
+              storage={"optimizer": "ssd", "ssd_dir": str(tmp_path)}, schedule_extra={"alpha": 0.25},
+              trainer_extra={"gradient_clip_val": 0.3})
+    assert len(torch_norm.norms) == len(log.norms) == 1
+    rtol = 1e-12 if precision == "64-true" else 1e-6  # fp32: the norms' combination, fp64 here, fp32 in torch
+    assert log.norms[0] == pytest.approx(torch_norm.norms[0], rel=rtol, abs=0)
