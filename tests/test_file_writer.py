@@ -5,6 +5,7 @@ import os
 import subprocess
 import sys
 import zlib
+from pathlib import Path
 
 import pytest
 import torch
@@ -36,7 +37,7 @@ def test_the_file_holds_the_concatenated_bytes_and_their_crc(tmp_path, where):
     if where == "shm":
         if not os.path.isdir("/dev/shm"):
             pytest.skip("no /dev/shm")
-        directory = tmp_path.__class__("/dev/shm") / f"snake-writer-{os.getpid()}"
+        directory = Path("/dev/shm") / f"snake-writer-{os.getpid()}"
         directory.mkdir()
     try:
         values = _values()

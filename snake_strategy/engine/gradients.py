@@ -27,6 +27,7 @@ from snake_strategy.optim import AdamHyperParams
 from snake_strategy.precision import LossScaler
 from snake_strategy.storage.pool import BufferPool
 
+
 def squared_norms(grads: list[Tensor]) -> Tensor:
     """The sum of the squared L2 norms of ``grads``, a 0-d float64 tensor on the CPU (a sync point on GPUs).
 
@@ -61,7 +62,6 @@ class GradientPath:
         self._used: list[set[int]] = [set() for _ in self._units]  # slots that received a gradient
         self._overlap.unused = {}
         self._grad_sq = torch.zeros((), dtype=torch.float64)  # squared norm of complete unit gradients
-        self._grad_dtype = torch.float32  # theirs: the clip factor is computed in it (_finish)
         self._found_inf = False
 
     def begin_step(self, num_micro: int, hps: list[AdamHyperParams], step_before: int) -> None:
@@ -159,7 +159,6 @@ class GradientPath:
                      for i, slot in enumerate(unit.layout.trainable_slots)
                      if i in used and max(slot.offset, lo) < min(slot.offset + slot.numel, hi)]
             self._grad_sq += squared_norms(parts)
-            self._grad_dtype = acc.dtype
         unused = [(s.offset, s.offset + s.numel) for i, s in enumerate(unit.layout.trainable_slots)
                   if i not in used]
         if unused:
@@ -213,7 +212,7 @@ class GradientPath:
         total_norm = float(sq.sqrt())
         # torch.nn.utils.clip_grad_norm_: factor = min(1, max_norm / (norm + 1e-6)), applied even when 1,
         # computed in the gradients' dtype as torch computes it (the norm is a tensor of that dtype there).
-        dtype = next((g.dtype for g in used), self._grad_dtype)
+        dtype = next((g.dtype for g in used), self._pool.dtype)  # the unit gradients are the pool's
         norm_t = torch.tensor(total_norm, dtype=dtype)
         factor = float(torch.clamp(value / (norm_t + 1e-6), max=1.0))
         for g in used:

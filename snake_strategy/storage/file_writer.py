@@ -27,6 +27,7 @@ from typing import Sequence
 import torch
 
 from snake_strategy.storage.aligned import aligned_empty, round_up
+from snake_strategy.storage.versions import direct_descriptor
 
 CHUNK_BYTES = 16 * 2**20  # per pwrite: overwrites measured ~10% faster than 4 MiB (benchmarks/new_blocks.py)
 BUFFERS = 3  # staging buffers: one being filled, up to two being written (48 MiB in all)
@@ -40,45 +41,39 @@ class Written:
 
 
 class _Sink:
-    """A new file's descriptor: O_DIRECT where the filesystem takes it, else the page cache."""
+    """A new file: written through a second, O_DIRECT descriptor where the filesystem takes one
+    (``versions.direct_descriptor``), else through the page cache."""
 
     def __init__(self, path: Path) -> None:
-        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
-        self.direct = hasattr(os, "O_DIRECT")
-        if self.direct:
-            try:
-                self.fd = os.open(path, flags | os.O_DIRECT, 0o666)
-                return
-            except OSError as err:
-                if err.errno != errno.EINVAL:
-                    raise
-                self.direct = False  # tmpfs refuses O_DIRECT at open
-        self.fd = os.open(path, flags, 0o666)
+        self._buffered = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
+        self._direct = direct_descriptor(self._buffered, os.O_WRONLY)
+
+    @property
+    def direct(self) -> bool:
+        return self._direct is not None
 
     def write(self, view: memoryview, offset: int) -> None:
         """All of ``view`` at ``offset`` (pwrite may write less than asked)."""
         done = 0
         while done < len(view):
             try:
-                done += os.pwrite(self.fd, view[done:], offset + done)
+                done += os.pwrite(self._direct if self.direct else self._buffered, view[done:], offset + done)
             except OSError as err:
                 # A filesystem that opens with O_DIRECT but refuses the transfer: go on buffered.
                 if not (self.direct and err.errno == errno.EINVAL):
                     raise
-                self._to_buffered()
-
-    def _to_buffered(self) -> None:
-        fd = os.open(f"/proc/self/fd/{self.fd}", os.O_WRONLY)
-        os.close(self.fd)
-        self.fd, self.direct = fd, False
+                os.close(self._direct)
+                self._direct = None
 
     def finish(self, size_bytes: int) -> None:
         """Cut the padding of the last page off and make the file durable."""
-        os.ftruncate(self.fd, size_bytes)
-        os.fsync(self.fd)  # a sync point: after O_DIRECT only the size and extents are left to write
+        os.ftruncate(self._buffered, size_bytes)
+        os.fsync(self._buffered)  # a sync point: after O_DIRECT only the size and extents are left to write
 
     def close(self) -> None:
-        os.close(self.fd)
+        for fd in (self._direct, self._buffered):
+            if fd is not None:
+                os.close(fd)
 
 
 def write_tensors(path: str | os.PathLike, values: Sequence[torch.Tensor]) -> Written:

@@ -309,7 +309,7 @@ def copy_file(src: int, dst: int, size_bytes: int, chunk_bytes: int = COPY_CHUNK
     the buffered descriptors."""
     errors: list[BaseException] = []
     chunks = list(range(0, size_bytes, chunk_bytes))
-    direct_src, direct_dst = _direct(src, os.O_RDONLY), _direct(dst, os.O_WRONLY)
+    direct_src, direct_dst = direct_descriptor(src, os.O_RDONLY), direct_descriptor(dst, os.O_WRONLY)
 
     def work(k: int) -> None:
         buffer = mmap.mmap(-1, chunk_bytes)  # anonymous: page-aligned, as O_DIRECT needs
@@ -345,7 +345,7 @@ def copy_file(src: int, dst: int, size_bytes: int, chunk_bytes: int = COPY_CHUNK
         raise errors[0]
 
 
-def _direct(fd: int, flags: int) -> int | None:
+def direct_descriptor(fd: int, flags: int) -> int | None:
     """A second, O_DIRECT descriptor on ``fd``'s file; None where the filesystem refuses O_DIRECT."""
     if not hasattr(os, "O_DIRECT"):
         return None
