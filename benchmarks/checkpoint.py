@@ -18,7 +18,7 @@ step again has nothing pinned. Each step's busy seconds per resource come from t
 (``timeline.step_breakdown``). Bytes written are the process's own (``/proc/self/io`` write_bytes:
 what reached the block layer, page cache included), and the save's own account.
 
-Writes ``benchmarks/results/checkpoint_<preset>.json`` and ``checkpoint_<preset>.png``. Not part of the
+Writes ``benchmarks/results/checkpoint/<preset>.json`` and ``.png``. Not part of the
 test suite.
 """
 from __future__ import annotations
@@ -35,7 +35,7 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-RESULTS = HERE / "results"
+RESULTS = HERE / "results" / "checkpoint"
 
 
 def _written_bytes() -> int:
@@ -275,7 +275,7 @@ def main() -> None:
     parser.add_argument("--only-sigterm", action="store_true", help="only the SIGTERM -> exit measurement "
                         "(merged into an existing result file)")
     args = parser.parse_args()
-    out = RESULTS / f"checkpoint_{args.preset}.json"
+    out = RESULTS / f"{args.preset}.json"
     if args.only_sigterm:
         result = json.loads(out.read_text()) if out.exists() else {"preset": args.preset}
     else:
@@ -284,10 +284,10 @@ def main() -> None:
     if args.sigterm or args.only_sigterm:
         result["sigterm"] = sigterm_to_exit(args.preset, args.context_len, args.micro_batch_size, args.num_micro,
                                             args.root)
-    RESULTS.mkdir(exist_ok=True)
+    RESULTS.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1, default=str))
     if "copy" in result:
-        plot(result, RESULTS / f"checkpoint_{args.preset}.png")
+        plot(result, RESULTS / f"{args.preset}.png")
     print(json.dumps(result, indent=1, default=str))
 
 

@@ -15,9 +15,9 @@ cases plan for the same memory), side by side in one command, each case in its o
 is against that round's unclipped case, and the report gives every round's ratio and their median (this
 machine's step times drift by 10-30% within an hour).
 
-Writes ``benchmarks/results/clipping.json`` (per case: step times, peak RSS in training, the host budget
+Writes ``benchmarks/results/clipping/<preset>.json`` (per case: step times, peak RSS in training, the host budget
 and plan, speculation and rollbacks per step, rollback-state bytes written per step and read per
-rollback) and ``clipping.png``. Not part of the test suite (~20 minutes on gpt_1b).
+rollback) and the same name with ``.png``. Not part of the test suite (~20 minutes on gpt_1b).
 """
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-RESULTS = HERE / "results"
+RESULTS = HERE / "results" / "clipping"
 CASES = {"none": dict(clip=None), "high": dict(clip=1e6), "always": dict(clip=1e-3),
          "always_deferred": dict(clip=1e-3, speculation="off")}
 
@@ -180,8 +180,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="write each case's timeline there (<case>.json) and add each step's busy seconds per "
                         "resource (timeline.step_breakdown) to the report")
     p.add_argument("--case", default=None, help=argparse.SUPPRESS)  # worker: run one case, print its JSON
-    p.add_argument("--out", default=str(RESULTS / "clipping.json"))
+    p.add_argument("--out", default=None, help="result file (default: results/clipping/<preset>.json)")
     args = p.parse_args(argv)
+    args.out = args.out or str(RESULTS / f"{args.preset}.json")
     if args.case:
         result = run_case(args.case, args.preset, args.steps, args.context_len, args.micro_batch_size, args.lr,
                           args.ssd_root, args.host_budget_bytes, args.trace_dir)

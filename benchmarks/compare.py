@@ -6,7 +6,7 @@ ZeRO-Infinity, on one model and global batch, one after the other in one command
     python benchmarks/compare.py --preset io_bound --sweep 2,4,8,16   # throughput vs tokens per step
 
 Every system runs in its own subprocess (clean peak RSS, no shared state), with weights and optimizer
-state on the SSD where the system offloads. Writes ``benchmarks/results/<preset>.json`` and a PNG plot,
+state on the SSD where the system offloads. Writes ``benchmarks/results/compare/<preset>.json`` and a PNG plot,
 and prints a table. Not part of the test suite.
 """
 from __future__ import annotations
@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-RESULTS = HERE / "results"
+RESULTS = HERE / "results" / "compare"
 
 PRESETS = {
     "r1": dict(model="r1", context_len=128, micro_batch_size=2, num_micro=4, steps=6),

@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-RESULTS = HERE / "results"
+RESULTS = HERE / "results" / "distributed"
 sys.path.insert(0, str(HERE))
 
 from compare import PRESETS, _proc_io  # noqa: E402  (the presets and the /proc I/O reader)
@@ -203,14 +203,14 @@ def main(argv: list[str] | None = None) -> int:
     report = dict(preset=args.preset, steps=args.steps, global_batch=preset["micro_batch_size"] * preset["num_micro"] * 2,
                   machine="2 shared CPU cores (other jobs running), gloo on 127.0.0.1", runs=runs,
                   deepspeed="not installed in this environment: no ZeRO-Infinity 2-rank run")
-    RESULTS.mkdir(exist_ok=True)
+    RESULTS.mkdir(parents=True, exist_ok=True)
     if args.checkpoint:  # a run of its own: keep the step benchmark's files as they are
-        (RESULTS / f"distributed_{args.preset}_checkpoint.json").write_text(json.dumps(report, indent=1))
-        print(f"wrote {RESULTS / f'distributed_{args.preset}_checkpoint.json'}")
+        (RESULTS / f"{args.preset}_checkpoint.json").write_text(json.dumps(report, indent=1))
+        print(f"wrote {RESULTS / f'{args.preset}_checkpoint.json'}")
         return 0
-    (RESULTS / f"distributed_{args.preset}.json").write_text(json.dumps(report, indent=1))
-    _plot(report, RESULTS / f"distributed_{args.preset}.png")
-    print(f"wrote {RESULTS / f'distributed_{args.preset}.json'} and .png")
+    (RESULTS / f"{args.preset}.json").write_text(json.dumps(report, indent=1))
+    _plot(report, RESULTS / f"{args.preset}.png")
+    print(f"wrote {RESULTS / f'{args.preset}.json'} and .png")
     return 0
 
 

@@ -17,7 +17,7 @@
    weights back to the module, which then holds the whole model) and after it, the engine's host plan;
    the load average of the machine before and after each run.
 
-Writes ``benchmarks/results/finetune.json`` and ``finetune.png``. Not part of the test suite.
+Writes ``benchmarks/results/finetune/finetune.json`` and ``finetune.png``. Not part of the test suite.
 """
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-RESULTS = HERE / "results"
+RESULTS = HERE / "results" / "finetune"
 GIB = 2**30
 
 

@@ -1,6 +1,6 @@
 """The GPU check (issue 14): one prepared script, under 8 minutes on one H200.
 
-    python benchmarks/gpu_check.py                 # everything; writes benchmarks/results/gpu_*.json
+    python benchmarks/gpu_check.py                 # everything; writes benchmarks/results/gpu_check/gpu_*.json
     python benchmarks/gpu_check.py --dry-run       # print the plan; on a machine without CUDA: exit 0
     python benchmarks/gpu_check.py --only exactness,bandwidth
 
@@ -20,7 +20,7 @@ Sections, in order (each later one is skipped, and says so, when the time budget
    driver, benchmarks/zero_infinity.py, runs DeepSpeed's CPU accelerator today: recorded as skipped).
 
 Every training run is its own subprocess (clean peak memory, a crash costs one entry). Writes
-``benchmarks/results/gpu_<section>.json`` (or ``--out-dir``) and prints one line per result.
+``benchmarks/results/gpu_check/gpu_<section>.json`` (or ``--out-dir``) and prints one line per result.
 """
 from __future__ import annotations
 
@@ -255,7 +255,7 @@ def main() -> int:
     parser.add_argument("--dry-run", action="store_true", help="print the plan and exit")
     parser.add_argument("--only", default=",".join(SECTIONS), help=f"comma-separated subset of {SECTIONS}")
     parser.add_argument("--budget-s", type=float, default=BUDGET_S, help="total time for all sections")
-    parser.add_argument("--out-dir", default=str(HERE / "results"))
+    parser.add_argument("--out-dir", default=str(HERE / "results" / "gpu_check"))
     parser.add_argument("--ssd-root", default=None, help="where SSD files go (default: the temp dir)")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--json-out", default=None, help=argparse.SUPPRESS)

@@ -14,7 +14,7 @@ source file in /dev/shm (a RAM copy costs it far less than the disk write); a ``
 kept for reference.
 
 O_DIRECT skips this machine's page cache only: on a virtual disk the host may still cache, so single
-runs scatter (use ``--repeats``; every run is kept in the JSON). GB/s means 10**9 bytes per second. Results go to ``benchmarks/results/io_bench.json``.
+runs scatter (use ``--repeats``; every run is kept in the JSON). GB/s means 10**9 bytes per second. Results go to ``benchmarks/results/io_bench/io_bench.json``.
 """
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ from snake_strategy.storage.io_engine import IOEngine
 from snake_strategy.storage.ssd_directory import SsdDirectory
 
 MIB = 2**20
-DEFAULT_RESULTS = Path(__file__).resolve().parent / "results" / "io_bench.json"
+DEFAULT_RESULTS = Path(__file__).resolve().parent / "results" / "io_bench" / "io_bench.json"
 
 
 # ---------------------------------------------------------------------------------------- dd

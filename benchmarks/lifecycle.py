@@ -20,7 +20,7 @@ Every run is a child process in its own cgroup (``memory.max`` / v1 ``memory.lim
 Per phase the child reports peak RSS (VmHWM, reset with /proc/self/clear_refs), the peak of its
 anonymous and file-backed parts (sampled every 0.1 s: mapped weights are file-backed and reclaimable),
 and the cgroup's peak. The parent samples the disk's used bytes for the high-water mark.
-Writes ``benchmarks/results/lifecycle_<preset>.json`` and ``.png``. Not part of the test suite.
+Writes ``benchmarks/results/lifecycle/<preset>.json`` and ``.png``. Not part of the test suite.
 """
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-RESULTS = HERE / "results"
+RESULTS = HERE / "results" / "lifecycle"
 PHASES = ("interrupted", "resume", "uninterrupted", "end_of_fit")
 
 
@@ -418,8 +418,8 @@ def main(argv: list[str] | None = None) -> int:
     checkpoints = [p for run in runs for p in run["phases"] if p["phase"].startswith("checkpoint")]
     report["checkpoints"] = [{"seconds": c["seconds"], "bytes": c["bytes"], "gb_per_s": c["bytes"] / c["seconds"] / 1e9}
                              for c in checkpoints]
-    RESULTS.mkdir(exist_ok=True)
-    out = Path(args.out) if args.out else RESULTS / f"lifecycle_{args.preset}.json"
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    out = Path(args.out) if args.out else RESULTS / f"{args.preset}.json"
     out.write_text(json.dumps(report, indent=2) + "\n")
     _plot(report, out.with_suffix(".png"))
     for run in runs:

@@ -7,7 +7,7 @@ for a few chunk sizes. The step after a zero-copy save writes every pinned unit 
     flock /tmp/snake-bench.lock python benchmarks/new_blocks.py            # 2 GiB, in $TMPDIR's filesystem
     python benchmarks/new_blocks.py --gib 1 --dir /mnt/nvme --chunks-mib 4
 
-Writes ``benchmarks/results/new_blocks.json`` (seconds per case and chunk size, median of ``--repeat``).
+Writes ``benchmarks/results/new_blocks/new_blocks.json`` (seconds per case and chunk size, median of ``--repeat``).
 Not part of the test suite.
 """
 from __future__ import annotations
@@ -28,7 +28,7 @@ import torch
 from snake_strategy.storage import IOEngine, aligned_empty
 from snake_strategy.storage.aligned import padded_bytes
 
-RESULTS = Path(__file__).resolve().parent / "results"
+RESULTS = Path(__file__).resolve().parent / "results" / "new_blocks"
 FALLOC_FL_WRITE_ZEROES = 0x80  # linux/falloc.h (6.17)
 
 
@@ -95,7 +95,7 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=3)
     args = parser.parse_args()
     result = run(args.dir, int(args.gib * 2**30), [int(c) for c in args.chunks_mib.split(",")], args.repeat)
-    RESULTS.mkdir(exist_ok=True)
+    RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "new_blocks.json").write_text(json.dumps(result, indent=1))
 
 

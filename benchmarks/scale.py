@@ -5,8 +5,8 @@ weights + Adam moments + gradients, ~64 GB) lives on the SSD, under a hard host-
     python benchmarks/scale.py --preset gpt_1b --steps 3
     python benchmarks/scale.py --deepspeed gpt_1b,gpt_4b   # also try ZeRO-Infinity on the same machine
 
-Writes ``benchmarks/results/scale.json`` (params, peak_rss_bytes, s_per_step, losses,
-ssd_write_bytes_per_step, ...) and ``scale.png``. Not part of the test suite (~15 minutes).
+Writes ``benchmarks/results/scale/<preset>.json`` (params, peak_rss_bytes, s_per_step, losses,
+ssd_write_bytes_per_step, ...) and the same name with ``.png``. Not part of the test suite (~15 minutes).
 """
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-RESULTS = HERE / "results"
+RESULTS = HERE / "results" / "scale"
 
 
 def run_scale(preset_name: str, steps: int, context_len: int, micro_batch_size: int, num_micro: int,
@@ -168,14 +168,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--deepspeed-timeout-s", type=int, default=1800)
     p.add_argument("--slow-optimizer-ms", type=float, default=0.0,
                    help="sleep this long before every optimizer chunk (shows the host bound under a slow optimizer)")
-    p.add_argument("--out", default=str(RESULTS / "scale.json"))
+    p.add_argument("--out", default=None, help="result file (default: results/scale/<preset>.json)")
     args = p.parse_args(argv)
+    args.out = args.out or str(RESULTS / f"{args.preset}.json")
     report = run_scale(args.preset, args.steps, args.context_len, args.micro_batch_size, args.num_micro,
                        int(args.host_budget_gib * 2**30), args.ssd_root, args.lr,
                        slow_optimizer_ms=args.slow_optimizer_ms)
     if args.deepspeed:
         report["zero_infinity"] = [try_deepspeed(name, args) for name in args.deepspeed.split(",")]
-    RESULTS.mkdir(parents=True, exist_ok=True)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=1))
     _plot(report, Path(args.out).with_suffix(".png"))
     print(json.dumps({k: report[k] for k in ("params", "host_budget_bytes", "host_plan_total_bytes", "peak_rss_bytes",

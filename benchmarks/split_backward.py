@@ -6,7 +6,7 @@
     batched     schedule.batched_backward: one recompute and one autograd pass over all micro-batches
 
 No I/O, no optimizer: this isolates the compute difference the split makes, on a machine too loaded for
-whole-run comparisons to resolve it. Prints medians; writes benchmarks/results/split_backward.json.
+whole-run comparisons to resolve it. Prints medians; writes benchmarks/results/split_backward/split_backward.json.
 
     python benchmarks/split_backward.py [--reps 5]
 """
@@ -91,7 +91,8 @@ def main(argv=None) -> int:
         print(f"{name:9s} per-micro {med['per_micro'] * 1e3:7.1f} ms  split {med['split'] * 1e3:7.1f} ms  "
               f"batched {med['batched'] * 1e3:7.1f} ms  split/per-micro {med['split'] / med['per_micro']:.2f}  "
               f"split/batched {med['split'] / med['batched']:.2f}", flush=True)
-    out = Path(__file__).resolve().parent / "results" / "split_backward.json"
+    out = Path(__file__).resolve().parent / "results" / "split_backward" / "split_backward.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=1))
     print(f"wrote {out}")
     return 0

@@ -1,7 +1,7 @@
 """The side-by-side baseline: DeepSpeed ZeRO-Infinity (ZeRO-3, parameters and optimizer on "nvme").
 
     python benchmarks/zero_infinity.py --preset r1 --micro-batch-size 2 --num-micro 4 --steps 5 \\
-        --nvme-dir /tmp/zi --json-out benchmarks/results/zero_infinity_r1.json
+        --nvme-dir /tmp/zi --json-out benchmarks/results/zero_infinity/r1.json
 
 Trains the same GPT as ``snake_strategy.gpt.GPTModule`` (its modules, its init, its AdamW groups and
 hyper-parameters, the same ``TextDataModule`` batches) with DeepSpeed driven directly: single process,

@@ -32,7 +32,7 @@ sys.path.insert(0, str(HERE))
 
 import zero_infinity as zi  # noqa: E402
 
-RESULTS = HERE / "results"
+RESULTS = HERE / "results" / "zero_infinity_ranks"
 # r1 as compare.py / distributed.py run it: global batch = 2 x the preset's 4 micro-batches of 2.
 PRESET = dict(model="r1", context_len=128, micro_batch_size=2, global_micro=8)
 
@@ -235,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=3, help="optimizer steps (the first is warm-up)")
     p.add_argument("--nvme-dir", default=os.path.join(tempfile.gettempdir(), "zi-ranks"),
                    help="each rank swaps to <nvme-dir>/rank<r> (a fresh sub-directory, removed at the end)")
-    p.add_argument("--json-out", default=str(RESULTS / "zero_infinity_r1_ranks.json"))
+    p.add_argument("--json-out", default=str(RESULTS / "r1.json"))
     p.add_argument("--timeout-s", type=int, default=3600)
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
