@@ -15,13 +15,14 @@ import argparse
 import dataclasses
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from common import peak_rss_bytes, ssd_bytes
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results" / "compare"
@@ -55,18 +56,26 @@ def _loader(context_len: int, batch_size: int, num_batches: int):
     return DataLoader(Subset(windows, range(batch_size * num_batches)), batch_size=batch_size, shuffle=False)
 
 
-def run_worker(system: str, preset: dict, ssd_dir: str, alpha: float, batched_backward: bool) -> dict:
-    import lightning as L
+def preset_module(preset: dict):
+    """A preset's GPT config (its overrides applied) and a module built from it under seed 0: the model
+    every system and every benchmark built on these presets trains."""
     import torch
 
-    import snake_strategy
     from snake_strategy.gpt import GPTModule, preset as gpt_preset
 
     cfg = dataclasses.replace(gpt_preset(preset["model"]), **preset.get("overrides", {}))
     cfg.context_len = preset["context_len"]
-    micro, num_micro, steps = preset["micro_batch_size"], preset["num_micro"], preset["steps"]
     torch.manual_seed(0)
-    module = GPTModule(cfg, learning_rate=3e-4)
+    return cfg, GPTModule(cfg, learning_rate=3e-4)
+
+
+def run_worker(system: str, preset: dict, ssd_dir: str, alpha: float, batched_backward: bool) -> dict:
+    import lightning as L
+
+    import snake_strategy
+
+    cfg, module = preset_module(preset)
+    micro, num_micro, steps = preset["micro_batch_size"], preset["num_micro"], preset["steps"]
     step_marks: list[float] = []
     stats: list = []  # StepStats of each step
     io_marks: list[tuple[int, int]] = []
@@ -115,14 +124,14 @@ def run_worker(system: str, preset: dict, ssd_dir: str, alpha: float, batched_ba
     tokens = micro * num_micro * cfg.context_len
     s_per_step = statistics.median(durations)
     result = dict(system=system, s_per_step=s_per_step, step_s=durations, tokens_per_step=tokens,
-                  tokens_per_s=tokens / s_per_step, peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+                  tokens_per_s=tokens / s_per_step, peak_rss_bytes=peak_rss_bytes(),
                   ssd_read_bytes_per_step=int(statistics.median(reads)) if reads else 0,
                   ssd_write_bytes_per_step=int(statistics.median(writes)) if writes else 0)
     if strategy is not None:
         timed = stats[1:]
         counted = [s.step_traffic() for s in timed]
-        result["engine_ssd_read_bytes_per_step"] = int(statistics.median(sum(v for k, v in c.items() if k.startswith("ssd/") and k.endswith("/read")) for c in counted))
-        result["engine_ssd_write_bytes_per_step"] = int(statistics.median(sum(v for k, v in c.items() if k.startswith("ssd/") and k.endswith("/write")) for c in counted))
+        result["engine_ssd_read_bytes_per_step"] = int(statistics.median(ssd_bytes(c, "read") for c in counted))
+        result["engine_ssd_write_bytes_per_step"] = int(statistics.median(ssd_bytes(c, "write") for c in counted))
         result["io_wait_s"] = statistics.median(s.io_wait_s for s in timed)
         result["optimizer_wait_s"] = statistics.median(s.optimizer_wait_s for s in timed)
         result["optimizer_s"] = statistics.median(s.optimizer_s for s in timed)

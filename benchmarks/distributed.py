@@ -32,10 +32,12 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-RESULTS = HERE / "results" / "distributed"
 sys.path.insert(0, str(HERE))
 
+from common import plot_ranks, results_dir  # noqa: E402
 from compare import PRESETS, _proc_io  # noqa: E402  (the presets and the /proc I/O reader)
+
+RESULTS = results_dir("distributed")
 
 
 def run_worker(args) -> None:
@@ -150,30 +152,11 @@ def _run(world: int, partitioned: bool, args) -> list[dict]:
 
 
 def _plot(report: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     keys = [("ssd_read_bytes_per_step", "SSD read / step"), ("ssd_write_bytes_per_step", "SSD write / step"),
             ("collective_sent_bytes_per_step", "sent by collectives / step"),
             ("optimizer_state_ssd_bytes", "optimizer state on SSD")]
-    fig, (ax, bx) = plt.subplots(1, 2, figsize=(11, 4))
-    runs = report["runs"]
-    width = 0.8 / len(runs)
-    for i, (name, ranks) in enumerate(runs.items()):
-        rank0 = ranks[0]
-        ax.bar([k + i * width for k in range(len(keys))], [rank0[k] / 1e6 for k, _ in keys], width, label=name)
-    ax.set_xticks([k + width * (len(runs) - 1) / 2 for k in range(len(keys))], [label for _, label in keys],
-                  rotation=15, fontsize=8)
-    ax.set_ylabel("MB per rank")
-    ax.legend()
-    bx.bar(list(runs), [statistics.median(r["s_per_step"] for r in ranks) for ranks in runs.values()])
-    bx.tick_params(axis="x", labelsize=8)
-    bx.set_ylabel("s / step (2 shared cores)")
-    fig.suptitle(f"greedysnake data parallel, {report['preset']} preset, global batch {report['global_batch']}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    plot_ranks(report, path, keys, "MB per rank",
+               f"greedysnake data parallel, {report['preset']} preset, global batch {report['global_batch']}")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -24,17 +24,17 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+from common import peak_rss_bytes, results_dir, ssd_bytes, step_probe
+
 HERE = Path(__file__).resolve().parent
-RESULTS = HERE / "results" / "finetune"
+RESULTS = results_dir("finetune")
 GIB = 2**30
 
 
@@ -87,35 +87,14 @@ def worker(args) -> dict:
                                            host_budget_bytes=int(args.host_budget_gib * GIB))
     schedule = snake_strategy.ScheduleConfig(kind="vertical", num_micro_batches=2, alpha=0.25)
     strategy = snake_strategy.GreedySnakeStrategy(storage=storage, schedule=schedule, progress=True)
-    marks: dict[str, float] = {}
-    steps_s, losses, traffic = [], [], []
-
-    class Probe(L.Callback):
-        def on_fit_start(self, trainer, pl_module):
-            marks["setup_done"] = time.perf_counter()
-
-        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-            marks["step"] = time.perf_counter()
-
-        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-            steps_s.append(time.perf_counter() - marks["step"])
-            losses.append(float(outputs["loss"]))
-            stats = trainer.strategy.engine.last_step
-            traffic.append(stats.step_traffic())
-            print(f"{args.worker} step {len(steps_s)}: loss {losses[-1]:.4f}, {steps_s[-1]:.1f} s", flush=True)
-
-        def on_train_end(self, trainer, pl_module):
-            # Before teardown: after it, the module gets the trained weights back (they fit the budget),
-            # which a meta-built module never held before.
-            marks["train_peak_rss"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-            marks["host_plan"] = sum(trainer.strategy.engine.host_bytes_plan(trainer.strategy.engine.checkpoint_bytes).values())
+    probe = step_probe(label=f"{args.worker} ")
 
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, args.vocab, (2 * args.steps, args.context), generator=g)
     loader = DataLoader([{"input_ids": row} for row in ids], batch_size=2, shuffle=False)
     trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=1, max_steps=args.steps, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                        limit_val_batches=0, num_sanity_val_steps=0, callbacks=[Probe()])
+                        limit_val_batches=0, num_sanity_val_steps=0, callbacks=[probe])
     start = time.perf_counter()
     load_before = os.getloadavg()
     trainer.fit(module, train_dataloaders=loader)
@@ -130,15 +109,14 @@ def worker(args) -> dict:
                 out[tier] = out.get(tier, 0) + v
         return out
 
-    steady = traffic[1:] or traffic
-    return dict(system=args.worker, trainable_params=trainable, s_per_step=statistics.median(steps_s[1:] or steps_s),
-                step_s=steps_s, losses=losses, setup_s=marks.get("setup_done", start) - start,
-                peak_rss_bytes=int(marks["train_peak_rss"]), host_plan_bytes=int(marks["host_plan"]),
-                peak_rss_after_teardown_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+    steady = probe.traffic[1:] or probe.traffic
+    return dict(system=args.worker, trainable_params=trainable, s_per_step=probe.steady_s_per_step(),
+                step_s=probe.step_s, losses=probe.losses, setup_s=(probe.setup_done or start) - start,
+                peak_rss_bytes=probe.train_peak_rss_bytes, host_plan_bytes=sum(probe.host_plan_bytes.values()),
+                peak_rss_after_teardown_bytes=peak_rss_bytes(),
                 traffic_per_step=steady[-1], read_bytes_per_step_by_tier=per_tier(steady[-1], "read"),
                 write_bytes_per_step_by_tier=per_tier(steady[-1], "write"),
-                ssd_read_bytes_per_step=sum(v for k, v in steady[-1].items() if k.startswith("ssd/") and k.endswith("/read")),
-                ssd_write_bytes_per_step=sum(v for k, v in steady[-1].items() if k.startswith("ssd/") and k.endswith("/write")),
+                ssd_read_bytes_per_step=ssd_bytes(steady[-1], "read"), ssd_write_bytes_per_step=ssd_bytes(steady[-1], "write"),
                 load_average_before=load_before, load_average_after=os.getloadavg())
 
 

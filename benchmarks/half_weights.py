@@ -15,7 +15,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -23,31 +22,18 @@ HERE = Path(__file__).resolve().parent
 
 def worker(preset_name: str, half: bool, steps: int, ssd_root: str | None) -> dict:
     import lightning as L
-    import torch
 
     import snake_strategy
     from snake_strategy import GreedySnakePrecision
-    from snake_strategy.gpt import GPTModule, preset
 
     sys.path.insert(0, str(HERE))
-    from compare import PRESETS, _loader
+    from common import ssd_bytes, step_probe
+    from compare import PRESETS, _loader, preset_module
 
     p = PRESETS[preset_name]
-    cfg = preset(p["model"])
-    cfg.context_len = p["context_len"]
+    cfg, module = preset_module(p)
     micro, num_micro = p["micro_batch_size"], p["num_micro"]
-    torch.manual_seed(0)
-    module = GPTModule(cfg, learning_rate=3e-4)
-    marks, stats = [], []
-
-    class Timer(L.Callback):
-        def on_train_batch_start(self, trainer, *args):
-            marks.append(time.perf_counter())
-
-        def on_train_batch_end(self, trainer, *args):
-            marks.append(time.perf_counter())
-            s = trainer.strategy.engine.last_step
-            stats.append({"io_wait_s": s.io_wait_s, "traffic": s.step_traffic()})
+    probe = step_probe()
 
     with tempfile.TemporaryDirectory(dir=ssd_root) as ssd_dir:
         storage = snake_strategy.StorageConfig(ssd_dir=ssd_dir, weights="ssd", master="ssd", optimizer="ssd",
@@ -59,15 +45,14 @@ def worker(preset_name: str, half: bool, steps: int, ssd_root: str | None) -> di
             precision_plugin=GreedySnakePrecision("bf16-mixed", half_weights=half))
         trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=1, max_steps=steps, logger=False,
                             enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                            limit_val_batches=0, num_sanity_val_steps=0, callbacks=[Timer()])
+                            limit_val_batches=0, num_sanity_val_steps=0, callbacks=[probe])
         trainer.fit(module, train_dataloaders=_loader(cfg.context_len, micro * num_micro, steps))
-    durations = [marks[i + 1] - marks[i] for i in range(0, len(marks), 2)][1:]
-    last = stats[-1]["traffic"]  # a steady step: the previous step's forward parts are inside it
+    durations = probe.step_s[1:]
+    last = probe.traffic[-1]  # a steady step: the previous step's forward parts are inside it
     return {"half_weights": half, "preset": preset_name, "s_per_step": statistics.median(durations),
-            "step_s": durations, "io_wait_s": [s["io_wait_s"] for s in stats[1:]],
+            "step_s": durations, "io_wait_s": [s.io_wait_s for s in probe.stats[1:]],
             "ssd_weight_read_bytes": last.get("ssd/weights/read", 0),
-            "ssd_read_bytes": sum(v for k, v in last.items() if k.startswith("ssd/") and k.endswith("/read")),
-            "ssd_write_bytes": sum(v for k, v in last.items() if k.startswith("ssd/") and k.endswith("/write")),
+            "ssd_read_bytes": ssd_bytes(last, "read"), "ssd_write_bytes": ssd_bytes(last, "write"),
             "host_weight_read_bytes": last.get("host/weights/read", 0), "traffic": last}
 
 

@@ -31,33 +31,21 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     import lightning as L
-    import torch
 
     import snake_strategy
     from snake_strategy.engine import EngineHooks
-    from snake_strategy.gpt import GPTModule, preset
 
     sys.path.insert(0, str(HERE))
-    from compare import PRESETS, _loader
+    from common import step_probe
+    from compare import PRESETS, _loader, preset_module
 
     p = PRESETS[args.preset]
-    cfg = preset(p["model"])
-    cfg.context_len = p["context_len"]
+    cfg, module = preset_module(p)
     micro, num_micro = p["micro_batch_size"], p["num_micro"]
-    torch.manual_seed(0)
-    module = GPTModule(cfg, learning_rate=3e-4)
-    marks, stats = [], []
+    probe = step_probe()
 
     def throttle(direction: str, num_bytes: int) -> None:
         time.sleep(num_bytes / (args.ssd_mb_s * 1e6))  # on the I/O thread: the chunk takes this long
-
-    class Timer(L.Callback):
-        def on_train_batch_start(self, trainer, *rest):
-            marks.append(time.perf_counter())
-
-        def on_train_batch_end(self, trainer, *rest):
-            marks.append(time.perf_counter())
-            stats.append(trainer.strategy.engine.last_step)
 
     with tempfile.TemporaryDirectory(dir=args.ssd_root) as ssd_dir:
         storage = snake_strategy.StorageConfig(ssd_dir=ssd_dir, weights="ssd", optimizer="ssd", gradients="host",
@@ -68,10 +56,10 @@ def main(argv: list[str] | None = None) -> int:
                                                       hooks=EngineHooks(before_ssd_transfer=throttle))
         trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=1, max_steps=args.steps, logger=False,
                             enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                            limit_val_batches=0, num_sanity_val_steps=0, callbacks=[Timer()], precision="32-true")
+                            limit_val_batches=0, num_sanity_val_steps=0, callbacks=[probe], precision="32-true")
         trainer.fit(module, train_dataloaders=_loader(cfg.context_len, micro * num_micro, args.steps))
-    durations = [marks[i + 1] - marks[i] for i in range(0, len(marks), 2)][1:]
-    timed = stats[1:]
+    durations = probe.step_s[1:]
+    timed = probe.stats[1:]
     io_wait = [s.io_wait_s for s in timed]
     print(json.dumps({"preset": args.preset, "ssd_mb_s_per_thread": args.ssd_mb_s,
                       "s_per_step": statistics.median(durations), "step_s": durations, "io_wait_s": io_wait,

@@ -1,7 +1,7 @@
 """Train a model larger than this machine's RAM: a ~4B-parameter GPT whose training state (fp32
 weights + Adam moments + gradients, ~64 GB) lives on the SSD, under a hard host-memory budget.
 
-    python benchmarks/scale.py                      # gpt_4b, 3 steps, host budget 7 GiB
+    python benchmarks/scale.py                      # gpt_4b, 4 steps, host budget 7 GiB
     python benchmarks/scale.py --preset gpt_1b --steps 3
     python benchmarks/scale.py --deepspeed gpt_1b,gpt_4b   # also try ZeRO-Infinity on the same machine
 
@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
 import statistics
 import subprocess
 import sys
@@ -20,8 +19,10 @@ import tempfile
 import time
 from pathlib import Path
 
+from common import peak_rss_bytes, results_dir, ssd_bytes, step_probe
+
 HERE = Path(__file__).resolve().parent
-RESULTS = HERE / "results" / "scale"
+RESULTS = results_dir("scale")
 
 
 def run_scale(preset_name: str, steps: int, context_len: int, micro_batch_size: int, num_micro: int,
@@ -52,35 +53,7 @@ def run_scale(preset_name: str, steps: int, context_len: int, micro_batch_size: 
         before_optimizer_chunk=(lambda unit: time.sleep(slow_optimizer_ms / 1e3)) if slow_optimizer_ms else None)
     strategy = snake_strategy.GreedySnakeStrategy(storage=storage, schedule=schedule, hardware="probe", hooks=hooks,
                                                   progress=True)  # setup and long steps say where they are
-    marks: dict[str, float] = {}
-    steps_s: list[float] = []
-    losses: list[float] = []
-    traffic: list[dict] = []
-    plan: dict = {}
-    backpressure_s: list[float] = []
-    train_peak: list[int] = []
-
-    class Probe(L.Callback):
-        def on_fit_start(self, trainer, pl_module):
-            marks["setup_done"] = time.perf_counter()
-
-        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-            marks["step"] = time.perf_counter()
-
-        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-            steps_s.append(time.perf_counter() - marks["step"])
-            losses.append(float(outputs["loss"]))
-            stats = trainer.strategy.engine.last_step
-            traffic.append(stats.step_traffic())
-            backpressure_s.append(float(stats.backpressure_wait_s))
-            if not plan:
-                plan.update(trainer.strategy.engine.host_bytes_plan(trainer.strategy.engine.checkpoint_bytes))
-            print(f"step {len(steps_s)}: loss {losses[-1]:.4f}, {steps_s[-1]:.1f} s, "
-                  f"peak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB", flush=True)
-
-        def on_train_end(self, trainer, pl_module):
-            trainer.strategy.engine.flush()
-            train_peak.append(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+    probe = step_probe(flush_at_end=True, rss_in_line=True)
 
     windows = ByteWindows(load_corpus("stdlib"), context_len)
     batch = micro_batch_size * num_micro
@@ -91,22 +64,23 @@ def run_scale(preset_name: str, steps: int, context_len: int, micro_batch_size: 
     loader = DataLoader(Subset(windows, [i % batch for i in range(batch * steps)]), batch_size=batch, shuffle=False)
     trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=1, max_steps=steps, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                        limit_val_batches=0, num_sanity_val_steps=0, callbacks=[Probe()])
+                        limit_val_batches=0, num_sanity_val_steps=0, callbacks=[probe])
     start = time.perf_counter()
     trainer.fit(module, train_dataloaders=loader)
     total_s = time.perf_counter() - start
-    writes = [sum(v for k, v in t.items() if k.startswith("ssd/") and k.endswith("/write")) for t in traffic]
-    reads = [sum(v for k, v in t.items() if k.startswith("ssd/") and k.endswith("/read")) for t in traffic]
+    writes = [ssd_bytes(t, "write") for t in probe.traffic]
+    reads = [ssd_bytes(t, "read") for t in probe.traffic]
+    plan = probe.host_plan_bytes
     params = cfg.num_params()
     return dict(
         preset=preset_name, params=params, state_bytes=params * 16, context_len=context_len,
         micro_batch_size=micro_batch_size, num_micro=num_micro, host_budget_bytes=host_budget_bytes,
         host_plan_bytes=plan, host_plan_total_bytes=sum(plan.values()),
-        peak_rss_bytes=train_peak[0] if train_peak else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-        peak_rss_after_teardown_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-        backpressure_wait_s=backpressure_s, slow_optimizer_ms=slow_optimizer_ms,
-        s_per_step=statistics.median(steps_s[1:] or steps_s), step_s=steps_s, losses=losses,
-        setup_s=marks.get("setup_done", start) - start, total_s=total_s,
+        peak_rss_bytes=probe.train_peak_rss_bytes or peak_rss_bytes(),
+        peak_rss_after_teardown_bytes=peak_rss_bytes(),
+        backpressure_wait_s=[float(s.backpressure_wait_s) for s in probe.stats], slow_optimizer_ms=slow_optimizer_ms,
+        s_per_step=probe.steady_s_per_step(), step_s=probe.step_s, losses=probe.losses,
+        setup_s=(probe.setup_done or start) - start, total_s=total_s,
         ssd_write_bytes_per_step=int(statistics.median(writes)), ssd_read_bytes_per_step=int(statistics.median(reads)),
         ssd_write_bytes_total_steps=int(sum(writes)), prediction=strategy.prediction.as_dict(),
         hardware=strategy.hardware_profile.__dict__,

@@ -31,8 +31,9 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 import zero_infinity as zi  # noqa: E402
+from common import plot_ranks, results_dir  # noqa: E402
 
-RESULTS = HERE / "results" / "zero_infinity_ranks"
+RESULTS = results_dir("zero_infinity_ranks")
 # r1 as compare.py / distributed.py run it: global batch = 2 x the preset's 4 micro-batches of 2.
 PRESET = dict(model="r1", context_len=128, micro_batch_size=2, global_micro=8)
 
@@ -206,27 +207,10 @@ def _summary(r: dict) -> dict:
 
 
 def _plot(report: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     keys = [("ssd_read_bytes_per_step", "SSD read / step"), ("ssd_write_bytes_per_step", "SSD write / step"),
             ("collective_sent_bytes_per_step", "sent by collectives / step"), ("nvme_state_bytes", "state on NVMe")]
-    runs = report["runs"]
-    fig, (ax, bx) = plt.subplots(1, 2, figsize=(11, 4))
-    width = 0.8 / len(runs)
-    for i, (name, ranks) in enumerate(runs.items()):
-        ax.bar([k + i * width for k in range(len(keys))], [ranks[0][k] / 1e6 for k, _ in keys], width, label=name)
-    ax.set_xticks([k + width * (len(runs) - 1) / 2 for k in range(len(keys))], [label for _, label in keys],
-                  rotation=15, fontsize=8)
-    ax.set_ylabel("MB per rank (rank 0)")
-    ax.legend()
-    bx.bar(list(runs), [statistics.median(r["s_per_step"] for r in ranks) for ranks in runs.values()])
-    bx.set_ylabel("s / step (2 shared cores)")
-    fig.suptitle(f"DeepSpeed ZeRO-Infinity data parallel, r1, global batch {report['global_batch']}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    plot_ranks(report, path, keys, "MB per rank (rank 0)",
+               f"DeepSpeed ZeRO-Infinity data parallel, r1, global batch {report['global_batch']}")
 
 
 def main(argv: list[str] | None = None) -> int:
