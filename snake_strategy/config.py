@@ -81,7 +81,7 @@ class StorageConfig:
 
     ``placement="manual"``: every state left unset lives on the host. ``placement="auto"`` (what
     ``GreedySnakeStrategy()`` uses when given no storage): the planner places every state left unset
-    (None) within ``host_budget_bytes`` (``autoplan.resolve_storage``); the ones given stay as given.
+    (None) within ``host_budget_bytes`` (``planning.autoplan.resolve``); the ones given stay as given.
     ``ssd_dir=None`` puts the SSD tier in a fresh temporary directory that teardown removes.
     ``checkpoint_host_ends`` keeps the activation checkpoints of the first and last that many
     micro-batches of each unit on the host: they sit at the schedule's turning points, where an
@@ -168,7 +168,7 @@ class ScheduleConfig:
     ``kind="vertical"`` is the GreedySnake order (all micro-batches of a unit before the next unit);
     ``"horizontal"`` is ZeRO-Infinity-style gradient accumulation (one micro-batch through all units);
     ``"auto"`` (the default) lets the planner choose the order and every field left None (alpha,
-    batching, split backward, prefetch depth: ``autoplan.resolve_schedule``) at setup. With an explicit
+    batching, split backward, prefetch depth: ``planning.autoplan.resolve``) at setup. With an explicit
     kind, fields left None take ``SCHEDULE_DEFAULTS``. A unit is ``blocks_per_unit`` consecutive blocks:
     the grain of every transfer and optimizer step.
     """
@@ -254,10 +254,6 @@ class ScheduleConfig:
             raise ValueError(f"schedule.keep_activations={keep} needs the forward and the backward to group "
                              f"micro-batches alike, but batched_forward={self.batched_forward} and "
                              f"batched_backward={self.batched_backward}: set both flags to the same value")
-
-    @property
-    def is_auto(self) -> bool:
-        return self.kind == "auto"
 
     def unset(self) -> list[str]:
         """The fields the planner still has to choose (empty once resolved)."""

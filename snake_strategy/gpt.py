@@ -162,10 +162,6 @@ class Block(nn.Module):
         self.mlp_out = ResidualProjection(hidden, d, bias=config.bias)
         self.resid_drop = nn.Dropout(config.dropout)
 
-    def residual_projections(self) -> tuple[nn.Module, ...]:
-        """The Linear layers that write into the residual stream (GPT-2 scales their init down)."""
-        return (self.attn_out, self.mlp_out)
-
     def attention(self, x: Tensor) -> Tensor:
         batch, time, width = x.shape
         q, k, v = self.qkv(x).split(width, dim=-1)

@@ -504,7 +504,7 @@ class GreedySnakeStrategy(DataParallelMixin, ParallelStrategy):
 
     @override
     def remove_checkpoint(self, filepath: Any) -> None:
-        """Top-k rotation: a directory checkpoint is renamed aside, then unlinked (checkpoint.release)."""
+        """Top-k rotation: a directory checkpoint is renamed aside, then unlinked (checkpoint/store.py: release)."""
         if self.is_global_zero:
             if os.path.isdir(filepath):
                 checkpoint_store.release(filepath)

@@ -1,4 +1,4 @@
-"""Byte counters against the traffic model of greedysnake.md sections 4 and 5.
+"""Byte counters against the traffic model (docs/design.md, "Traffic model" and "Optimizer overlap").
 
 - Compute weights: one unit is resident at a time, so the bytes fetched are exactly
   ``schedule.weight_fetches`` x the unit's bytes; vertical does not depend on M, horizontal grows.

@@ -86,17 +86,6 @@ def write_raw(path: Path, value: torch.Tensor) -> dict:
     return _write_concatenated(path, [value])
 
 
-def read_raw(path: Path, numel: int, dtype: torch.dtype) -> torch.Tensor:
-    value = torch.empty(numel, dtype=dtype)
-    raw = value.view(torch.uint8).numpy()
-    with open(path, "rb") as f:
-        got = f.readinto(memoryview(raw))
-    if got != raw.nbytes:
-        raise ValueError(f"checkpoint file {path} is shorter than the manifest says ({got} of {raw.nbytes} "
-                         "bytes): truncated after it was written")
-    return value
-
-
 class _Checksummed:
     """A file object that CRC-32s and counts what ``torch.save`` writes through it: no read-back (the
     non-layer state of a large vocabulary is GBs; reading it back cost as much as writing it)."""
