@@ -1,4 +1,4 @@
-"""Checkpoint cost, zero-copy vs copy (issue 23): bytes written per save, save seconds, the step time
+"""Checkpoint cost, zero-copy vs copy: bytes written per save, save seconds, the step time
 after a save against a step with no pinned checkpoint, the pipelined copy's rate against the probed SSD
 bandwidth, and (``--sigterm``) the seconds from SIGTERM to exit of a training process.
 
@@ -123,7 +123,7 @@ def run(preset_name: str, context_len: int, micro_batch_size: int, num_micro: in
                     snake_checkpoint.release(work / f"zero_copy_{len(out['rounds']) - 2}.ckpt")
             if step == last:
                 # The pipelined copy (the cross-filesystem fallback) of the pinned files, to another
-                # directory: its rate against the probed SSD bandwidth (issue 22: >= 0.5x).
+                # directory: its rate against the probed SSD bandwidth (the target: >= 0.5x).
                 newest = work / f"zero_copy_{len(out['rounds']) - 1}.ckpt"
                 pinned = sorted((newest / "units").glob("*.bin"))
                 copy_dir = work / "copied"

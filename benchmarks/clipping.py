@@ -5,7 +5,7 @@ cases plan for the same memory), side by side in one command, each case in its o
 - ``none``: no clipping (the overlapped step, alpha from the planner);
 - ``high``: ``gradient_clip_val`` far above the norm (never triggers): every step speculative, committed;
 - ``always``: a ``gradient_clip_val`` every step exceeds: one rollback, then the deferred mode;
-- ``always_deferred``: the same with ``schedule.speculation="off"`` (alpha 1: today's deferred step).
+- ``always_deferred``: the same with ``schedule.speculation="off"`` (alpha 1: the deferred step).
 
     flock /tmp/snake-bench.lock python benchmarks/clipping.py            # gpt_1b, 6 steps per case
     python benchmarks/clipping.py --preset small --steps 4 --out /tmp/c.json   # a quick look

@@ -1,4 +1,4 @@
-"""The GPU check (issue 14): one prepared script, under 8 minutes on one H200.
+"""The GPU check: one prepared script, under 8 minutes on one H200.
 
     python benchmarks/gpu_check.py                 # everything; writes benchmarks/results/gpu_check/gpu_*.json
     python benchmarks/gpu_check.py --dry-run       # print the plan; on a machine without CUDA: exit 0
@@ -17,7 +17,7 @@ Sections, in order (each later one is skipped, and says so, when the time budget
    the step time over the same run with every state on the device), peak GPU memory. Plain Lightning
    on the same shape where it fits in the time.
 4. ``zero_infinity``: DeepSpeed ZeRO-Infinity on the same shapes when ``deepspeed`` imports (its
-   driver, benchmarks/zero_infinity.py, runs DeepSpeed's CPU accelerator today: recorded as skipped).
+   driver, benchmarks/zero_infinity.py, runs DeepSpeed's CPU accelerator only: recorded as skipped).
 
 Every training run is its own subprocess (clean peak memory, a crash costs one entry). Writes
 ``benchmarks/results/gpu_check/gpu_<section>.json`` (or ``--out-dir``) and prints one line per result.

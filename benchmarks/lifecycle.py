@@ -13,7 +13,7 @@ Phases (``--phases``, comma-separated):
   to the module: in memory, or a mapped file when they exceed the budget), validate, export_hf;
 - ``uninterrupted``: the same fit without the kill: its losses must equal the resumed run's;
 - ``end_of_fit``: ``--steps`` steps without checkpoint, end of fit, validate, export_hf (the part that
-  runs on gpt_4b today: its checkpoint copies 49 GB and does not fit this disk).
+  fits a small disk on gpt_4b: its checkpoint copies 49 GB).
 
 Every run is a child process in its own cgroup (``memory.max`` / v1 ``memory.limit_in_bytes``), with
 ``GreedySnakeStrategy()`` on the defaults: the budget comes from the cgroup (host_memory.host_budget).

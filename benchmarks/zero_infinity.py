@@ -49,8 +49,8 @@ INSTALL_HINT = (
     "CPU torch instead of pulling another one)"
 )
 AIO_BLOCK_BYTES = 2**20
-# Offload knobs, tuned on r1 (docs/LOG.md, 2026-12-01 sweep; back to back with the previous defaults of
-# 1e8 live / 1e8 reuse / DeepSpeed's 5e7 prefetch bucket / 16 buffers, 5-6% faster): how many parameter
+# Offload knobs, tuned on r1 by a sweep (``--ds-overrides``; back to back with 1e8 live / 1e8 reuse /
+# DeepSpeed's 5e7 prefetch bucket / 16 buffers these ran 5-6% faster): how many parameter
 # elements may stay fetched and how far ahead a released one may be reused (3e7: blocks are released
 # promptly instead of filling the buffers with the embedding and the head), how many elements the NVMe
 # prefetch reads ahead, and the ZeRO-3 default size at or below which a parameter is never partitioned

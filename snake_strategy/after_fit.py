@@ -117,9 +117,8 @@ def export_directory(storage_export_dir: str | None, trainer: Any) -> str:
 
 def weights_fit(weights_bytes: int, budget_bytes: int | None, engine_host_bytes: int) -> bool:
     """Whether the trained weights go back in memory. The export copies them while the engine still holds
-    its host memory (``engine_host_bytes``, the plan's), so both together must fit the budget: measured,
-    gpt_1b in an 8 GiB cgroup copied its 4.83 GB of weights next to the engine's ~5 GiB and was
-    OOM-killed (docs/LOG.md, 2026-12-02)."""
+    its host memory (``engine_host_bytes``, the plan's), so both together must fit the budget: gpt_1b in an
+    8 GiB cgroup that copied its 4.83 GB of weights next to the engine's ~5 GiB was OOM-killed."""
     return budget_bytes is None or weights_bytes + engine_host_bytes <= budget_bytes
 
 

@@ -155,7 +155,8 @@ class StorageConfig:
 
 
 SCHEDULES = ("auto", "vertical", "horizontal")
-# What an explicit ``kind`` gives the fields left unset (None): the fixed settings of earlier releases.
+# What an explicit ``kind`` gives the fields left unset (None): fixed values, so that a run that names its
+# schedule does not change with the planner.
 SCHEDULE_DEFAULTS = {"alpha": 0.25, "batched_backward": False, "batched_forward": False, "split_backward": False,
                      "prefetch_depth": 1, "speculation": "on"}
 SPECULATION = ("on", "off")
@@ -187,8 +188,7 @@ class ScheduleConfig:
     batched_forward: bool | None = None
     # LayerPipe's split backward (vertical only): per micro-batch the input gradient first, then every
     # Linear weight gradient of the unit over all micro-batches as one product (engine/split.py). Exact for
-    # any block (no sample-independence needed). Until 2026-12 this key was the old name of
-    # batched_backward (refused then); it now names this feature.
+    # any block (no sample-independence needed).
     split_backward: bool | None = None
     # How many upcoming units' weights are fetched ahead of use (0 = fetch on demand, no overlap).
     prefetch_depth: int | None = None

@@ -8,8 +8,8 @@ Layout of ``<name>.ckpt/`` (a directory):
                      (``without_nonlayer_copies``; ``read_meta`` puts them back)
     nonlayer.pt      the non-layer parameters' names, shapes, the loss scaler and the step counter;
     nonlayer.{master,exp_avg,exp_avg_sq}.bin   their master weights and Adam moments, raw, concatenated
-                     in name order (``write_nonlayer`` / ``read_nonlayer``; checkpoints written before
-                     2026-12-02 hold them inside nonlayer.pt, which ``read_nonlayer`` still reads)
+                     in name order (``write_nonlayer`` / ``read_nonlayer``; a checkpoint without these files
+                     holds them inside nonlayer.pt, which ``read_nonlayer`` reads too)
     units/unitNNNNN.{master,exp_avg,exp_avg_sq}.bin   raw little-endian tensors, one unit per file
                      (data parallel with partitioned optimizer state: shards/rank{r}/..., see shards.py)
     manifest.json    written last: format, step, layouts (names, shapes, offsets), sizes and CRC-32s
