@@ -1,6 +1,7 @@
-"""Longer than the guide: the Lightning glue, one Strategy class whose hooks (setup, teardown, the step,
-checkpoints, preemption) share its state; what they call lives in after_fit.py, checkpoint/ and preemption.py.
-``Trainer(strategy="greedysnake")``.
+"""The Lightning glue, one class past 500 lines: its hooks (setup, the step, checkpoints) share its state.
+
+``Trainer(strategy="greedysnake")``. What the hooks call lives in after_fit.py, checkpoint/ and
+preemption.py.
 
 One Lightning batch is one optimizer step: ``training_step`` splits the global batch into
 ``schedule.num_micro_batches`` micro-batches and runs the whole schedule through the engine;

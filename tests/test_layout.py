@@ -1,7 +1,7 @@
-"""The package's shape: one concept per module (about 500 lines; a longer one says why in its first line,
-and stays under 800), an import graph without cycles (every import counts, function-level ones too; only
-``TYPE_CHECKING`` blocks are annotations), Hydra only in train.py, and no reference to a document outside
-the repository."""
+"""The package's shape: one concept per module (about 500 lines; a longer one is named here, says why in
+the first line of its docstring, and stays under 800), an import graph without cycles (every import
+counts, function-level ones too; only ``TYPE_CHECKING`` blocks are annotations), Hydra only in train.py,
+and no reference to a document outside the repository."""
 from __future__ import annotations
 
 import ast
@@ -41,14 +41,26 @@ def _imports(path: Path, package: str) -> set[str]:
 
 SIZE_GUIDE_LINES = 500  # one concept per module is about this long at most
 SIZE_LIMIT_LINES = 800  # past the guide a module says why at its top; nothing is longer than this
+# The modules past the guide. Each one's docstring opens with a one-line reason (a whole sentence on the
+# first line); a new long module is split, or gets its reason and its name here, where a review sees both.
+LONGER_THAN_THE_GUIDE = {"snake_strategy.strategy", "snake_strategy.engine.core"}
+
+
+def _first_docstring_line(path: Path) -> str:
+    return (ast.get_docstring(ast.parse(path.read_text()), clean=False) or "").split("\n")[0].strip()
 
 
 def test_module_sizes_follow_the_guide():
-    sizes = {name: len(path.read_text().splitlines()) for name, path in _modules().items()}
+    modules = _modules()
+    sizes = {name: len(path.read_text().splitlines()) for name, path in modules.items()}
     assert {n: s for n, s in sizes.items() if s > SIZE_LIMIT_LINES} == {}
-    unexplained = [n for n, s in sizes.items() if s > SIZE_GUIDE_LINES
-                   and not _modules()[n].read_text().lstrip().lower().startswith(('"""longer than', "# longer than"))]
-    assert unexplained == [], "modules over the guide whose first line does not say why ('Longer than ...: reason')"
+    over = {n for n, s in sizes.items() if s > SIZE_GUIDE_LINES}
+    assert over <= LONGER_THAN_THE_GUIDE, (
+        f"modules over {SIZE_GUIDE_LINES} lines: {sorted(over - LONGER_THAN_THE_GUIDE)}; split them, or open "
+        "the module docstring with a one-line reason and add the name to LONGER_THAN_THE_GUIDE")
+    unexplained = {n: _first_docstring_line(modules[n]) for n in over}
+    unexplained = {n: line for n, line in unexplained.items() if not line.endswith(".")}
+    assert unexplained == {}, "the first docstring line of a long module is its reason: one whole sentence"
 
 
 def test_import_graph_has_no_cycle():

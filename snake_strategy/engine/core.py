@@ -1,5 +1,4 @@
-"""Longer than the guide: one class, the training engine, whose step and whose state API (what checkpoints
-and export read) share every part it owns.
+"""The training engine, one class past 500 lines: its step and its state API share every part it owns.
 
 ``SnakeEngine``: the facade the strategy talks to. It owns every offloaded state of the blocks and the
 non-layer parameters' optimizer state, and exposes a small API: ``train_step``, ``optimizer_step``,
