@@ -1,4 +1,4 @@
-"""How far greedysnake is from plain Lightning / plain torch, and why (issue 25, docs/LOG.md 2026-12-01).
+"""How far greedysnake is from plain Lightning / plain torch, and why (docs/guide/guarantees.md states the bounds).
 
     PYTHONPATH=. python benchmarks/exactness_spread.py fp32 [--seeds 3]    # per schedule, lr, precision
     PYTHONPATH=. python benchmarks/exactness_spread.py fp16-clip norm 0.05  # or: value 0.001

@@ -87,7 +87,7 @@ def run_scale(preset_name: str, steps: int, context_len: int, micro_batch_size: 
     # The same global batch every step. At this width the tied-embedding GPT starts with a strong
     # "next byte = this byte" prior (logit ~0.02 x d = 61 for the current token), so the loss of a
     # fresh batch swings with its share of repeated bytes (11.4 -> 20.0 -> 12.6 on three batches,
-    # docs/LOG.md); on one batch a falling loss shows the optimizer at work.
+    # measured); on one batch a falling loss shows the optimizer at work.
     loader = DataLoader(Subset(windows, [i % batch for i in range(batch * steps)]), batch_size=batch, shuffle=False)
     trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=1, max_steps=steps, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
@@ -161,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--micro-batch-size", type=int, default=1)
     p.add_argument("--num-micro", type=int, default=2)
     p.add_argument("--host-budget-gib", type=float, default=7.0)
-    # 3e-4 without warm-up blew the 4B model up on its first Adam step (loss 11.4 -> 20.0, docs/LOG.md).
+    # 3e-4 without warm-up blew the 4B model up on its first Adam step (loss 11.4 -> 20.0).
     p.add_argument("--lr", type=float, default=2e-5)
     p.add_argument("--ssd-root", default=None)
     p.add_argument("--deepspeed", default="", help="comma-separated presets to try with ZeRO-Infinity")

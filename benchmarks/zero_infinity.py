@@ -49,7 +49,7 @@ INSTALL_HINT = (
     "CPU torch instead of pulling another one)"
 )
 AIO_BLOCK_BYTES = 2**20
-# Offload knobs, tuned on r1 (docs/LOG.md, 2026-12-01 sweep; back to back with the previous defaults of
+# Offload knobs, tuned on r1 (a sweep, back to back with the previous defaults of
 # 1e8 live / 1e8 reuse / DeepSpeed's 5e7 prefetch bucket / 16 buffers, 5-6% faster): how many parameter
 # elements may stay fetched and how far ahead a released one may be reused (3e7: blocks are released
 # promptly instead of filling the buffers with the embedding and the head), how many elements the NVMe

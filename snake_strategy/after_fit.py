@@ -119,7 +119,7 @@ def weights_fit(weights_bytes: int, budget_bytes: int | None, engine_host_bytes:
     """Whether the trained weights go back in memory. The export copies them while the engine still holds
     its host memory (``engine_host_bytes``, the plan's), so both together must fit the budget: measured,
     gpt_1b in an 8 GiB cgroup copied its 4.83 GB of weights next to the engine's ~5 GiB and was
-    OOM-killed (docs/LOG.md, 2026-12-02)."""
+    OOM-killed."""
     return budget_bytes is None or weights_bytes + engine_host_bytes <= budget_bytes
 
 

@@ -40,7 +40,8 @@ def forwarding(old_module: str) -> tuple[Callable[[str], Any], Callable[[], list
         module = importlib.import_module(module_name)
         if not hasattr(module, name):
             raise AttributeError(f"module {old_module!r} has no attribute {name!r}: the module moved to "
-                                 f"{default!r}, which has no {name!r} either (docs/guide/api.md lists the public names)")
+                                 f"{default!r}, which has no {name!r} either (docs/guide/api.md lists the "
+                                 "public names)")
         warnings.warn(f"{old_module}.{name} moved to {target}; import it from {module_name}: the old path "
                       "works for this release only", DeprecationWarning, stacklevel=2)
         return getattr(module, name)

@@ -20,7 +20,7 @@ def return_large_frees_to_os(threshold_bytes: int = 2**20) -> bool:
     The engine allocates and frees unit-sized buffers all the time. glibc's default *dynamic* mmap
     threshold rises to the size of the last freed mmapped block, after which such buffers come from
     the heap and stay there after free: peak RSS then grows with the number of units (measured: +290 MB
-    for 28 extra layers of d=256, see docs/LOG.md). A fixed threshold returns each buffer to the OS.
+    for 28 extra layers of d=256). A fixed threshold returns each buffer to the OS.
     Returns False where glibc is not the allocator (nothing to do).
     """
     if not sys.platform.startswith("linux"):

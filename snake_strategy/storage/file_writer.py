@@ -2,8 +2,8 @@
 
 A save writes what is not already a file on the SSD tier: the non-layer vectors, the host-tier part of
 the unit states, and (in a copy save) everything. Through the page cache these ran at 0.5-0.7 GB/s inside
-a training process, against 1.2-1.5 GB/s for the same bytes with O_DIRECT (r1, the same benchmark,
-docs/LOG.md 2026-12-02 14:13-): a buffered write first copies into page-cache pages the training process
+a training process, against 1.2-1.5 GB/s for the same bytes with O_DIRECT (r1, the same benchmark):
+a buffered write first copies into page-cache pages the training process
 has to give back, and the fsync after it waits for every other dirty page of the filesystem.
 
 So ``write_tensors`` stages the bytes in page-aligned buffers (a copy per byte, ~0.1 s/GB, on the caller's

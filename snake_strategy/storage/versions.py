@@ -22,7 +22,8 @@ none for an anonymous ``O_TMPFILE``) is held.
 
 Spares. A file under rollback holds starts a version every step, and one under checkpoints a version per
 save. A new file costs the filesystem a block allocation per write and a free per closed version
-(measured: docs/LOG.md, 2026-12-02), so a version is kept as the *spare* when it is closed, and the next
+(measured on ext4: 2 GiB of O_DIRECT writes took 1.2-1.5 s into a new file, 0.9-1.0 s over written
+blocks), so a version is kept as the *spare* when it is closed, and the next
 new version overwrites it: two files per state, alternating, their blocks allocated once. A spare that a
 checkpoint still links when the next version starts is closed instead (the checkpoint owns it; a
 rotating ``last`` or top-k has released it by then). In a named directory the two are ``<name>`` and
