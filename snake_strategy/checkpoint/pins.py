@@ -163,7 +163,8 @@ CRC_CHUNK_BYTES = 4 * 2**20  # the engine's chunk: a read of training's waits fo
 # waiting until the engine's I/O is idle (``_Pace``) the steps after the saves still ran 1.07-1.14x a
 # step before any save, against 1.01-1.02x with no checksums at all; at 1% they ran 0.95-1.03x. The
 # cost of 1%: gpt_1b's 14.5 GB take ~10 minutes to check, so with frequent saves a checkpoint may be
-# released (or the run killed) before its sums are in; the end of fit finishes them at full speed, and loading checks sizes where no sum is.
+# released (or the run killed) before its sums are in; the end of fit finishes them at full speed, and
+# loading checks sizes where no sum is.
 CHECKSUM_READ_SHARE = 0.01
 DEFAULT_CHECKSUM_READ_BYTES_PER_S = 16 * 2**20
 
