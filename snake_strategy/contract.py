@@ -27,7 +27,7 @@ CONTRACT_DOC = (
     "`blocks` (an nn.ModuleList of blocks, hidden -> hidden), `pre_stage(batch) -> hidden` or "
     "`(hidden, side_inputs_dict)` (the embedding), `post_stage(hidden) -> outputs` (final norm + head) and "
     "`compute_loss(outputs, batch) -> scalar`. Subclass snake_strategy.LayeredModule to get "
-    "forward/training_step/validation_step for free (see README, 'The model contract')."
+    "forward/training_step/validation_step for free (see docs/guide/model-contract.md)."
 )
 
 

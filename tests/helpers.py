@@ -14,8 +14,8 @@ import snake_strategy
 from snake_strategy.gpt import GPTConfig, GPTModule
 
 class StackModule(snake_strategy.LayeredModule):
-    """The README's contract in its smallest form: embedding -> ``make_block(i)`` for each of ``depth``
-    blocks -> linear head, cross-entropy over (tokens, next tokens) batches, AdamW."""
+    """The contract of docs/guide/model-contract.md in its smallest form: embedding -> ``make_block(i)`` for
+    each of ``depth`` blocks -> linear head, cross-entropy over (tokens, next tokens) batches, AdamW."""
 
     def __init__(self, make_block: Callable[[int], nn.Module], width: int = 16, depth: int = 2, vocab: int = 64,
                  lr: float = 1e-3) -> None:

@@ -1,5 +1,5 @@
 """The CUDA path, on a CUDA device only (`pytest -m cuda`; skipped elsewhere). Never run yet: see the
-README's GPU paragraph.
+GPU page (docs/guide/gpu.md).
 
 - the copy stream really orders copies against compute (a copy into a buffer that a slow kernel still
   reads waits for that kernel's event; compute waits for a copy before reading what it wrote) and

@@ -154,9 +154,9 @@ def test_chunked_optimizer_steps_are_exact(tmp_path):
 # fp32 on the default schedule (kind auto: the GPT declares independent samples, so batched passes) at a
 # high learning rate. AdamW divides each gradient by its own running magnitude, so an element whose
 # gradient is at rounding level moves by up to lr in a direction that summation order decides: fp32
-# differences scale with lr (measured over 3 seeds, 5 steps, docs/LOG.md 2026-12-01: batched 1.0e-6 ..
+# differences scale with lr (measured over 3 seeds, 5 steps, benchmarks/exactness_spread.py: batched 1.0e-6 ..
 # 2.7e-6 at lr 1e-3 and 2.1e-5 .. 2.7e-5 at lr 1e-2; unbatched 8.4e-7 .. 1.1e-6 and 1.3e-5 .. 1.8e-5).
-# The README states fp32 atol 5e-3 x lr (rtol 1e-5); fp64 stays at atol 1e-10 (measured 1.7e-13).
+# docs/guide/guarantees.md states fp32 atol 5e-3 x lr (rtol 1e-5); fp64 stays at atol 1e-10 (measured 1.7e-13).
 FP32_ATOL_PER_LR = 5e-3
 
 

@@ -2,7 +2,7 @@
 (fp16 autocast + torch.amp.GradScaler + ``scaler.unscale_`` + ``clip_grad_norm_`` / ``clip_grad_value_`` +
 AdamW), per step. A black-box comparison: only the Trainer's clip settings and the parameters are read.
 
-Why norm clipping is compared with an adaptive tolerance after step 0 (docs/LOG.md, 2026-12-01): the
+Why norm clipping is compared with an adaptive tolerance after step 0: the
 clip factor is a rounding-level function of how the global norm is summed. Plain torch given the SAME
 clip with its norm summed in float64 (an equally exact computation) moves 4 of the matmul weights'
 fp16 copies (what autocast multiplies with) across a rounding boundary at step 0 (3.7e-9 apart), and

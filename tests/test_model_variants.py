@@ -1,4 +1,4 @@
-"""Model and optimizer variants the README promises, each against plain Lightning (fp64, atol 1e-10),
+"""Model and optimizer variants docs/guide/model-contract.md promises, each against plain Lightning (fp64, atol 1e-10),
 and the RNG replay of dropout masks during the recompute."""
 import dataclasses
 

@@ -203,7 +203,7 @@ def test_recompute_replays_the_forward_dropout_masks(kind, batched):
 
 # ---------------------------------------------------------------------------------------- items 8-9 and contract crashes
 class TinyStack(StackModule):
-    """The README's model; ``block`` builds one block, so tests can swap in a misbehaving one."""
+    """The guide's contract model; ``block`` builds one block, so tests can swap in a misbehaving one."""
 
     def __init__(self, block=None, width: int = 16, depth: int = 2) -> None:
         make = block or (lambda: nn.Sequential(nn.LayerNorm(width), nn.Linear(width, width), nn.GELU()))

@@ -9,8 +9,8 @@ block's code says which kind it is, so the runner asks once: the run's first bat
 both ways (two extra forwards of one unit, once per run, before any update) and the difference decides.
 
 Both runs use the blocks in eval mode (dropout off) under a forked RNG stream, so the step's own
-dropout masks are unchanged. The tolerance covers summation-order noise only (measured, docs/LOG.md
-2026-12-01: a d=768 GPT block pair differs by 2.7e-16 in fp64, 1.4e-7 in fp32, 1.1e-3 under bf16
+dropout masks are unchanged. The tolerance covers summation-order noise only (measured:
+a d=768 GPT block pair differs by 2.7e-16 in fp64, 1.4e-7 in fp32, 1.1e-3 under bf16
 autocast, relative to the largest output value); a mixing block differs by O(0.1) (0.27 for the
 ``h + tanh(W (h - h.mean(0)))`` block of the tests).
 """

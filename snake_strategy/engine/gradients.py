@@ -36,7 +36,7 @@ def squared_norms(grads: list[Tensor]) -> Tensor:
     how the per-parameter norms are combined (here in float64). Not ``vector_norm(dtype=float64)`` over
     the unit: that casts the whole gradient first, 140-150 ms per 50M fp32 elements on this CPU against
     18 ms, plus a temporary of twice its bytes (gpt_1b: 3-4 s of the main thread per step, most of what
-    norm clipping cost; docs/LOG.md 2026-12-02 14:13-)."""
+    norm clipping cost)."""
     if not grads:
         return torch.zeros((), dtype=torch.float64)
     norms = torch.stack([torch.linalg.vector_norm(g) for g in grads])

@@ -5,8 +5,8 @@ Why: on a machine with few cores the main thread's matmuls use every core throug
 that starts its own OpenMP team for an elementwise AdamW chunk or a large copy oversubscribes the cores,
 and OpenMP's spinning idle threads make it worse. ``torch.set_num_threads(1)`` cannot be used from a
 helper: it is process-wide (MKL's count, and the default each thread adopts at its first parallel op),
-which made the main thread's thread count, and with it its matmul results, depend on a start-up race
-(docs/LOG.md, 2026-12-01). OpenMP's ``omp_set_num_threads`` is per thread: it sets the calling thread's
+which made the main thread's thread count, and with it its matmul results, depend on a start-up race.
+OpenMP's ``omp_set_num_threads`` is per thread: it sets the calling thread's
 ``nthreads-var``, which is what torch's OpenMP ``parallel_for`` consults in that thread.
 
 Results do not change with this: the helpers' ops are elementwise (AdamW) or copies.

@@ -2,7 +2,7 @@
 ``GreedySnakeStrategy()``) become concrete settings at setup, from the model's shape, the host budget
 and the machine; settings given explicitly are kept as given.
 
-Choices (docs/design.md, "The planner drives the run"; the measurements behind them in docs/LOG.md):
+Choices (docs/design.md, "The planner drives the run", says why each is made):
 
 - **placement**: everything on the host when the whole run fits the host budget (nothing is faster);
   otherwise ``planner.plan`` fills the budget with the states that move the most bytes per byte stored
@@ -14,7 +14,7 @@ Choices (docs/design.md, "The planner drives the run"; the measurements behind t
 - **batching**: batched forward and backward passes when the module declares that its blocks treat
   samples independently (``LayeredModule.independent_samples``; the GPT and HuggingFace modules do): on
   the measured presets they are the fastest. Otherwise the unbatched passes, which are exact for any block,
-  with ``split_backward`` when ``SPLIT_BACKWARD_WINS`` (measured, see docs/LOG.md).
+  with ``split_backward`` when ``SPLIT_BACKWARD_WINS`` (measured, see that constant).
 - **alpha** and the **optimizer step's mode**, decided here only (the engine and ``planner.plan`` take
   them as given): ``planner.choose_alpha`` (the forward's share of the block compute). Norm clipping and
   fp16 loss scaling need the global norm / the overflow flag before any update: by default the step is
@@ -54,8 +54,8 @@ log = logging.getLogger(__name__)
 # Activation checkpoints and the compute workspace are sized only at the first step (they need the tokens
 # per micro-batch): the placement leaves this share of the budget for them (checked then, item by item).
 ACTIVATION_RESERVE_SHARE = 0.25
-# Measured on this project's CPU benchmarks (docs/LOG.md, 2026-12-01 "split backward"): whether the split
-# backward beats the unbatched backward it replaces for models whose blocks may mix samples.
+# Measured on this project's CPU benchmarks (docs/dev/LOG.md, "LayerPipe's split backward for real"): whether
+# the split backward beats the unbatched backward it replaces for models whose blocks may mix samples.
 SPLIT_BACKWARD_WINS = False
 
 
@@ -190,7 +190,7 @@ def resolve(module: nn.Module, optimizer: torch.optim.Optimizer | None, storage:
 
 def prefetch_depth(storage: StorageConfig) -> tuple[int, str]:
     """(units fetched ahead of the one computing, why): 2 when the weights are partly on the SSD (a unit's read
-    then takes longer than a unit's compute on the measured machines, docs/LOG.md), else 1."""
+    then takes longer than a unit's compute on the measured machines), else 1."""
     if storage.weights.ssd > 0:
         return 2, "weights on the SSD: a unit's read outlasts a unit's compute"
     return 1, "weights in memory: one unit ahead hides a copy"

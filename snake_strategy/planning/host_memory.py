@@ -16,7 +16,7 @@ The shares leave room for what the memory model does not see (allocator slack, L
 pipeline). The cgroup's is larger: its limit is this run's alone and its usage already counts the
 interpreter and the libraries, while MemAvailable is shared with every other process of the machine
 (measured: with 0.6, or with 0.85 and the page cache counted as usage, gpt_4b in a 16 GiB cgroup could
-not hold its 9.2 GiB working set, docs/LOG.md). Usage excludes the inactive file cache (``memory.stat``),
+not hold its 9.2 GiB working set). Usage excludes the inactive file cache (``memory.stat``),
 which the kernel reclaims before it would kill anything: reading a corpus must not shrink the budget.
 ``SNAKE_CGROUP_ROOT`` (or the ``cgroup_root`` argument) points the cgroup lookup at another tree than
 ``/sys/fs/cgroup``: the tests use a fake one.
