@@ -153,10 +153,6 @@ class NonLayerState:
     def numel(self) -> int:
         return sum(p.numel() for p in self.params)
 
-    @property
-    def frozen_numel(self) -> int:
-        return sum(p.numel() for p in self.frozen)
-
     def zero_grads(self) -> None:
         for g in self.grads:
             g.zero_()
