@@ -175,17 +175,16 @@ def setup_layouts(module: nn.Module, optimizer: torch.optim.Optimizer | None, bl
     sizes are 0). The only place a run lays its model out and builds its shape: the engines take both from
     the plan. Training stores the weights as ``dtypes`` says (half-precision matmul weights with their
     full-precision tail, the master copy separately); evaluation stores the compute weights only."""
-    compute, master = dtypes.bytes_per("compute"), dtypes.bytes_per("master")
     if optimizer is None:  # evaluation: no optimizer, the compute weights are all that is stored
         groups = {id(p): 0 for p in module.parameters()}
-        layouts = build_layouts(module.blocks, blocks_per_unit, groups)
-        return layouts, ModelShape.from_layouts(layouts, module, num_micro, compute, master, compute_bytes=compute)
-    groups = check_trainable(module, optimizer)  # the engine's refusals, with their messages
+        stored, half = "compute", None
+    else:
+        groups = check_trainable(module, optimizer)  # the engine's refusals, with their messages
+        stored, half = "weights", dtypes.half_weights
     layouts = build_layouts(module.blocks, blocks_per_unit, groups)
-    half = dtypes.half_weights
     formats = [WeightFormat.for_layout(layout, half, dtypes.master) for layout in layouts] if half else []
-    return layouts, ModelShape.from_layouts(layouts, module, num_micro, dtypes.bytes_per("weights"), master,
-                                            compute_bytes=compute,
+    return layouts, ModelShape.from_layouts(layouts, module, num_micro, dtypes.bytes_per(stored),
+                                            dtypes.bytes_per("master"), compute_bytes=dtypes.bytes_per("compute"),
                                             weight_formats=[(f.main_numel, f.tail_bytes) for f in formats])
 
 
