@@ -394,19 +394,19 @@ class GreedySnakeStrategy(DataParallelMixin, ParallelStrategy):
             self.plan, self.model_shape, engine.alpha, self.hardware, self.root_device,
             engine.ssd.path if engine.ssd else None, engine.largest_block_matrix(), self.hardware_at_model_shape)
         if self.plan is not None:
-            self.plan.prediction = prediction
-            if not at_setup:  # "auto" decides at the first step
-                self.plan.kept_units = sorted(self.engine.runner.kept.units or ())
+            # "auto" decides the kept graphs at the first step
+            kept = self.plan.kept_units if at_setup else sorted(self.engine.runner.kept.units or ())
+            self.plan = dataclasses.replace(self.plan, prediction=prediction, kept_units=kept)
         return prediction
 
     def _resolve_plan(self, optimizer: Any, clip: tuple[str, float] | None = None) -> None:
         """The planner turns the requested "auto" settings (and ``clip``: alpha, step mode) into concrete ones."""
         storage, schedule = self.requested
         hardware = self.hardware if isinstance(self.hardware, HardwareProfile) else HardwareProfile()
-        self.plan = resolve(self.lightning_module, optimizer, storage, schedule, self.precision_plugin.dtypes.bytes_per(
-            "compute"), self.precision_plugin.dtypes.bytes_per("master"), self.root_device, hardware,
-            processes_per_node=self.num_processes, optimizer_shards=self.world_size if self.shard_optimizer_state else 1,
-            clip=clip, loss_scaling=self.precision_plugin.dtypes.loss_scaling)  # per-rank moments; alpha, step mode
+        self.plan = resolve(self.lightning_module, optimizer, storage, schedule, self.precision_plugin.dtypes,
+                            self.root_device, hardware, processes_per_node=self.num_processes,
+                            optimizer_shards=self.world_size if self.shard_optimizer_state else 1,
+                            clip=clip)  # per-rank moments; alpha, step mode
         self.storage, self.schedule = self.plan.storage, self.plan.schedule
         log.info("planner: %s", self.plan.describe())
 

@@ -192,3 +192,105 @@ def materialize_unit_blocks(
                 # Keeps the Parameter object (the optimizer holds it); frees its storage.
                 torch.utils.swap_tensors(p, nn.Parameter(torch.empty_like(p, device="meta"), p.requires_grad))
     return flat
+
+
+def is_matmul_weight(block: nn.Module, name: str) -> bool:
+    """Whether parameter ``name`` of ``block`` is the weight of a module whose forward is one autocast op
+    (stored in half under mixed precision, engine/half_weights.py)."""
+    module_name, _, leaf = name.rpartition(".")
+    if leaf != "weight":
+        return False
+    module = block.get_submodule(module_name) if module_name else block
+    if isinstance(module, (nn.Linear, nn.modules.conv._ConvNd)):
+        return True
+    # transformers' Conv1D (GPT-2) is one addmm; matched by name so transformers is not imported here.
+    kind = type(module)
+    return kind.__name__ == "Conv1D" and kind.__module__.startswith("transformers")
+
+
+@dataclass(frozen=True)
+class WeightFormat:
+    """Where every parameter of one unit sits in its stored weights under half-precision weight storage
+    (engine/half_weights.py explains the main vector, the frozen part and the full-precision tail). Plain
+    layout data: the planner sizes a unit's stored weights from it and the engine builds them with it."""
+
+    dtype: torch.dtype  # the half dtype of the main vector
+    full: torch.dtype  # the master dtype, kept by the tail and the frozen part
+    numel: int  # the layout's elements
+    train_end: int
+    half: tuple[bool, ...]  # per slot: stored in half
+    tail_offsets: tuple[int, ...]  # per slot: offset in the tail, -1 when not there
+    tail_pieces: tuple[tuple[int, int, int], ...]  # (master offset, numel, tail offset) of the tail's parameters
+    tail_numel: int
+
+    @classmethod
+    def for_layout(cls, layout: UnitLayout, dtype: torch.dtype, full: torch.dtype) -> WeightFormat:
+        half, tail_offsets, pieces, tail = [], [], [], 0
+        for s in layout.slots:
+            h = s.trainable and is_matmul_weight(layout.blocks[s.block], s.name)
+            half.append(h)
+            tail_offsets.append(tail if s.trainable and not h else -1)
+            if s.trainable and not h:
+                pieces.append((s.offset, s.numel, tail))
+                tail += s.numel
+        return cls(dtype, full, layout.numel, layout.train_end, tuple(half), tuple(tail_offsets), tuple(pieces), tail)
+
+    @property
+    def ratio(self) -> int:
+        """Half elements per full-precision element."""
+        return torch.empty((), dtype=self.full).element_size() // torch.empty((), dtype=self.dtype).element_size()
+
+    @property
+    def main_numel(self) -> int:
+        return self.train_end + self.ratio * (self.numel - self.train_end)
+
+    @property
+    def tail_start(self) -> int:
+        """Where the tail starts in a working buffer (half elements; 64-byte aligned)."""
+        return -(-self.main_numel // 32) * 32
+
+    @property
+    def buffer_numel(self) -> int:
+        return self.tail_start + self.ratio * self.tail_numel
+
+    @property
+    def tail_bytes(self) -> int:
+        return self.tail_numel * torch.empty((), dtype=self.full).element_size()
+
+    def leaves(self, layout: UnitLayout, main: Tensor, tail: Tensor) -> list[Tensor]:
+        """One leaf per parameter (views, no copies) from a main vector and a tail, in slot order."""
+        out = []
+        for s, half, t in zip(layout.slots, self.half, self.tail_offsets):
+            if t >= 0:
+                view = tail[t:t + s.numel]
+            elif half:
+                view = main[s.offset:s.offset + s.numel]
+            else:  # frozen: full precision, two half elements each
+                start = self.train_end + self.ratio * (s.offset - self.train_end)
+                view = main[start:start + self.ratio * s.numel].view(self.full)
+            out.append(view.view(s.shape).detach().requires_grad_(s.trainable))
+        return out
+
+    def split_buffer(self, buffer: Tensor) -> tuple[Tensor, Tensor]:
+        """(main vector, tail) views of a working buffer of ``buffer_numel`` half elements."""
+        tail = buffer[self.tail_start:self.tail_start + self.ratio * self.tail_numel].view(self.full)
+        return buffer[:self.main_numel], tail
+
+    def store(self, flat: Tensor) -> tuple[Tensor, Tensor]:
+        """(main vector, tail) of a unit's full-precision flat vector (materialization)."""
+        t = self.train_end
+        main = torch.empty(self.main_numel, dtype=self.dtype)
+        main[:t].copy_(flat[:t])  # round to nearest even: the cast autocast makes
+        main[t:].view(self.full).copy_(flat[t:self.numel])
+        return main, self.tail_values(flat[:t])
+
+    def tail_values(self, trainable: Tensor) -> Tensor:
+        """The tail's contents from the trainable part's full-precision values [0, train_end)."""
+        tail = torch.empty(self.tail_numel, dtype=self.full, device=trainable.device)
+        for offset, numel, t in self.tail_pieces:
+            tail[t:t + numel].copy_(trainable[offset:offset + numel])
+        return tail
+
+    def frozen_range(self) -> tuple[int, int]:
+        """[lo, hi) of the frozen part in the main vector (half elements)."""
+        return self.train_end, self.main_numel

@@ -13,10 +13,11 @@ from snake_strategy.engine import EngineRuntime, SnakeEngine
 from snake_strategy.gpt import GPTModule
 from snake_strategy.planning.memory import host_plan
 from snake_strategy.planning.planner import HardwareProfile
-from snake_strategy.precision import GreedySnakePrecision
+from snake_strategy.precision import DtypePolicy, GreedySnakePrecision
 from tests.helpers import SMALL_GPT, run_reference, run_snake
 
 STEPS, MICRO, MICRO_SIZE = 3, 4, 2
+FP64 = DtypePolicy(torch.float64, torch.float64)
 
 
 class MixedSamplesGPT(GPTModule):
@@ -38,7 +39,7 @@ def _resolve(module_cls=GPTModule, storage=None, schedule=None, config=SMALL_GPT
     optimizer = module.configure_optimizers()
     optimizer = optimizer["optimizer"] if isinstance(optimizer, dict) else optimizer
     return autoplan.resolve(module, optimizer, storage or StorageConfig(placement="auto"),
-                            schedule or ScheduleConfig(num_micro_batches=MICRO), 8, 8, torch.device("cpu"),
+                            schedule or ScheduleConfig(num_micro_batches=MICRO), FP64, torch.device("cpu"),
                             HardwareProfile())
 
 
@@ -206,18 +207,19 @@ def test_describe_shows_the_alpha_and_step_mode_that_run():
                                clip=("norm", 1.0))
     assert clipped.schedule.alpha == 1.0 and "alpha 1.0, optimizer step deferred" in clipped.describe()
     assert clipped.reasons["alpha"].startswith("1: norm clipping")
-    fp16 = autoplan.resolve(*_resolve_args(ScheduleConfig(num_micro_batches=MICRO)), loss_scaling=True)
+    fp16 = autoplan.resolve(*_resolve_args(ScheduleConfig(num_micro_batches=MICRO),
+                                           dataclasses.replace(FP64, loss_scaling=True)))
     assert fp16.schedule.alpha == pytest.approx(0.2) and fp16.step_mode == "speculative"
     value = autoplan.resolve(*_resolve_args(ScheduleConfig(num_micro_batches=MICRO)), clip=("value", 1.0))
     assert value.step_mode == "overlapped" and value.rollback_bytes == 0
 
 
-def _resolve_args(schedule):
+def _resolve_args(schedule, dtypes=None):
     module = GPTModule(SMALL_GPT)
     module.configure_model()
     optimizer = module.configure_optimizers()
     optimizer = optimizer["optimizer"] if isinstance(optimizer, dict) else optimizer
-    return (module, optimizer, StorageConfig(placement="auto"), schedule, 8, 8, torch.device("cpu"),
+    return (module, optimizer, StorageConfig(placement="auto"), schedule, dtypes or FP64, torch.device("cpu"),
             HardwareProfile())
 
 

@@ -160,7 +160,7 @@ def _static_plan(cfg):
         module.configure_model()
     optimizer = module.configure_optimizers()
     plan = resolve(module, optimizer, snake_strategy.StorageConfig(), snake_strategy.ScheduleConfig(kind="vertical"),
-                   4, 4, torch.device("cpu"), HardwareProfile())
+                   DtypePolicy(torch.float32, torch.float32), torch.device("cpu"), HardwareProfile())
     engine = SnakeEngine(module, optimizer, plan, EngineRuntime(DtypePolicy(torch.float32, torch.float32),
                                                                 torch.device("cpu")))
     try:

@@ -12,7 +12,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from snake_strategy.engine.half_weights import WeightFormat, tail_split
+from snake_strategy.engine.half_weights import tail_split
 from snake_strategy.engine.partition import ShardView
 from snake_strategy.engine.runtime import EngineRuntime
 from snake_strategy.engine.state import NonLayerState, UnitStore
@@ -23,7 +23,7 @@ from snake_strategy.progress import or_quiet
 from snake_strategy.sources.lora_init import adapter_initializer, nonlayer_adapter_values
 from snake_strategy.sources.pretrained import PretrainedSource
 from snake_strategy.storage.tiered import Tiers
-from snake_strategy.units import UnitLayout, materialize_unit_blocks
+from snake_strategy.units import UnitLayout, WeightFormat, materialize_unit_blocks
 
 
 @dataclass

@@ -27,7 +27,6 @@ from snake_strategy.contract import (batch_size, batch_tensors, check_contract, 
 from snake_strategy.engine.batch_check import batching_tolerance
 from snake_strategy.engine.build import build_model
 from snake_strategy.engine.gradients import GradientPath
-from snake_strategy.engine.half_weights import WeightFormat
 from snake_strategy.engine.kept import KeptGraphs
 from snake_strategy.engine.overlap import OptimizerOverlap
 from snake_strategy.engine.partition import Partition, shard_range
@@ -39,10 +38,10 @@ from snake_strategy.engine.streaming import stream_blocks, streamed_forward
 from snake_strategy.engine.trace import TaskTrace
 from snake_strategy.engine.view import StepStats
 from snake_strategy.engine.weights import WeightStreamer
-from snake_strategy.planning.memory import MemoryInputs, format_plan, host_plan, pool_sizes, ssd_plan
+from snake_strategy.planning.memory import MemoryInputs, pool_sizes, ssd_plan
 from snake_strategy.optim import check_optimizer, snapshot_hyper_params
 from snake_strategy.planning.autoplan import RunPlan
-from snake_strategy.planning.planner import HardwareProfile, ModelShape, memory_inputs
+from snake_strategy.planning.planner import ModelShape
 from snake_strategy.precision import LossScaler
 from snake_strategy.progress import or_quiet
 from snake_strategy.schedule import build_tasks
@@ -74,13 +73,13 @@ class SnakeEngine:
         self.dtypes, self.device, self.clip = runtime.dtypes, runtime.device, clip
         self.master_dtype = runtime.dtypes.master  # the dtype of named_weights()' trained values
         self.scaler = runtime.scaler if runtime.scaler is not None else LossScaler(runtime.dtypes.loss_scaling)
-        # What keep_activations="auto" may fill: the plan's budget (planning/host_memory.host_budget decided
-        # it, a given one included); a plan made without a budget leaves only the hard one.
-        self.planned_budget_bytes = plan.host_budget_bytes or storage.host_budget_bytes or None
         self.hooks = runtime.hooks or EngineHooks()
         self.progress = or_quiet(runtime.progress)  # setup, long steps and export report here
         self.alpha = schedule.alpha  # the plan's, as its step mode (autoplan.resolve): not decided again here
-        self.speculation = SpeculationPolicy(clip, self.scaler, schedule)  # norm clipping / fp16: rollback.py
+        # The plan's step mode, which resolve decided from the same clip and loss scaling this engine runs.
+        assert plan.step_mode != "speculative" or self.alpha < 1.0, "a speculative step has backward parts"
+        assert plan.step_mode != "deferred" or self.alpha == 1.0, "a deferred step defers whole updates"
+        self.speculation = SpeculationPolicy(plan.step_mode, clip, self.scaler)  # engine/rollback.py
         world_size, rank = runtime.world_size, runtime.rank
         self.counters = TrafficCounters()
         self.trace = TaskTrace()
@@ -115,15 +114,11 @@ class SnakeEngine:
         s = self.schedule
         # The planner laid the model out and checked it (autoplan.setup_layouts); the SSD and host checks
         # need only those sizes, so they run before anything is allocated.
-        layouts = self.plan.layouts
-        assert layouts, "a plan from planning.autoplan.resolve carries the model's layouts"
-        half = self.dtypes.half_weights
-        fmts = [WeightFormat.for_layout(layout, half, self.dtypes.master) for layout in layouts] if half else []
-        self.shape = dataclasses.replace(
-            ModelShape.from_layouts(layouts, self.module, s.num_micro_batches, self.dtypes.bytes_per("weights"),
-                                    self.dtypes.bytes_per("master"), compute_bytes=self.dtypes.bytes_per("compute"),
-                                    weight_formats=[(f.main_numel, f.tail_bytes) for f in fmts]),
-            optimizer_shards=self.world_size if self.partition else 1)
+        assert self.plan.layouts and self.plan.shape is not None and not self.plan.evaluating, \
+            "a training plan from planning.autoplan.resolve carries the model's layouts and shape"
+        self.shape = self.plan.shape  # the one the planner placed the states for
+        assert self.shape.optimizer_shards == (self.world_size if self.partition else 1), \
+            "the plan was resolved for another partition of the optimizer state"
         if self.ssd is not None:
             self.ssd.check_free_space(sum(ssd_plan(self.memory_inputs()).values()),
                                       "weights, master weights, optimizer moments and gradients")
@@ -177,42 +172,26 @@ class SnakeEngine:
 
     # ------------------------------------------------------------------ memory plan
     def memory_inputs(self, checkpoint_bytes: int = 0) -> MemoryInputs:
-        s = self.schedule
-        return memory_inputs(
-            dataclasses.replace(self.shape, checkpoint_bytes=checkpoint_bytes),
-            HardwareProfile(device_is_cpu=self.device.type == "cpu"), self.storage, s.kind, self.alpha,
-            s.prefetch_depth, self.speculation.enabled, blocks_per_unit=s.blocks_per_unit,
-            # the split backward keeps every micro-batch's Linear inputs and output gradients until W(u)
-            micro_per_backward_task=s.num_micro_batches if s.batched_backward or s.split_backward else 1,
-            shard_rank=self.partition.rank if self.partition else 0)
+        """The plan's memory inputs for this rank (``RunPlan.memory_inputs``)."""
+        return self.plan.memory_inputs(checkpoint_bytes, shard_rank=self.partition.rank if self.partition else 0)
 
     def host_bytes_plan(self, checkpoint_bytes: int = 0) -> dict[str, int]:
-        """Host memory the run needs, by item (memory.host_plan)."""
-        plan = host_plan(self.memory_inputs(checkpoint_bytes))  # per rank with partitioned moments
+        """Host memory the run needs, by item: the plan's (``RunPlan.host_items``, per rank with partitioned
+        moments) and the kept graphs measured at the first step."""
+        plan = self.plan.host_items(checkpoint_bytes, shard_rank=self.partition.rank if self.partition else 0)
         if getattr(self, "runner", None) is not None and self.runner.kept.planned_bytes:
             plan["kept_graphs"] = self.runner.kept.planned_bytes  # measured at the first step
         return plan
 
     def _free_host_bytes(self, checkpoint_bytes: int) -> int | None:
-        """What the budget leaves once the plan with checkpoints of this size is placed (kept graphs fill it);
-        None when no budget is known."""
-        if self.planned_budget_bytes is None:
+        """What the plan's budget leaves once the plan with checkpoints of this size is placed (kept graphs
+        fill it); None when the plan has no budget."""
+        if not self.plan.host_budget_bytes:
             return None
-        return self.planned_budget_bytes - sum(self.host_bytes_plan(checkpoint_bytes).values())
+        return self.plan.host_budget_bytes - sum(self.host_bytes_plan(checkpoint_bytes).values())
 
     def check_host_budget(self, checkpoint_bytes: int = 0) -> None:
-        budget = self.storage.host_budget_bytes
-        if budget is None:
-            return
-        plan = self.host_bytes_plan(checkpoint_bytes)
-        needed = sum(plan.values())
-        if needed > budget:
-            raise ValueError(
-                f"the plan needs {needed / 2**30:.2f} GiB ({needed} bytes) of host memory but "
-                f"storage.host_budget_bytes allows {budget / 2**30:.2f} GiB ({budget} bytes): {format_plan(plan)}. "
-                "To fit: move weights/optimizer/gradients/checkpoints shares (or storage.rollback) to 'ssd', lower "
-                "schedule.prefetch_depth, use smaller units (schedule.blocks_per_unit), fewer micro-batches "
-                "or a smaller micro-batch, or raise storage.host_budget_bytes")
+        self.plan.check_host_budget(self.host_bytes_plan(checkpoint_bytes))
 
     def model_shape(self, micro_batch: Any) -> ModelShape:
         """The planner's view of this model for the given micro-batch (shapes only, no compute)."""

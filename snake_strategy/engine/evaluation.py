@@ -10,7 +10,7 @@ nothing is written: a forward reads each unit's weights once per eval batch and 
 tier (``counters`` shows it).
 
 Where the weights come from, in order: a greedysnake checkpoint directory (``ckpt_path``: its master
-weights only, see ``checkpoint_weights.CheckpointWeights``), a ``pretrained`` source, or the module
+weights only, see ``checkpoint.consolidate.CheckpointWeights``), a ``pretrained`` source, or the module
 itself (real weights, e.g. the trained ones a fit gave back, or a seeded init of a module built on the
 meta device).
 """
@@ -32,12 +32,12 @@ from snake_strategy.engine.trace import TaskTrace
 from snake_strategy.engine.view import StepStats
 from snake_strategy.engine.weights import WeightStreamer
 from snake_strategy.planning.autoplan import RunPlan
-from snake_strategy.planning.memory import format_plan
+from snake_strategy.planning.memory import ssd_plan
 from snake_strategy.sources.pretrained import PretrainedSource
 from snake_strategy.progress import or_quiet
 from snake_strategy.storage import IOEngine, SsdDirectory, TieredTensor, TrafficCounters
 from snake_strategy.storage.tiered import Tiers
-from snake_strategy.storage.aligned import return_large_frees_to_os, round_up
+from snake_strategy.storage.aligned import return_large_frees_to_os
 from snake_strategy.units import UnitLayout, named_tensors
 
 
@@ -62,7 +62,7 @@ class EvalEngine:
     """Forward-only streaming of a layered module's blocks (see the module docstring).
 
     ``source``: a ``PretrainedSource``-like object (``unit_flat``, ``tensor``, ``close``), e.g. a
-    ``checkpoint_weights.CheckpointWeights``; or a path for ``PretrainedSource``; None uses the module's
+    ``checkpoint.consolidate.CheckpointWeights``; or a path for ``PretrainedSource``; None uses the module's
     weights.
     The engine closes the source once the weights are in their tiers.
     """
@@ -106,6 +106,7 @@ class EvalEngine:
         # written by training may order a unit's slots by group; CheckpointWeights maps them by name.
         layouts = self.plan.layouts
         assert layouts, "a plan from planning.autoplan.resolve carries the model's layouts"
+        assert self.plan.evaluating, "an evaluation plan: resolve(optimizer=None)"
         self._unit_params = tuple(layout.numel for layout in layouts)
         self.blocks_prefix = next(name for name, mod in module.named_modules() if mod is module.blocks)
         block_ids = {id(p) for p in module.blocks.parameters()}
@@ -113,8 +114,7 @@ class EvalEngine:
         self._nonlayer = named
         e_c = self.dtypes.bytes_per("compute")
         if self.ssd is not None:
-            self.ssd.check_free_space(sum(round_up(int(n * self.storage.weights.ssd) * e_c) for n in self._unit_params),
-                                      "weights")
+            self.ssd.check_free_space(sum(ssd_plan(self.plan.memory_inputs()).values()), "weights")
         self.check_host_budget()
         tracker = self.progress.phase("materialize" if source is None else "load_weights", len(layouts),
                                       total_bytes=sum(self._unit_params) * e_c)
@@ -139,27 +139,12 @@ class EvalEngine:
                                       self.dtypes.compute, self.device)
 
     def host_bytes_plan(self) -> dict[str, int]:
-        """Host memory evaluation needs, by item: the weights' in-memory share, the streaming buffers
-        (resident unit + prefetched ones) and the non-layer parameters. Activations are not counted."""
-        w, cpu = self.storage.weights, self.device.type == "cpu"
-        e_c = self.dtypes.bytes_per("compute")
-        in_memory = w.host + (w.device if cpu else 0.0)
-        unit = max(self._unit_params)
-        return {"weights": int(sum(self._unit_params) * e_c * in_memory),
-                "weight_buffers": 0 if w.device == 1.0 else (1 + self.schedule.prefetch_depth) * unit * e_c,
-                "nonlayer_params": sum(p.numel() for _, p in self._nonlayer) * e_c}
+        """Host memory evaluation needs, by item: the plan's evaluation part (``memory.host_plan`` of the
+        compute weights only). Activations are not counted."""
+        return self.plan.host_items()
 
     def check_host_budget(self) -> None:
-        budget = self.storage.host_budget_bytes
-        if budget is None:
-            return
-        plan = self.host_bytes_plan()
-        if sum(plan.values()) > budget:
-            raise ValueError(
-                f"evaluation needs {sum(plan.values()) / 2**30:.2f} GiB of host memory but storage.host_budget_bytes "
-                f"allows {budget / 2**30:.2f} GiB: {format_plan(plan)}. To fit: move the weights share to 'ssd' "
-                "(storage.weights), lower schedule.prefetch_depth or schedule.blocks_per_unit, or raise "
-                "storage.host_budget_bytes")
+        self.plan.check_host_budget(self.host_bytes_plan())
 
     # ------------------------------------------------------------------ the forward pass
     def split(self, batch: Any) -> list[Any]:

@@ -79,14 +79,12 @@ class _Recording:
 
 class KeptGraphs:
     def __init__(self, setting: int | str, device: torch.device, forward_tasks_per_unit: int = 1) -> None:
-        """``setting``: the number of units to keep, or "auto" (as many as ``free_bytes`` allows at the first
-        step; on CUDA none, since the graphs would live in device memory, which the host budget does not see).
+        """``setting``: the plan's effective policy (``autoplan.resolve``): the number of units to keep, or
+        "auto" (as many as ``free_bytes`` allows at the first step; a CPU run's only, since on a GPU the
+        graphs would live in device memory, which the host budget does not see).
         ``forward_tasks_per_unit``: the forward tasks of one unit whose graphs are alive together (the
         micro-batches of an unbatched vertical forward)."""
-        if setting == "auto" and device.type != "cpu":
-            log.info("schedule.keep_activations='auto' keeps no graph on %s: they would live in device memory. "
-                     "Set an integer to keep the top units' graphs there", device.type)
-            setting = 0
+        assert setting != "auto" or device.type == "cpu", "the plan keeps no graph by budget on a GPU"
         self.setting = setting
         self.units: frozenset[int] | None = None if setting == "auto" else frozenset()
         self.bytes_per_unit = 0  # measured: one unit's graphs alive at the turning point
@@ -97,14 +95,14 @@ class KeptGraphs:
 
     @classmethod
     def for_schedule(cls, schedule, device: torch.device) -> KeptGraphs:
-        """The schedule's ``keep_activations``, where the schedule allows keeping: not with the split
-        backward (it defers a recompute's weight gradients) nor with the forward and the backward grouping
-        micro-batches differently (a graph covers one forward task). An explicit count was refused there
-        by ScheduleConfig; "auto" keeps none."""
+        """The plan's ``keep_activations``, as resolved: none where the schedule cannot keep a graph (the
+        split backward defers a recompute's weight gradients; a graph covers one forward task, so the
+        forward and the backward must group micro-batches alike)."""
         vertical = schedule.kind == "vertical"
-        possible = not schedule.split_backward and (not vertical or schedule.batched_forward == schedule.batched_backward)
+        assert schedule.keep_activations == 0 or not schedule.split_backward and (
+            not vertical or schedule.batched_forward == schedule.batched_backward), "resolve keeps none here"
         per_unit = schedule.num_micro_batches if vertical and not schedule.batched_forward else 1
-        return cls(schedule.keep_activations if possible else 0, device, per_unit)
+        return cls(schedule.keep_activations, device, per_unit)
 
     # ------------------------------------------------------------------ which units
     def begin(self, first_backward: int, num_units: int) -> None:

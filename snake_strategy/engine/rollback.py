@@ -25,10 +25,11 @@ from __future__ import annotations
 
 import torch
 
-from snake_strategy.config import ScheduleConfig, TierSplit
+from snake_strategy.config import TierSplit
 from snake_strategy.engine.partition import shard_range
 from snake_strategy.engine.state import UnitStore
 from snake_strategy.engine.view import StepStats
+from snake_strategy.planning.autoplan import STEP_MODES
 from snake_strategy.storage import IOEngine, SsdDirectory, TieredTensor, TrafficCounters
 from snake_strategy.precision import LossScaler
 from snake_strategy.storage.io_engine import DONE, Ticket
@@ -82,10 +83,6 @@ class RollbackStore:
         """The end of the part of [start, hi) that state keeps in memory (copied); from there on: held."""
         return max(self.starts[u], min(self._ends[u], self._state(u, state).host_end))
 
-    def copied_elems(self) -> int:
-        """Elements the store copies per speculative step (the planner's ``memory.rollback_copied_elems``)."""
-        return sum(slot.numel for slots in self._slots for slot in slots.values())
-
     def holds(self, u: int) -> bool:
         """Whether unit ``u`` has a backward part on this rank (else nothing is ever saved for it)."""
         return bool(self._slots[u])
@@ -134,16 +131,13 @@ class RollbackStore:
 class SpeculationPolicy:
     """Whether each step is speculated, and the counts ``perf/speculation`` / ``perf/rollbacks`` show.
 
-    Enabled under norm clipping or fp16 loss scaling with ``schedule.speculation="on"`` and alpha < 1 (the
-    plan's: ``autoplan.resolve`` decides both; alpha 1 defers whole updates and needs no speculation)."""
+    Enabled when the plan's ``step_mode`` is "speculative" (``autoplan.resolve`` decides it once, from norm
+    clipping, fp16 loss scaling, ``schedule.speculation`` and alpha); ``clip`` and ``scaler`` say only what
+    a speculated step assumes."""
 
-    def __init__(self, clip: tuple[str, float] | None, scaler: LossScaler, schedule: ScheduleConfig) -> None:
-        global_decision = scaler.enabled or (clip is not None and clip[0] == "norm")
-        if global_decision and schedule.speculation == "off" and schedule.alpha != 1.0:
-            raise ValueError(f"schedule.speculation='off' under norm clipping or fp16 loss scaling needs alpha 1, not "
-                             f"{schedule.alpha}: resolve the plan with autoplan.resolve(clip=..., loss_scaling=...), "
-                             "or set schedule.speculation='on'")
-        self.enabled = global_decision and schedule.speculation == "on" and schedule.alpha < 1.0
+    def __init__(self, step_mode: str, clip: tuple[str, float] | None, scaler: LossScaler) -> None:
+        assert step_mode in STEP_MODES, step_mode
+        self.enabled = step_mode == "speculative"
         # A speculative step assumes the clip factor 1 and no overflow: only the loss scale's unscale
         # (value clipping unscales each unit as it clamps it, engine/gradients.py).
         self._unscales = scaler.enabled and not (clip is not None and clip[0] == "value")

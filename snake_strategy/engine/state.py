@@ -11,12 +11,12 @@ from typing import Any, Callable
 import torch
 from torch import Tensor, nn
 
-from snake_strategy.engine.half_weights import WeightFormat, checked
+from snake_strategy.engine.half_weights import checked
 from snake_strategy.optim import AdamHyperParams, adam_step
 from snake_strategy.precision import DtypePolicy
 from snake_strategy.storage import TieredTensor
 from snake_strategy.storage.io_engine import Ticket
-from snake_strategy.units import UnitLayout
+from snake_strategy.units import UnitLayout, WeightFormat
 
 
 @dataclass
@@ -152,10 +152,6 @@ class NonLayerState:
     @property
     def numel(self) -> int:
         return sum(p.numel() for p in self.params)
-
-    @property
-    def frozen_numel(self) -> int:
-        return sum(p.numel() for p in self.frozen)
 
     def zero_grads(self) -> None:
         for g in self.grads:

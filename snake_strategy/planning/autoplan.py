@@ -22,10 +22,17 @@ Choices (docs/design.md, "The planner drives the run", says why each is made):
   clip factor was not 1 or a gradient overflowed, engine/rollback.py), and the rollback state goes on the
   host when the budget left after placement holds it, else on the SSD; ``speculation="off"`` runs alpha 1
   (every whole update deferred), and the parked gradients are sized with that.
-- **prefetch depth**: ``prefetch_depth``: 2 when the weights are partly on the SSD (a unit's read then takes
-  longer than a unit's compute on the measured machines), else 1.
-- **kept activations** (``keep_activations="auto"``): decided by the engine at the first step, once a unit's
-  graph has been measured: the top units whose graphs fit the budget left after the plan (engine/kept.py).
+- **prefetch depth**: ``planner.prefetch_depth``: deeper when the weights are partly on the SSD (a unit's
+  read then takes longer than a unit's compute on the measured machines). A given depth is the one every
+  candidate placement is sized with.
+- **kept activations**: the effective policy, with its reason: none where the schedule cannot keep a graph
+  (the split backward, or a forward and backward that group micro-batches differently) and none for
+  ``"auto"`` on a GPU (the graphs would live in device memory, which the host budget does not see); else
+  the given count, or ``"auto"``: the engine measures a unit's graph at the first step and keeps the top
+  units whose graphs fit the budget left after the plan (engine/kept.py, ``RunPlan.kept_units``).
+- **the model's shape** (``setup_layouts``): the units and the bytes of every stored state in the dtypes
+  that run (half-precision weight storage included), the one ``ModelShape`` the planner places and the
+  engine checks.
 
 The step-time prediction needs the tokens per micro-batch: at setup from ``example_batch`` when the loader
 allows it, and again after the first step (``first_prediction``), with the kept graphs decided.
@@ -44,10 +51,12 @@ from snake_strategy.config import STATES, ScheduleConfig, StorageConfig, TierSpl
 from snake_strategy.contract import check_trainable
 from snake_strategy.planning.hardware import matmul_flops_per_s, probe_hardware
 from snake_strategy.planning.host_memory import SOURCE_AVAILABLE, host_budget
-from snake_strategy.planning.memory import host_plan, rollback_copied_elems, rollback_held_bytes
+from snake_strategy.planning.memory import (MemoryInputs, format_plan, host_plan, rollback_copied_elems,
+                                            rollback_held_bytes)
 from snake_strategy.planning.planner import (HardwareProfile, ModelShape, StepPrediction, choose_alpha, memory_inputs,
-                                             plan, predict)
-from snake_strategy.units import UnitLayout, build_layouts
+                                             plan, predict, prefetch_depth)
+from snake_strategy.precision import DtypePolicy
+from snake_strategy.units import UnitLayout, WeightFormat, build_layouts
 
 log = logging.getLogger(__name__)
 
@@ -59,9 +68,14 @@ ACTIVATION_RESERVE_SHARE = 0.25
 SPLIT_BACKWARD_WINS = False
 
 
-@dataclass
+STEP_MODES = ("overlapped", "speculative", "deferred")
+
+
+@dataclass(frozen=True)
 class RunPlan:
-    """What the planner chose for this run, and why (``strategy.plan``)."""
+    """What the planner chose for this run, and why (``strategy.plan``): every decided value. The engines
+    read it and decide none of it again (the memory they check is ``host_items``, the check
+    ``check_host_budget``)."""
 
     storage: StorageConfig  # concrete: every state placed
     schedule: ScheduleConfig  # concrete: every field set
@@ -81,6 +95,48 @@ class RunPlan:
     step_mode: str = "overlapped"
     rollback_bytes: int = 0  # the speculative step's rollback copies, on storage.rollback
     rollback_held_bytes: int = 0  # and the SSD bytes its held state versions keep (disk only)
+    # The host budget less ACTIVATION_RESERVE_SHARE: what the placement filled (the reserve is left for the
+    # activation checkpoints and the compute workspace, sized at the first step).
+    placement_budget_bytes: int = 0
+    device_is_cpu: bool = True  # on a CPU "device" the device shares live in host memory too
+    evaluating: bool = False  # the forward-only engine's plan: only the compute weights are stored
+
+    def memory_inputs(self, checkpoint_bytes: int = 0, shard_rank: int = 0) -> MemoryInputs:
+        """What the memory model sees of this plan, with checkpoints of ``checkpoint_bytes`` (known after the
+        first forward) on rank ``shard_rank`` of partitioned moments: the plan's and the engine's numbers."""
+        assert self.shape is not None, "a plan from planning.autoplan.resolve carries the model's shape"
+        s = self.schedule
+        return memory_inputs(
+            dataclasses.replace(self.shape, checkpoint_bytes=checkpoint_bytes),
+            HardwareProfile(device_is_cpu=self.device_is_cpu), self.storage, s.kind, s.alpha, s.prefetch_depth,
+            self.step_mode == "speculative", blocks_per_unit=s.blocks_per_unit,
+            # the split backward keeps every micro-batch's Linear inputs and output gradients until W(u)
+            micro_per_backward_task=s.num_micro_batches if s.batched_backward or s.split_backward else 1,
+            shard_rank=shard_rank, evaluating=self.evaluating)
+
+    def host_items(self, checkpoint_bytes: int = 0, shard_rank: int = 0) -> dict[str, int]:
+        """Host bytes of this plan, item by item (``memory.host_plan``)."""
+        return host_plan(self.memory_inputs(checkpoint_bytes, shard_rank))
+
+    def check_host_budget(self, items: dict[str, int]) -> None:
+        """The host-budget check of both engines: ``items`` (their host plan, ``host_items`` and what the
+        first step measured) must fit ``storage.host_budget_bytes`` when it is given. That cap is a
+        refusal; a budget from MemAvailable or the cgroup is an estimate the plan fills, never a refusal."""
+        budget = self.storage.host_budget_bytes
+        needed = sum(items.values())
+        if budget is None or needed <= budget:
+            return
+        if self.evaluating:
+            fixes = ("move the weights share to 'ssd' (storage.weights), lower schedule.prefetch_depth or "
+                     "schedule.blocks_per_unit, or raise storage.host_budget_bytes")
+        else:
+            fixes = ("move weights/optimizer/gradients/checkpoints shares (or storage.rollback) to 'ssd', lower "
+                     "schedule.prefetch_depth, use smaller units (schedule.blocks_per_unit), fewer micro-batches "
+                     "or a smaller micro-batch, or raise storage.host_budget_bytes")
+        raise ValueError(
+            f"{'evaluation' if self.evaluating else 'the plan'} needs {needed / 2**30:.2f} GiB ({needed} bytes) of "
+            f"host memory but storage.host_budget_bytes allows {budget / 2**30:.2f} GiB ({budget} bytes): "
+            f"{format_plan(items)}. To fit: {fixes}")
 
     def describe(self) -> str:
         s, st = self.schedule, self.storage
@@ -109,36 +165,47 @@ class RunPlan:
                 "host_bytes": self.host_bytes, "kept_units": self.kept_units, "step_mode": self.step_mode,
                 "rollback_bytes": self.rollback_bytes,
                 "rollback_held_bytes": self.rollback_held_bytes,
+                "placement_budget_bytes": self.placement_budget_bytes, "evaluating": self.evaluating,
                 "prediction": self.prediction.as_dict() if self.prediction is not None else None}
 
 
 def setup_layouts(module: nn.Module, optimizer: torch.optim.Optimizer | None, blocks_per_unit: int, num_micro: int,
-                  compute_bytes: int, master_bytes: int) -> tuple[list[UnitLayout], ModelShape]:
+                  dtypes: DtypePolicy) -> tuple[list[UnitLayout], ModelShape]:
     """The model's units and the planner's view of them before any batch is seen (tokens and checkpoint
-    sizes are 0). The only place a run lays its model out: the engine takes these layouts from the plan."""
-    if optimizer is not None:
-        groups = check_trainable(module, optimizer)  # the engine's refusals, with their messages
-    else:  # evaluation: no optimizer, the weights are all that is stored
+    sizes are 0). The only place a run lays its model out and builds its shape: the engines take both from
+    the plan. Training stores the weights as ``dtypes`` says (half-precision matmul weights with their
+    full-precision tail, the master copy separately); evaluation stores the compute weights only."""
+    if optimizer is None:  # evaluation: no optimizer, the compute weights are all that is stored
         groups = {id(p): 0 for p in module.parameters()}
+        stored, half = "compute", None
+    else:
+        groups = check_trainable(module, optimizer)  # the engine's refusals, with their messages
+        stored, half = "weights", dtypes.half_weights
     layouts = build_layouts(module.blocks, blocks_per_unit, groups)
-    return layouts, ModelShape.from_layouts(layouts, module, num_micro, compute_bytes, master_bytes)
+    formats = [WeightFormat.for_layout(layout, half, dtypes.master) for layout in layouts] if half else []
+    return layouts, ModelShape.from_layouts(layouts, module, num_micro, dtypes.bytes_per(stored),
+                                            dtypes.bytes_per("master"), compute_bytes=dtypes.bytes_per("compute"),
+                                            weight_formats=[(f.main_numel, f.tail_bytes) for f in formats])
 
 
 def resolve(module: nn.Module, optimizer: torch.optim.Optimizer | None, storage: StorageConfig,
-            schedule: ScheduleConfig, compute_bytes: int, master_bytes: int, device: torch.device,
-            hardware: HardwareProfile, processes_per_node: int = 1, optimizer_shards: int = 1,
-            clip: tuple[str, float] | None = None, loss_scaling: bool = False) -> RunPlan:
-    """Concrete storage and schedule for this run (explicit settings kept), with the reasons.
+            schedule: ScheduleConfig, dtypes: DtypePolicy, device: torch.device, hardware: HardwareProfile,
+            processes_per_node: int = 1, optimizer_shards: int = 1, clip: tuple[str, float] | None = None) -> RunPlan:
+    """Concrete storage and schedule for this run (explicit settings kept), with the reasons. ``optimizer``
+    None: evaluation (the forward-only engine's plan).
     ``processes_per_node``: the ranks sharing this machine's memory split the default budget.
     ``optimizer_shards``: partitioned moments, cut over that many ranks (each plans its share).
-    ``clip`` (Trainer's gradient_clip_algorithm, gradient_clip_val) and ``loss_scaling`` (16-mixed) decide
-    the optimizer step's mode and with it the alpha that runs (the one place it is decided)."""
-    layouts, shape = setup_layouts(module, optimizer, schedule.blocks_per_unit, schedule.num_micro_batches,
-                                   compute_bytes, master_bytes)
+    ``clip`` (Trainer's gradient_clip_algorithm, gradient_clip_val) and fp16 loss scaling (``dtypes``)
+    decide the optimizer step's mode and with it the alpha that runs (the one place it is decided)."""
+    evaluating = optimizer is None
+    layouts, shape = setup_layouts(module, optimizer, schedule.blocks_per_unit, schedule.num_micro_batches, dtypes)
     shape = dataclasses.replace(shape, optimizer_shards=optimizer_shards)
     hardware = dataclasses.replace(hardware, device_is_cpu=device.type == "cpu")
     bounded = host_budget(storage.host_budget_bytes, processes_per_node)
     budget = bounded.budget_bytes
+    # Activation checkpoints and the compute workspace are sized at the first step: every placement below
+    # fills the budget less their reserve.
+    placement_budget = int(budget * (1 - ACTIVATION_RESERVE_SHARE))
     reasons: dict[str, str] = {}
     kind = "vertical" if schedule.kind == "auto" else schedule.kind
     reasons["kind"] = "given" if schedule.kind != "auto" else "vertical: one weight fetch per unit per pass"
@@ -146,7 +213,8 @@ def resolve(module: nn.Module, optimizer: torch.optim.Optimizer | None, storage:
     reasons["alpha"] = "given" if schedule.alpha is not None else "the forward's share of the block compute"
     speculation = schedule.speculation or "on"
     reasons["speculation"] = "given" if schedule.speculation is not None else "on by default"
-    global_decision = loss_scaling or (clip is not None and clip[0] == "norm")
+    # evaluation steps no optimizer: nothing waits for a global norm or overflow flag
+    global_decision = not evaluating and (dtypes.loss_scaling or (clip is not None and clip[0] == "norm"))
     if global_decision and speculation == "off" and alpha != 1.0:
         alpha = 1.0
         reasons["alpha"] = ("1: norm clipping / fp16 loss scaling with schedule.speculation='off' defer every "
@@ -154,52 +222,64 @@ def resolve(module: nn.Module, optimizer: torch.optim.Optimizer | None, storage:
     speculative = global_decision and speculation == "on" and alpha < 1.0
     step_mode = "speculative" if speculative else "deferred" if global_decision else "overlapped"
     rollback_given = storage.rollback  # None: placed after the states (placement sets every field)
-    storage, placed = _place(shape, hardware, storage, kind, alpha, budget, speculative,
-                             evaluating=optimizer is None)
+    given_depth = schedule.prefetch_depth  # None: each candidate placement gets its own (planner.prefetch_depth)
+    storage, placed = _place(shape, hardware, storage, kind, alpha, placement_budget, given_depth, speculative,
+                             evaluating)
     reasons.update(placed)
-    if schedule.prefetch_depth is not None:
-        depth, reasons["prefetch_depth"] = schedule.prefetch_depth, "given"
+    if given_depth is not None:
+        depth, reasons["prefetch_depth"] = given_depth, "given"
     else:
         depth, reasons["prefetch_depth"] = prefetch_depth(storage)
     batching, why = _batching(module, schedule, kind)
     reasons.update(why)
-    reasons["keep_activations"] = "given (0 is an explicit kind's default)" if schedule.keep_activations != "auto" else (
-        "auto: the top units whose forward graph fits the host budget left by the plan, measured at the first step")
     concrete = dataclasses.replace(schedule, kind=kind, alpha=alpha, prefetch_depth=depth, speculation=speculation,
                                    **batching)
+    keep, reasons["keep_activations"] = _kept_activations(concrete, device)
+    concrete = dataclasses.replace(concrete, keep_activations=keep)
+    storage, reasons["rollback"] = _place_rollback(shape, hardware, storage, rollback_given, kind, alpha, depth,
+                                                   placement_budget, speculative)
     if schedule.split_backward:
         log.info("schedule.split_backward=true: LayerPipe's split backward (input gradients per micro-batch, Linear "
-                 "weight gradients as one product per unit). Until 2026-12 this key was an old name of "
-                 "batched_backward; set batched_backward for that")
-    storage, reasons["rollback"] = _place_rollback(shape, hardware, storage, rollback_given, kind, alpha, depth,
-                                                   budget, speculative)
-    inputs = memory_inputs(shape, hardware, storage, kind, alpha, depth, speculative)
-    host_bytes = sum(host_plan(inputs).values())
-    rollback_bytes = sum(rollback_copied_elems(inputs)) * master_bytes
-    rollback_held = rollback_held_bytes(inputs)
+                 "weight gradients as one product per unit)")
+    run_plan = RunPlan(storage, concrete, reasons, budget, 0, bounded.source, bounded.detail, layouts=layouts,
+                       shape=shape, step_mode=step_mode, placement_budget_bytes=placement_budget,
+                       device_is_cpu=device.type == "cpu", evaluating=evaluating)
+    inputs = run_plan.memory_inputs()
+    rollback_bytes = sum(rollback_copied_elems(inputs)) * shape.master_bytes
     if storage.checkpoints.ssd > 0 and concrete.num_micro_batches <= 2 * storage.checkpoint_host_ends:
         log.warning(
             "storage.checkpoints puts %.0f%% on the SSD, but with schedule.num_micro_batches=%d and "
             "storage.checkpoint_host_ends=%d every micro-batch is a turning point kept on the host: no "
             "activation checkpoint will reach the SSD. Lower checkpoint_host_ends or raise num_micro_batches",
             100 * storage.checkpoints.ssd, concrete.num_micro_batches, storage.checkpoint_host_ends)
-    return RunPlan(storage, concrete, reasons, budget, host_bytes, bounded.source, bounded.detail, layouts=layouts,
-                   shape=shape, step_mode=step_mode, rollback_bytes=rollback_bytes,
-                   rollback_held_bytes=rollback_held)
+    return dataclasses.replace(run_plan, host_bytes=sum(host_plan(inputs).values()), rollback_bytes=rollback_bytes,
+                               rollback_held_bytes=rollback_held_bytes(inputs))
 
 
-def prefetch_depth(storage: StorageConfig) -> tuple[int, str]:
-    """(units fetched ahead of the one computing, why): 2 when the weights are partly on the SSD (a unit's read
-    then takes longer than a unit's compute on the measured machines), else 1."""
-    if storage.weights.ssd > 0:
-        return 2, "weights on the SSD: a unit's read outlasts a unit's compute"
-    return 1, "weights in memory: one unit ahead hides a copy"
+def _kept_activations(schedule: ScheduleConfig, device: torch.device) -> tuple[int | str, str]:
+    """(the effective ``keep_activations``, why) for a concrete schedule: engine/kept.py keeps exactly this."""
+    keep = schedule.keep_activations
+    if keep == 0:
+        return 0, "given (0 is an explicit kind's default)"
+    if schedule.split_backward:
+        return 0, "0: the split backward defers a recompute's weight gradients, so no graph is kept"
+    if schedule.kind == "vertical" and schedule.batched_forward != schedule.batched_backward:
+        return 0, "0: a kept graph covers one forward task, and the forward and backward group micro-batches differently"
+    if keep != "auto":
+        return keep, "given"
+    if device.type != "cpu":
+        log.info("schedule.keep_activations='auto' keeps no graph on %s: they would live in device memory. "
+                 "Set an integer to keep the top units' graphs there", device.type)
+        return 0, (f"0: on {device.type} the graphs would live in device memory, which the host budget does not "
+                   "see; set an integer to keep the top units' graphs there")
+    return "auto", ("auto: the top units whose forward graph fits the host budget left by the plan, measured at the "
+                    "first step")
 
 
 def _place_rollback(shape: ModelShape, hw: HardwareProfile, storage: StorageConfig, given: str | None, kind: str,
-                    alpha: float, depth: int, budget: int, speculative: bool) -> tuple[StorageConfig, str]:
-    """The rollback state's tier: given, else the host when the placed plan with it there still fits the
-    budget (less the activation reserve), else the SSD. Placed after the states: per byte stored it moves
+                    alpha: float, depth: int, room: int, speculative: bool) -> tuple[StorageConfig, str]:
+    """The rollback state's tier: given, else the host when the placed plan with it there still fits ``room``
+    (the budget less the activation reserve), else the SSD. Placed after the states: per byte stored it moves
     one byte per step (written once), the states two or more."""
     if given is not None:
         return dataclasses.replace(storage, rollback=given), "given"
@@ -207,7 +287,6 @@ def _place_rollback(shape: ModelShape, hw: HardwareProfile, storage: StorageConf
         return dataclasses.replace(storage, rollback="host"), "no speculative step: nothing to keep"
     on_host = dataclasses.replace(storage, rollback="host")
     needed = sum(host_plan(memory_inputs(shape, hw, on_host, kind, alpha, depth, True)).values())
-    room = int(budget * (1 - ACTIVATION_RESERVE_SHARE))
     if needed <= room:
         return on_host, f"host: the plan with it needs {needed / 2**30:.2f} of {room / 2**30:.2f} GiB"
     return (dataclasses.replace(storage, rollback="ssd"),
@@ -215,10 +294,13 @@ def _place_rollback(shape: ModelShape, hw: HardwareProfile, storage: StorageConf
 
 
 def _place(shape: ModelShape, hw: HardwareProfile, storage: StorageConfig, kind: str, alpha: float,
-           budget: int, speculative: bool = False, evaluating: bool = False) -> tuple[StorageConfig, dict[str, str]]:
-    """(placed storage, reasons). States given explicitly keep their split. The rollback state is placed
-    afterwards (``_place_rollback``), so it is counted on the SSD here. ``evaluating``: only the compute
-    weights are stored (no moments, gradients or optimizer working set), so they get their own split."""
+           budget: int, depth: int | None, speculative: bool = False,
+           evaluating: bool = False) -> tuple[StorageConfig, dict[str, str]]:
+    """(placed storage, reasons) within ``budget`` (the host budget less the activation reserve). States
+    given explicitly keep their split. ``depth``: the given prefetch depth, else each candidate's own
+    (``planner.prefetch_depth``). The rollback state is placed afterwards (``_place_rollback``), so it is
+    counted on the SSD here. ``evaluating``: only the compute weights are stored (no moments, gradients or
+    optimizer working set), so they get their own split."""
     unset = storage.unset()
     given = {state: getattr(storage, state) for state in STATES if state not in unset}
     reasons = {state: "given" for state in given}
@@ -227,24 +309,28 @@ def _place(shape: ModelShape, hw: HardwareProfile, storage: StorageConfig, kind:
     host = TierSplit()
     all_host = dataclasses.replace(storage, placement="manual", rollback=storage.rollback or "ssd",
                                    **{s: given.get(s, host) for s in STATES})
-    needed = sum(host_plan(memory_inputs(shape, hw, all_host, kind, alpha, 1, speculative)).values())
-    budget = int(budget * (1 - ACTIVATION_RESERVE_SHARE))
+
+    def host_bytes(placed: StorageConfig) -> int:
+        ahead = prefetch_depth(placed)[0] if depth is None else depth
+        return sum(host_plan(memory_inputs(shape, hw, placed, kind, alpha, ahead, speculative,
+                                           evaluating=evaluating)).values())
+
+    needed = host_bytes(all_host)
     if needed <= budget:
         reasons.update({s: f"host: the run needs {needed / 2**30:.2f} GiB of the {budget / 2**30:.2f} GiB budget"
                         for s in unset})
         return all_host, reasons
     if evaluating:  # planner.plan sizes a training step's working set, which evaluation never holds
-        unit_bytes = shape.params_per_unit * shape.weight_bytes
-        weights_bytes = shape.num_units * unit_bytes
-        # What the host keeps besides a share of the weights: the streamed units (1 + prefetch 2), the non-layer ones.
-        free = budget - 3 * unit_bytes - (shape.nonlayer_params + shape.nonlayer_frozen_params) * shape.weight_bytes
+        weights_bytes = shape.num_units * shape.params_per_unit * shape.weight_bytes
+        # What the host keeps besides a share of the weights: the streamed units, the non-layer parameters.
+        free = budget - host_bytes(dataclasses.replace(all_host, weights=TierSplit(host=0.0, ssd=1.0)))
         host = max(0.0, min(1.0, int(100 * free / weights_bytes) / 100)) if weights_bytes else 1.0
         split = TierSplit(host=host, ssd=round(1.0 - host, 2))
         reasons.update({s: f"evaluation: the compute weights ({weights_bytes / 2**30:.2f} GiB), {host:.0%} of them "
                            f"in the {budget / 2**30:.2f} GiB budget" for s in unset})
         return dataclasses.replace(storage, placement="manual", **{s: given.get(s, split) for s in STATES}), reasons
     # raises when not even the working set fits
-    chosen = plan(shape, hw, budget, kind, storage.ssd_dir, alpha=alpha, speculative=speculative)
+    chosen = plan(shape, hw, budget, kind, storage.ssd_dir, alpha=alpha, speculative=speculative, depth=depth)
     placed = dataclasses.replace(storage, placement="manual",
                                  **{s: given.get(s, getattr(chosen.storage, s)) for s in STATES})
     reasons.update({s: f"planner.plan: {needed / 2**30:.2f} GiB all on the host exceeds the "

@@ -2,7 +2,8 @@
 
 Pure functions of plain data. Three users read the same numbers from here:
 
-- the engine's host-budget and SSD free-space checks (``engine/core.py``),
+- the engines' host-budget and SSD free-space checks (``RunPlan.check_host_budget``, ``engine/core.py``,
+  ``engine/evaluation.py``: evaluation's items are ``host_plan`` of ``MemoryInputs.evaluating``),
 - the planner's choice of placement (``planner.plan``),
 - the activation store's placement of checkpoints (``checkpoint_tiers``).
 
@@ -104,6 +105,9 @@ class MemoryInputs:
     # gradient and the in-memory part of its pre-step master weights and moments, on the tier
     # ``storage.rollback`` says; their SSD part stays in the previous versions of the files.
     speculative: bool = False
+    # Evaluation (engine/evaluation.py): only the compute weights are stored and streamed read-only; no
+    # master copy, moments, gradients, optimizer worker or activation checkpoints.
+    evaluating: bool = False
 
     @property
     def trainable(self) -> tuple[int, ...]:
@@ -124,14 +128,6 @@ class MemoryInputs:
             return self.trainable
         return tuple(hi - lo for lo, hi in (shard_bounds(t, self.shard_world_size, self.shard_rank)
                                             for t in self.trainable))
-
-    @property
-    def total_params(self) -> int:
-        return sum(self.unit_params)
-
-    @property
-    def max_unit_params(self) -> int:
-        return max(self.unit_params)
 
     @property
     def e_w(self) -> int:
@@ -233,12 +229,6 @@ def _unit_rollbacks(inputs: MemoryInputs) -> list[tuple[int, int, int]]:
             ] if inputs.speculative else []
 
 
-def rollback_elems(inputs: MemoryInputs) -> tuple[int, ...]:
-    """Per unit, the elements of this rank's backward part that the speculative step's rollback state
-    covers (``ROLLBACK_VECTORS`` vectors each); empty without speculation."""
-    return tuple(kept for kept, _, _ in _unit_rollbacks(inputs))
-
-
 def rollback_copied_elems(inputs: MemoryInputs) -> tuple[int, ...]:
     """Per unit, the elements the rollback store copies every speculative step (``unit_rollback_elems``)."""
     return tuple(copied for _, copied, _ in _unit_rollbacks(inputs))
@@ -271,6 +261,8 @@ def weight_staging_elems(unit_params: tuple[int, ...], split: TierSplit) -> int:
 
 def host_plan(inputs: MemoryInputs) -> dict[str, int]:
     """Host bytes of the run, item by item (``checkpoint*`` items only once checkpoint_bytes is known)."""
+    if inputs.evaluating:
+        return _eval_host_plan(inputs)
     plan = _host_plan(inputs)
     if not inputs.device_is_cpu:
         plan.update(_pinned_items(inputs))
@@ -305,6 +297,16 @@ def _pinned_items(inputs: MemoryInputs) -> dict[str, int]:
         if ckpt_staging:
             items["checkpoint_io_buffers"] = (ckpt_staging + inputs.micro_per_backward_task) * ckpt
     return items
+
+
+def _eval_host_plan(inputs: MemoryInputs) -> dict[str, int]:
+    """Evaluation's host items: the weights' in-memory share, the streaming buffers (resident unit +
+    prefetched ones) and the non-layer parameters, all in the compute dtype. Activations are not counted
+    (one micro-batch's, freed unit by unit). Pageable on every device: evaluation pins nothing."""
+    w, e_w = inputs.storage.weights, inputs.e_w
+    return {"weights": int(sum(inputs.weight_elems) * e_w * _in_memory(w, inputs.device_is_cpu)),
+            "weight_buffers": 0 if w.device == 1.0 else pool_sizes(inputs).weight_buffers * inputs.weight_buffer_bytes,
+            "nonlayer_params": (inputs.nonlayer_params + inputs.nonlayer_frozen) * inputs.compute_bytes}
 
 
 def _host_plan(inputs: MemoryInputs) -> dict[str, int]:
@@ -363,6 +365,9 @@ def ssd_plan(inputs: MemoryInputs) -> dict[str, int]:
 
     def per_unit(fraction: float, elem_bytes: int, numels) -> int:
         return sum(round_up(int(n * fraction) * elem_bytes) for n in numels) if fraction else 0
+
+    if inputs.evaluating:  # the weights are all that evaluation stores
+        return {"weights": per_unit(s.weights.ssd, inputs.e_w, inputs.weight_elems)}
 
     units, trained = inputs.unit_params, inputs.trainable  # frozen elements: weights only
     plan = {

@@ -234,10 +234,11 @@ def choose_alpha(shape: ModelShape) -> float:
 
 def memory_inputs(shape: ModelShape, hw: HardwareProfile, storage: StorageConfig, kind: str, alpha: float,
                   prefetch_depth: int = 1, speculative: bool = False, *, blocks_per_unit: int = 1,
-                  micro_per_backward_task: int = 1, shard_rank: int = 0) -> MemoryInputs:
+                  micro_per_backward_task: int = 1, shard_rank: int = 0, evaluating: bool = False) -> MemoryInputs:
     """The memory model's view of a run: the one place ``MemoryInputs`` is built, for the planner (a shape
     planned on paper: uniform units) and for the engine (its laid-out shape: exact units). ``speculative``:
-    the speculative optimizer step's rollback state is counted (on ``storage.rollback``)."""
+    the speculative optimizer step's rollback state is counted (on ``storage.rollback``); ``evaluating``:
+    the forward-only engine's memory (the compute weights only)."""
     L = shape.num_units
     uniform_elems = (shape.weight_elems_per_unit,) * L if shape.weight_elems_per_unit else ()
     return MemoryInputs(
@@ -250,17 +251,33 @@ def memory_inputs(shape: ModelShape, hw: HardwareProfile, storage: StorageConfig
         storage=storage, kind=kind, num_micro=shape.num_micro, alpha=alpha, prefetch_depth=prefetch_depth,
         blocks_per_unit=blocks_per_unit, micro_per_backward_task=micro_per_backward_task,
         checkpoint_bytes=shape.checkpoint_bytes, shard_world_size=shape.optimizer_shards, shard_rank=shard_rank,
-        speculative=speculative)
+        speculative=speculative, evaluating=evaluating)
+
+
+# Units fetched ahead of the one computing: from memory one unit ahead hides a copy; from the SSD a unit's
+# read outlasts a unit's compute on the measured machines (docs/LOG.md), so two.
+PREFETCH_FROM_MEMORY = 1
+PREFETCH_FROM_SSD = 2
+
+
+def prefetch_depth(storage: StorageConfig) -> tuple[int, str]:
+    """(units fetched ahead of the one computing, why) for this placement: the one rule, which the
+    placement's working set and the run both use (``autoplan.resolve`` records it in the plan)."""
+    if storage.weights.ssd > 0:
+        return PREFETCH_FROM_SSD, "weights on the SSD: a unit's read outlasts a unit's compute"
+    return PREFETCH_FROM_MEMORY, "weights in memory: one unit ahead hides a copy"
 
 
 def plan(shape: ModelShape, hw: HardwareProfile, host_budget_bytes: int, kind: str = "vertical",
-         ssd_dir: str | None = None, *, alpha: float, speculative: bool = False) -> Plan:
+         ssd_dir: str | None = None, *, alpha: float, speculative: bool = False, depth: int | None = None) -> Plan:
     """Fill the host budget with the states that move the most bytes per byte stored; the rest on SSD.
 
     ``alpha`` is the one that runs (``autoplan.resolve`` decides it: 1 when norm clipping or fp16 defer
     whole updates): it sizes the parked gradients. ``speculative``: the speculative step's rollback state
     exists; it is planned on the SSD here (it moves one byte per byte stored, less than any state above,
     so the budget goes to them first; ``resolve`` moves it to the host when what is left allows).
+    ``depth``: the given prefetch depth; None: ``prefetch_depth``'s for weights on the SSD, the most the
+    choice below can lead to, so its buffers are planned from the start.
 
     Order: weights (read twice per step by compute, once more by the optimizer: ~4 bytes moved per
     byte stored), then Adam moments (read + written: 2), then activation checkpoints (2). The working set
@@ -272,8 +289,8 @@ def plan(shape: ModelShape, hw: HardwareProfile, host_budget_bytes: int, kind: s
     separate_master = shape.weight_bytes != shape.master_bytes
     all_ssd = StorageConfig(ssd_dir=ssd_dir, weights="ssd", master="ssd", optimizer="ssd", gradients="host",
                             checkpoints="ssd", rollback="ssd")
-    # Prefetch depth 2 is the most the choice below takes: plan its buffers from the start.
-    fixed = sum(host_plan(memory_inputs(shape, hw, all_ssd, kind, alpha, 2, speculative)).values())
+    depth = prefetch_depth(all_ssd)[0] if depth is None else depth
+    fixed = sum(host_plan(memory_inputs(shape, hw, all_ssd, kind, alpha, depth, speculative)).values())
     if fixed > host_budget_bytes:
         raise ValueError(
             f"host_budget_bytes={host_budget_bytes / 2**30:.2f} GiB ({host_budget_bytes} bytes) cannot hold the "
