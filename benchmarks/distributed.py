@@ -8,7 +8,7 @@ alpha 0.25.
     python benchmarks/distributed.py --steps 2 --runs 1,2:partitioned --checkpoint   # + a save at the end
 
 Per rank and step (medians over the steps after the first): SSD bytes read and written (the engine's
-counters and /proc/self/io), bytes sent by collectives (ring model, ``engine/reduce.py``), the
+counters and /proc/self/io), bytes sent by collectives (ring model, ``engine/parallel/reduce.py``), the
 optimizer state on the rank's SSD (master + Adam moments), and the step time. ``--checkpoint``: a
 directory checkpoint saved after the last step; per rank the bytes its save wrote (its shard with
 partitioned state, checkpoint_shards.py) and the seconds ``trainer.save_checkpoint`` took. The ranks share this

@@ -2,7 +2,7 @@
 
     per-micro   the unbatched vertical schedule: M recomputes, M autograd passes
     split       schedule.split_backward: M recomputes with input gradients, Linear weight gradients as one
-                product per Linear over all micro-batches (engine/split.py)
+                product per Linear over all micro-batches (engine/step/split_backward.py)
     batched     schedule.batched_backward: one recompute and one autograd pass over all micro-batches
 
 No I/O, no optimizer: this isolates the compute difference the split makes, on a machine too loaded for
@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from torch.func import functional_call
 
-from snake_strategy.engine.split import DeferLinearWeights, WeightGradStash
+from snake_strategy.engine.step.split_backward import DeferLinearWeights, WeightGradStash
 from snake_strategy.gpt import Block, preset
 
 SHAPES = {  # (preset, d_model, heads, micro-batch size, context, micro-batches) as in benchmarks/compare.py

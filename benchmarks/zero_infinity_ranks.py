@@ -10,7 +10,7 @@ thread per rank, each rank its own NVMe directory ``<nvme-dir>/rank<r>``, ZeRO-3
 optimizer state on NVMe (``zero_infinity.py``'s tuned settings). Per rank and step (means over the steps
 after the first, as ``zero_infinity.py``): SSD bytes read / written (/proc/self/io of the rank's process),
 bytes sent by collectives (every torch.distributed collective DeepSpeed calls, counted by a wrapper
-under the ring model of ``engine/reduce.py``), the swap files on the rank's NVMe directory, the step
+under the ring model of ``engine/parallel/reduce.py``), the swap files on the rank's NVMe directory, the step
 time (median). Rank 0 gathers the ranks' results (``all_gather_object``) and the driver writes one JSON
 and a plot. Not part of the test suite.
 """

@@ -3,7 +3,7 @@
 
 - A fit that ends normally gives the trained weights back: in memory when they fit the host budget
   (``host_memory.host_budget``, the plan's), else streamed into a safetensors file that the parameters
-  then map (``engine/export.py``). The guard stays only for the case where no file can be written.
+  then map (``engine/state/weights_file.py``). The guard stays only for the case where no file can be written.
 - A fit that fails (setup, a step, a save, teardown) never starts a file export: the weights go back in
   memory when they fit the budget and the engine is sound; else the module gets its pre-fit weights
   back when they are still held (setup failures; file-backed weights of an earlier fit, which cost no
@@ -19,13 +19,13 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 from torch import Tensor, nn
 
-from snake_strategy.engine.export import (WEIGHTS_FILE, export_to_file, file_backed, file_bytes_needed,
+from snake_strategy.engine.state.weights_file import (WEIGHTS_FILE, export_to_file, file_backed, file_bytes_needed,
                                          file_mappings, give_module_file_weights, weights_file_plan)
 
 from snake_strategy.engine.evaluation import EvalEngine
 
 if TYPE_CHECKING:
-    from snake_strategy.engine.core import SnakeEngine
+    from snake_strategy.engine.training import SnakeEngine
     from snake_strategy.progress import Progress
 
 log = logging.getLogger(__name__)

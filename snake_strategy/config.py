@@ -16,7 +16,7 @@ TIERS = ("device", "host", "ssd")
 # not fp32/fp64 (bf16-true); otherwise the compute weights are the master copy and are stored once.
 STATES = ("weights", "master", "optimizer", "gradients", "checkpoints")
 PLACEMENTS = ("manual", "auto")
-# Where the speculative optimizer step keeps its rollback state (engine/rollback.py): all of it on one tier.
+# Where the speculative optimizer step keeps its rollback state (engine/optimizer/rollback.py): all of it on one tier.
 ROLLBACK_TIERS = ("host", "ssd")
 
 
@@ -187,18 +187,18 @@ class ScheduleConfig:
     # checkpoints are still kept per micro-batch). Larger matmuls run faster on CPUs.
     batched_forward: bool | None = None
     # LayerPipe's split backward (vertical only): per micro-batch the input gradient first, then every
-    # Linear weight gradient of the unit over all micro-batches as one product (engine/split.py). Exact for
+    # Linear weight gradient of the unit over all micro-batches as one product (engine/step/split_backward.py). Exact for
     # any block (no sample-independence needed).
     split_backward: bool | None = None
     # How many upcoming units' weights are fetched ahead of use (0 = fetch on demand, no overlap).
     prefetch_depth: int | None = None
     # Units (counted down from the top) whose forward autograd graph is kept in memory until their
-    # backward instead of being recomputed from the checkpoint (engine/kept.py): saves a forward per unit,
+    # backward instead of being recomputed from the checkpoint (engine/step/kept_graphs.py): saves a forward per unit,
     # costs the saved activations. "auto": as many as the host budget holds, measured at the first step.
     # None: "auto" with kind "auto", else 0 (recompute every unit, the classic schedule).
     keep_activations: int | str | None = None
     # Under norm clipping and fp16 loss scaling: "on" steps each unit's backward part as if the clip factor
-    # were 1 and nothing overflowed, and rolls back the steps when that was wrong (engine/rollback.py);
+    # were 1 and nothing overflowed, and rolls back the steps when that was wrong (engine/optimizer/rollback.py);
     # "off" defers every unit's whole update to the next forward (alpha 1). No effect otherwise.
     speculation: str | None = None
 

@@ -2,7 +2,7 @@
 
 ``DataParallelMixin`` gives ``GreedySnakeStrategy`` what Lightning's ``DDPStrategy`` has, without the
 ``DistributedDataParallel`` wrapper (the engine sums the gradients itself, unit by unit, see
-``engine/reduce.py``):
+``engine/parallel/reduce.py``):
 
 - ``devices=N, num_nodes=K``: Lightning's ``_SubprocessScriptLauncher`` starts the other local ranks by
   re-running the script; under torchrun or SLURM the cluster environment says the processes exist already

@@ -44,7 +44,7 @@ class DtypePolicy:
     autocast: torch.dtype | None = None  # mixed precision: run the stages under autocast
     loss_scaling: bool = False  # 16-mixed: dynamic loss scaling, overflowing steps skipped exactly
     # Mixed precision: the blocks' matmul weights are stored and moved in this dtype (the autocast one),
-    # the rest of the block weights in ``compute``, the master copy separately (engine/half_weights.py).
+    # the rest of the block weights in ``compute``, the master copy separately (engine/state/half_weights.py).
     half_weights: torch.dtype | None = None
 
     @property
@@ -118,7 +118,7 @@ class GreedySnakePrecision(Precision):
         init_scale, growth_interval: the 16-mixed loss scaler's start value and clean steps per doubling
             (torch.amp.GradScaler's defaults).
         half_weights: in bf16-mixed / 16-mixed, store and move the blocks' matmul weights in the autocast
-            dtype (half the weight traffic; the same numbers as autocast, engine/half_weights.py). False
+            dtype (half the weight traffic; the same numbers as autocast, engine/state/half_weights.py). False
             keeps them in fp32 (then the compute copy is the master copy, stored once).
     """
 
@@ -166,7 +166,7 @@ class GreedySnakePrecision(Precision):
 
     @override
     def clip_gradients(self, optimizer: Any, clip_val: Any = 0.0, gradient_clip_algorithm: Any = None) -> None:
-        """No-op here: the engine clips exactly (engine/gradients.py); the optimizer's parameters hold no
+        """No-op here: the engine clips exactly (engine/step/gradients.py); the optimizer's parameters hold no
         gradients."""
 
     @override

@@ -12,7 +12,7 @@ pass, in the same snake order; the list says so explicitly instead of the engine
 With ``split_backward`` (LayerPipe's split, vertical only) a unit's backward is two kinds of task:
 ``BX(u, m)`` per micro-batch (recompute, the input gradient and every gradient that is not an
 nn.Linear weight's) and then one ``W(u, ...)`` over all micro-batches: each Linear weight gradient of
-the unit as ONE product (``engine/split.py``). ``W`` reads no weights, so the unit's weight buffer is
+the unit as ONE product (``engine/step/split_backward.py``). ``W`` reads no weights, so the unit's weight buffer is
 given back before it runs and the fetches of the units below proceed under it.
 """
 from __future__ import annotations

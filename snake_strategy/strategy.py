@@ -40,7 +40,7 @@ from snake_strategy.config import ScheduleConfig, StorageConfig, coerce_config, 
 from snake_strategy.contract import check_contract, check_not_empty, check_outputs_on_meta
 from snake_strategy.distributed import DataParallelMixin, build_engine, check_rank_loader, close_engine, rank_storage, sync_initial_state
 from snake_strategy.engine import EngineHooks, EngineRuntime, EvalEngine, SnakeEngine
-from snake_strategy.engine.export import weights_file_name
+from snake_strategy.engine.state.weights_file import weights_file_name
 from snake_strategy.module import LayeredModule
 from snake_strategy.planning.autoplan import RunPlan, example_batch, first_prediction, resolve
 from snake_strategy.planning.planner import HardwareProfile, StepPrediction
@@ -75,7 +75,7 @@ class GreedySnakeStrategy(DataParallelMixin, ParallelStrategy):
         cluster_environment, process_group_backend, timeout: as ``DDPStrategy``'s, for ``devices``/``num_nodes``
             > 1 (data parallel, ``distributed.py``): gloo on CPU, NCCL on CUDA by default.
         shard_optimizer_state: with several ranks, each keeps 1/N of the Adam moments (ZeRO-1,
-            ``engine/partition.py``); False replicates them.
+            ``engine/parallel/partition.py``); False replicates them.
     """
 
     strategy_name = "greedysnake"

@@ -141,7 +141,7 @@ class StepReport(pl.Callback):
             # producers that waited for a free pooled buffer (memory held to the budget, at this cost)
             "perf/backpressure_wait_s": stats.backpressure_wait_s,
         }
-        # Was this step speculative (norm clipping / fp16, engine/rollback.py); rollbacks so far.
+        # Was this step speculative (norm clipping / fp16, engine/optimizer/rollback.py); rollbacks so far.
         metrics["perf/speculation"] = float(stats.speculation)
         metrics["perf/rollbacks"] = float(stats.rollbacks)
         prediction = getattr(trainer.strategy, "prediction", None)

@@ -196,7 +196,7 @@ def materialize_unit_blocks(
 
 def is_matmul_weight(block: nn.Module, name: str) -> bool:
     """Whether parameter ``name`` of ``block`` is the weight of a module whose forward is one autocast op
-    (stored in half under mixed precision, engine/half_weights.py)."""
+    (stored in half under mixed precision, engine/state/half_weights.py)."""
     module_name, _, leaf = name.rpartition(".")
     if leaf != "weight":
         return False
@@ -211,7 +211,7 @@ def is_matmul_weight(block: nn.Module, name: str) -> bool:
 @dataclass(frozen=True)
 class WeightFormat:
     """Where every parameter of one unit sits in its stored weights under half-precision weight storage
-    (engine/half_weights.py explains the main vector, the frozen part and the full-precision tail). Plain
+    (engine/state/half_weights.py explains the main vector, the frozen part and the full-precision tail). Plain
     layout data: the planner sizes a unit's stored weights from it and the engine builds them with it."""
 
     dtype: torch.dtype  # the half dtype of the main vector

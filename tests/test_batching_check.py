@@ -1,6 +1,6 @@
 """Batched passes on blocks that mix samples are refused at the first step, before any update (issue 25,
 item 1): the run's first batched task runs its unit over the micro-batches concatenated and per
-micro-batch, and refuses when they differ (engine/batch_check.py)."""
+micro-batch, and refuses when they differ (engine/step/batch_check.py)."""
 from __future__ import annotations
 
 import lightning as L

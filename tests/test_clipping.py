@@ -96,7 +96,7 @@ class TorchNorm(L.Callback):
 
 @pytest.mark.parametrize("precision", ["64-true", "32-true"])
 def test_the_global_norm_is_torchs(precision, tmp_path):
-    """The engine's global norm (per-parameter norms in the gradients' dtype, engine/gradients.py) is the
+    """The engine's global norm (per-parameter norms in the gradients' dtype, engine/step/gradients.py) is the
     one ``clip_grad_norm_`` computes on the same step-1 gradients, up to how the norms are combined."""
     x, y = token_data(MICRO * MICRO_SIZE, SMALL_GPT.context_len, SMALL_GPT.vocab_size)
     torch.manual_seed(0)

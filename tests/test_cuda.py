@@ -99,7 +99,7 @@ def test_recompute_reproduces_the_forward(dropout, dtype):
     """What the engine does: the forward without grad records the RNG state; the backward recomputes
     with grad from it. The recomputed output must be the forward's, bit for bit: same dropout masks
     (attention and residual) and the same SDPA kernel with and without grad."""
-    from snake_strategy.engine.runner import _replayed, _rng_state
+    from snake_strategy.engine.step.runner import _replayed, _rng_state
 
     device = torch.device("cuda")
     block = _block(dropout, dtype)

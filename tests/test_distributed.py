@@ -23,8 +23,8 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from snake_strategy.distributed import check_rank_loader, rank_storage
 from snake_strategy.config import StorageConfig
-from snake_strategy.engine.partition import shard_bounds
-from snake_strategy.engine.reduce import ring_all_reduce_sent_bytes
+from snake_strategy.engine.parallel.partition import shard_bounds
+from snake_strategy.engine.parallel.reduce import ring_all_reduce_sent_bytes
 from snake_strategy.schedule import BACKWARD
 
 from .helpers import max_abs_diff
@@ -623,7 +623,7 @@ def test_shards_cover_each_unit_once_on_whole_pages():
 
 def test_partitioned_state_refuses_half_weight_storage():
     """The fp32 tail of half-precision weight storage is not all-gathered: refused before any collective."""
-    from snake_strategy.engine.partition import Partition
+    from snake_strategy.engine.parallel.partition import Partition
     from snake_strategy.precision import GreedySnakePrecision
     from snake_strategy.storage import TrafficCounters
 

@@ -191,7 +191,7 @@ class RecordingStream(CopyStream):
 def test_weight_fetches_are_ordered_by_events(monkeypatch, tmp_path):
     """The schedule code's ordering on CPU: each fetched unit's copy event is waited on by the compute
     stream before use, and a reused buffer is written only after the compute event of its release."""
-    import snake_strategy.engine.weights as weights_module
+    import snake_strategy.engine.stream.streamer as weights_module
     from tests.helpers import SMALL_GPT, run_snake
 
     streams: list[RecordingStream] = []

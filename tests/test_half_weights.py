@@ -1,4 +1,4 @@
-"""Half-precision weight storage in bf16-mixed / 16-mixed (engine/half_weights.py).
+"""Half-precision weight storage in bf16-mixed / 16-mixed (engine/state/half_weights.py).
 
 - The numbers are autocast's: training with the matmul weights stored in half equals training with fp32
   compute weights (``half_weights=False``) bit for bit, and plain Lightning within the bf16-mixed

@@ -22,7 +22,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import snake_strategy
 from snake_strategy.engine import EngineHooks
-from snake_strategy.engine.export import map_weights_file, mapped_parameters
+from snake_strategy.engine.state.weights_file import map_weights_file, mapped_parameters
 from snake_strategy.gpt import GPTConfig, GPTModule
 from snake_strategy.planning.host_memory import (CGROUP_HEADROOM_SHARE, SOURCE_AVAILABLE, SOURCE_CGROUP, SOURCE_GIVEN,
                                                  cgroup_headroom, host_budget)

@@ -177,7 +177,7 @@ class DropoutBlock(nn.Module):
         out = F.dropout(self.lin(hidden), p=0.5, training=True)  # functional dropout, not an nn.Dropout
         mask = (out == 0).detach()
         if not self.training:
-            return hidden + out  # the batching check's eval-mode calls (engine/batch_check.py) are not steps
+            return hidden + out  # the batching check's eval-mode calls (engine/step/batch_check.py) are not steps
         self.log.masks.setdefault((self.index, round(float(hidden.detach().double().sum()), 6)), []).append(mask)
         return hidden + out
 

@@ -1,4 +1,4 @@
-"""The speculative optimizer step under norm clipping and fp16 loss scaling (engine/rollback.py): units are
+"""The speculative optimizer step under norm clipping and fp16 loss scaling (engine/optimizer/rollback.py): units are
 stepped before the global norm / overflow flag is known, rolled back and redone when that was wrong, and
 every run equals plain Lightning + torch AdamW + clip_grad_norm_ (+ GradScaler for fp16) element-wise:
 fp64 atol 1e-10, fp32 rtol/atol 1e-5, fp16 the GradScaler test's bound.

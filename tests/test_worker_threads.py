@@ -7,7 +7,7 @@ import lightning as L
 import pytest
 import torch
 
-from snake_strategy.engine.worker_threads import single_threaded_ops
+from snake_strategy.engine.optimizer.worker_threads import single_threaded_ops
 from snake_strategy.gpt import GPTConfig
 from tests.helpers import run_snake
 

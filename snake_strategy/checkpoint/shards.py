@@ -1,7 +1,7 @@
 """Saving per-rank shards of a directory checkpoint (data parallelism with partitioned optimizer state);
 store.load reads them back (re-sharding on another world size), consolidation merges them.
 
-A run with partitioned optimizer state (engine/partition.py: rank ``r`` steps elements ``[lo_r, hi_r)``
+A run with partitioned optimizer state (engine/parallel/partition.py: rank ``r`` steps elements ``[lo_r, hi_r)``
 of every unit) writes format ``greedysnake-checkpoint/2``: format.py's layout with ``shards/``
 instead of ``units/``:
 
@@ -39,7 +39,7 @@ import torch.distributed as dist
 
 from snake_strategy.checkpoint.format import SHARDED_FORMAT, STATES, fsync_tree, write_raw
 from snake_strategy.checkpoint.store import commit, recover, sibling
-from snake_strategy.engine.partition import shard_bounds
+from snake_strategy.engine.parallel.partition import shard_bounds
 from snake_strategy.progress import Progress, or_quiet
 
 if TYPE_CHECKING:

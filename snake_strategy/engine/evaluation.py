@@ -25,12 +25,12 @@ import torch
 from torch import Tensor, nn
 
 from snake_strategy.contract import check_contract
-from snake_strategy.engine.build import materialize
+from snake_strategy.engine.state.build import materialize
 from snake_strategy.engine.runtime import EngineHooks, EngineRuntime
-from snake_strategy.engine.streaming import split_eval_batch, stream_blocks, streamed_forward
+from snake_strategy.engine.stream.forward_only import split_eval_batch, stream_blocks, streamed_forward
 from snake_strategy.engine.trace import TaskTrace
 from snake_strategy.engine.view import StepStats
-from snake_strategy.engine.weights import WeightStreamer
+from snake_strategy.engine.stream.streamer import WeightStreamer
 from snake_strategy.planning.autoplan import RunPlan
 from snake_strategy.planning.memory import ssd_plan
 from snake_strategy.sources.pretrained import PretrainedSource
@@ -153,7 +153,7 @@ class EvalEngine:
         return split_eval_batch(batch, self.schedule.num_micro_batches)
 
     def stream_blocks(self, hiddens: list[Tensor], sides: list[dict[str, Any]]) -> list[Tensor]:
-        """Every unit over each micro-batch's hidden state, weights streamed read-only (engine/streaming.py);
+        """Every unit over each micro-batch's hidden state, weights streamed read-only (engine/stream/forward_only.py);
         one pass is one step of the trace."""
         self.trace.begin_step()
         return stream_blocks(self.units, self.weights, hiddens, sides, self.trace)

@@ -47,7 +47,7 @@ class StepStats:
     skipped: bool = False  # fp16: an inf/nan gradient; no parameter changed
     grad_norm: float | None = None  # norm clipping: the global gradient norm (unscaled)
     clip_factor: float | None = None  # norm clipping: min(1, max_norm / (norm + 1e-6))
-    # The speculative step (norm clipping / fp16, engine/rollback.py): was this step speculative, was it
+    # The speculative step (norm clipping / fp16, engine/optimizer/rollback.py): was this step speculative, was it
     # rolled back (its backward parts redone at the next forward, or restored), rollbacks so far.
     speculation: bool = False
     rolled_back: bool = False

@@ -19,7 +19,7 @@ Choices (docs/design.md, "The planner drives the run", says why each is made):
   them as given): ``planner.choose_alpha`` (the forward's share of the block compute). Norm clipping and
   fp16 loss scaling need the global norm / the overflow flag before any update: by default the step is
   speculative (``schedule.speculation="on"``: the units are stepped at that alpha, rolled back when the
-  clip factor was not 1 or a gradient overflowed, engine/rollback.py), and the rollback state goes on the
+  clip factor was not 1 or a gradient overflowed, engine/optimizer/rollback.py), and the rollback state goes on the
   host when the budget left after placement holds it, else on the SSD; ``speculation="off"`` runs alpha 1
   (every whole update deferred), and the parked gradients are sized with that.
 - **prefetch depth**: ``planner.prefetch_depth``: deeper when the weights are partly on the SSD (a unit's
@@ -29,7 +29,7 @@ Choices (docs/design.md, "The planner drives the run", says why each is made):
   (the split backward, or a forward and backward that group micro-batches differently) and none for
   ``"auto"`` on a GPU (the graphs would live in device memory, which the host budget does not see); else
   the given count, or ``"auto"``: the engine measures a unit's graph at the first step and keeps the top
-  units whose graphs fit the budget left after the plan (engine/kept.py, ``RunPlan.kept_units``).
+  units whose graphs fit the budget left after the plan (engine/step/kept_graphs.py, ``RunPlan.kept_units``).
 - **the model's shape** (``setup_layouts``): the units and the bytes of every stored state in the dtypes
   that run (half-precision weight storage included), the one ``ModelShape`` the planner places and the
   engine checks.
@@ -257,7 +257,7 @@ def resolve(module: nn.Module, optimizer: torch.optim.Optimizer | None, storage:
 
 
 def _kept_activations(schedule: ScheduleConfig, device: torch.device) -> tuple[int | str, str]:
-    """(the effective ``keep_activations``, why) for a concrete schedule: engine/kept.py keeps exactly this."""
+    """(the effective ``keep_activations``, why) for a concrete schedule: engine/step/kept_graphs.py keeps exactly this."""
     keep = schedule.keep_activations
     if keep == 0:
         return 0, "given (0 is an explicit kind's default)"

@@ -2,7 +2,7 @@
 
 Pure functions of plain data. Three users read the same numbers from here:
 
-- the engines' host-budget and SSD free-space checks (``RunPlan.check_host_budget``, ``engine/core.py``,
+- the engines' host-budget and SSD free-space checks (``RunPlan.check_host_budget``, ``engine/training.py``,
   ``engine/evaluation.py``: evaluation's items are ``host_plan`` of ``MemoryInputs.evaluating``),
 - the planner's choice of placement (``planner.plan``),
 - the activation store's placement of checkpoints (``checkpoint_tiers``).
@@ -40,7 +40,7 @@ RSS_SLACK_BYTES = 96 * 2**20
 WEIGHT_STAGING_BUFFERS = 2
 
 
-# Partitioned optimizer state (engine/partition.py): shards are whole pages of every dtype up to 1 byte.
+# Partitioned optimizer state (engine/parallel/partition.py): shards are whole pages of every dtype up to 1 byte.
 SHARD_ALIGN_ELEMS = 4096
 
 
@@ -91,7 +91,7 @@ class MemoryInputs:
     # moments and gradients (the trainable part, page-padded); empty: every element is trainable.
     unit_trainable: tuple[int, ...] = ()
     nonlayer_frozen: int = 0  # frozen embedding/head parameters: the compute copy only
-    # Half-precision weight storage (mixed precision, engine/half_weights.py): per unit, the elements of
+    # Half-precision weight storage (mixed precision, engine/state/half_weights.py): per unit, the elements of
     # the stored weight vector, of ``weight_bytes`` each (frozen parts count two), and the bytes of the
     # full-precision tail kept in memory. Empty / 0: unit_params elements of compute_bytes, no tail.
     unit_weight_elems: tuple[int, ...] = ()
@@ -101,7 +101,7 @@ class MemoryInputs:
     # moments of its shard of every unit only (the plan is per rank). 1: the moments are whole.
     shard_world_size: int = 1
     shard_rank: int = 0
-    # The speculative optimizer step (engine/rollback.py): each unit's backward part keeps its raw
+    # The speculative optimizer step (engine/optimizer/rollback.py): each unit's backward part keeps its raw
     # gradient and the in-memory part of its pre-step master weights and moments, on the tier
     # ``storage.rollback`` says; their SSD part stays in the previous versions of the files.
     speculative: bool = False
@@ -389,7 +389,7 @@ def ssd_plan(inputs: MemoryInputs) -> dict[str, int]:
 
 def partition_host_bytes(max_padded_unit: int, world_size: int, compute_bytes: int, master_bytes: int,
                          device_is_cpu: bool) -> int:
-    """Host buffers of partitioned optimizer state (engine/partition.py) besides the pools: the worker's
+    """Host buffers of partitioned optimizer state (engine/parallel/partition.py) besides the pools: the worker's
     weight gather (its shard and the whole padded unit, compute dtype, transient) and the reduce-scatter
     outputs (one shard each, master dtype; at most 2 in flight, one per gradient buffer). The moments
     themselves are planned per rank (``MemoryInputs.moment_elems``)."""

@@ -170,7 +170,7 @@ class TieredTensor:
         self.ssd_file.track(ticket)  # a pin waits for it
         return ticket
 
-    # ------------------------------------------------------------------ rollback holds (engine/rollback.py)
+    # ------------------------------------------------------------------ rollback holds (engine/optimizer/rollback.py)
     def hold(self, lo: int, hi: int) -> None:
         """Keep the SSD part of elements [lo, hi) readable as it is now (``fetch_held``) while updates go
         on: they go to a new version of the file (storage/versions.py), nothing is copied. The device and

@@ -13,7 +13,7 @@ The versioning API (used by checkpoints, open to any caller that needs a stable 
                                   frees the held version once nothing references it
     ``hold(off, n)``              keep bytes [off, off+n) readable as they are now (``held_pieces``) while
                                   writes go on, without a link: the speculative optimizer step's pre-step
-                                  state (engine/rollback.py). Like a pin, the next write starts a new version
+                                  state (engine/optimizer/rollback.py). Like a pin, the next write starts a new version
     ``release_hold()``            the held bytes are not needed any more
 
 "Held" is the inode's link count, read with one ``fstat`` per write while no new version is open (a

@@ -8,7 +8,7 @@ Policies (docs/design.md, "Clipping and loss scaling"):
 - clipping by norm and fp16 loss scaling need every gradient before any update (the global norm; the
   overflow decision): ``finish`` computes the factor ``unscale x min(1, max_norm / (norm + 1e-6))`` that
   the deferred forward parts apply (or skips the step). The backward parts are stepped speculatively
-  (factor 1, no overflow) or saved, and ``finish`` settles them (``SpeculationPolicy``, engine/rollback.py:
+  (factor 1, no overflow) or saved, and ``finish`` settles them (``SpeculationPolicy``, engine/optimizer/rollback.py:
   kept, redone or restored); with ``schedule.speculation="off"`` the plan's alpha is 1 (all deferred).
 """
 from __future__ import annotations
@@ -17,11 +17,11 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from snake_strategy.engine.overlap import OptimizerOverlap
-from snake_strategy.engine.partition import Partition, shard_range
-from snake_strategy.engine.reduce import GradientReducer
-from snake_strategy.engine.rollback import SpeculationPolicy
-from snake_strategy.engine.state import NonLayerState, UnitStore
+from snake_strategy.engine.optimizer.worker import OptimizerOverlap
+from snake_strategy.engine.parallel.partition import Partition, shard_range
+from snake_strategy.engine.parallel.reduce import GradientReducer
+from snake_strategy.engine.optimizer.rollback import SpeculationPolicy
+from snake_strategy.engine.state.stores import NonLayerState, UnitStore
 from snake_strategy.engine.view import StepStats
 from snake_strategy.optim import AdamHyperParams
 from snake_strategy.precision import LossScaler

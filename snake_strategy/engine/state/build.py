@@ -12,10 +12,10 @@ from typing import Callable
 import torch
 from torch import nn
 
-from snake_strategy.engine.half_weights import tail_split
-from snake_strategy.engine.partition import ShardView
+from snake_strategy.engine.state.half_weights import tail_split
+from snake_strategy.engine.parallel.partition import ShardView
 from snake_strategy.engine.runtime import EngineRuntime
-from snake_strategy.engine.state import NonLayerState, UnitStore
+from snake_strategy.engine.state.stores import NonLayerState, UnitStore
 from snake_strategy.planning.autoplan import RunPlan
 from snake_strategy.planning.memory import forward_split
 from snake_strategy.precision import DtypePolicy
@@ -54,7 +54,7 @@ def build_model(module: nn.Module, optimizer: torch.optim.Optimizer, plan: RunPl
         fmt, tail = None, None
         if dtypes.half_weights is not None:
             # Mixed precision: matmul weights stored in half, the rest in a full-precision tail kept in
-            # memory (engine/half_weights.py); the master copy is separate.
+            # memory (engine/state/half_weights.py); the master copy is separate.
             fmt = WeightFormat.for_layout(layout, dtypes.half_weights, dtypes.master)
             tail = tiers.tensor(f"{name}.tail", "weights", fmt.tail_numel, dtypes.master, tail_split(storage.weights))
         weights = tiers.tensor(name, "weights", n if fmt is None else fmt.main_numel, dtypes.weights)

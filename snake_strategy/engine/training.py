@@ -24,20 +24,20 @@ from torch import Tensor, nn
 from snake_strategy.activations import ActivationStore
 from snake_strategy.contract import (batch_size, batch_tensors, check_contract, slice_batch, split_micro_batches,
                                      unpack_pre_stage)
-from snake_strategy.engine.batch_check import batching_tolerance
-from snake_strategy.engine.build import build_model
-from snake_strategy.engine.gradients import GradientPath
-from snake_strategy.engine.kept import KeptGraphs
-from snake_strategy.engine.overlap import OptimizerOverlap
-from snake_strategy.engine.partition import Partition, shard_range
-from snake_strategy.engine.reduce import GradientReducer
-from snake_strategy.engine.rollback import RollbackStore, SpeculationPolicy
-from snake_strategy.engine.runner import StepParts, StepRunner, StepState
+from snake_strategy.engine.step.batch_check import batching_tolerance
+from snake_strategy.engine.state.build import build_model
+from snake_strategy.engine.step.gradients import GradientPath
+from snake_strategy.engine.step.kept_graphs import KeptGraphs
+from snake_strategy.engine.optimizer.worker import OptimizerOverlap
+from snake_strategy.engine.parallel.partition import Partition, shard_range
+from snake_strategy.engine.parallel.reduce import GradientReducer
+from snake_strategy.engine.optimizer.rollback import RollbackStore, SpeculationPolicy
+from snake_strategy.engine.step.runner import StepParts, StepRunner, StepState
 from snake_strategy.engine.runtime import EngineHooks, EngineRuntime
-from snake_strategy.engine.streaming import stream_blocks, streamed_forward
+from snake_strategy.engine.stream.forward_only import stream_blocks, streamed_forward
 from snake_strategy.engine.trace import TaskTrace
 from snake_strategy.engine.view import StepStats
-from snake_strategy.engine.weights import WeightStreamer
+from snake_strategy.engine.stream.streamer import WeightStreamer
 from snake_strategy.planning.memory import MemoryInputs, pool_sizes, ssd_plan
 from snake_strategy.optim import check_optimizer, snapshot_hyper_params
 from snake_strategy.planning.autoplan import RunPlan
@@ -79,14 +79,14 @@ class SnakeEngine:
         # The plan's step mode, which resolve decided from the same clip and loss scaling this engine runs.
         assert plan.step_mode != "speculative" or self.alpha < 1.0, "a speculative step has backward parts"
         assert plan.step_mode != "deferred" or self.alpha == 1.0, "a deferred step defers whole updates"
-        self.speculation = SpeculationPolicy(plan.step_mode, clip, self.scaler)  # engine/rollback.py
+        self.speculation = SpeculationPolicy(plan.step_mode, clip, self.scaler)  # engine/optimizer/rollback.py
         world_size, rank = runtime.world_size, runtime.rank
         self.counters = TrafficCounters()
         self.trace = TaskTrace()
         # Data parallel (world_size > 1, a process group set up): unit gradients summed across ranks.
         self.world_size = world_size
         self.reducer = GradientReducer(world_size, self.counters, self.trace, self.device) if world_size > 1 else None
-        # ZeRO-1: this rank keeps 1/N of the moments (engine/partition.py).
+        # ZeRO-1: this rank keeps 1/N of the moments (engine/parallel/partition.py).
         self.partition = Partition(world_size, rank, self.counters, self.dtypes, self.device) \
             if runtime.shard_optimizer and world_size > 1 else None
         self.step_count = 0
@@ -329,7 +329,7 @@ class SnakeEngine:
 
     # ------------------------------------------------------------------ evaluation
     def stream_blocks(self, hiddens: list[Tensor], sides: list[dict[str, Any]]) -> list[Tensor]:
-        """Every unit over each micro-batch's hidden state, weights streamed read-only (engine/streaming.py);
+        """Every unit over each micro-batch's hidden state, weights streamed read-only (engine/stream/forward_only.py);
         pending optimizer updates land first."""
         self.flush()
         return stream_blocks(self.units, self.weights, hiddens, sides)

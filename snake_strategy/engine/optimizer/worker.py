@@ -12,7 +12,7 @@ frozen elements [train_end, n) are never stepped nor written:
 Every element is updated exactly once per iteration, with its full accumulated gradient, before it is
 next read: the parameter sequence is synchronous AdamW (docs/design.md, "Why the overlap is exact").
 
-Under norm clipping and fp16 loss scaling (a ``RollbackStore`` is set, engine/rollback.py) the backward
+Under norm clipping and fp16 loss scaling (a ``RollbackStore`` is set, engine/optimizer/rollback.py) the backward
 part is stepped speculatively, its raw gradient and pre-step state saved first ("speculate"), or only its
 raw gradient is saved ("defer"); the end of the iteration then queues a redo (restore + step with the
 true factor) or an apply (step with the true factor) of the backward part into the unit's next forward
@@ -34,11 +34,11 @@ from typing import Callable
 
 import torch
 
-from snake_strategy.engine.partition import shard_range
-from snake_strategy.engine.rollback import DEFER, GRAD, REDO, STATES, RollbackStore
-from snake_strategy.engine.state import UnitStore
+from snake_strategy.engine.parallel.partition import shard_range
+from snake_strategy.engine.optimizer.rollback import DEFER, GRAD, REDO, STATES, RollbackStore
+from snake_strategy.engine.state.stores import UnitStore
 from snake_strategy.engine.trace import OPTIMIZER, WAIT, TaskTrace
-from snake_strategy.engine.worker_threads import single_threaded_ops
+from snake_strategy.engine.optimizer.worker_threads import single_threaded_ops
 from snake_strategy.optim import AdamHyperParams, adam_step
 from snake_strategy.storage.io_engine import BACKGROUND, URGENT, set_thread_priority
 from snake_strategy.storage.pool import BufferPool
@@ -85,10 +85,10 @@ class OptimizerOverlap:
         # parameter whose grad is None, so their values and moments are kept as they were.
         self.unused: dict[int, list[tuple[int, int]]] = {}
         self._lock = threading.Lock()
-        # Partitioned optimizer state: gather(u) all-gathers unit u's updated weights (engine/partition.py).
+        # Partitioned optimizer state: gather(u) all-gathers unit u's updated weights (engine/parallel/partition.py).
         self.gather: Callable[[int], None] | None = None
         self.busy_s = 0.0  # worker time spent stepping, since the last reset
-        # The speculative step (engine/rollback.py): set by the engine under norm clipping / fp16 scaling.
+        # The speculative step (engine/optimizer/rollback.py): set by the engine under norm clipping / fp16 scaling.
         self.rollback: RollbackStore | None = None
         self._mode: str | None = None  # this iteration: SPECULATE, DEFER, or None (plain overlap)
         self._spec_scale: float | None = None  # the factor a speculative step assumes (the unscale only)
@@ -369,7 +369,7 @@ class OptimizerOverlap:
 
 
 def _worker_init() -> None:
-    # One intra-op thread for the worker's chunks, set for this thread only (engine/worker_threads.py).
+    # One intra-op thread for the worker's chunks, set for this thread only (engine/optimizer/worker_threads.py).
     single_threaded_ops()
     # Backward parts are waited for only at the end of the step: reads of weights and checkpoints go first.
     set_thread_priority(BACKGROUND)

@@ -23,7 +23,7 @@ from snake_strategy.progress import Progress, or_quiet
 from snake_strategy.sources.safetensors_io import SINGLE_FILE, ShardedSafetensorsWriter, read_header
 
 if TYPE_CHECKING:
-    from snake_strategy.engine.core import SnakeEngine
+    from snake_strategy.engine.training import SnakeEngine
 
 WEIGHTS_FILE = "greedysnake-weights.safetensors"
 # The file is written as one piece: the shard limit of the HF writer is set past any model.

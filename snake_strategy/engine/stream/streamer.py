@@ -21,10 +21,10 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 from torch import Tensor
 
-from snake_strategy.engine.overlap import OptimizerOverlap
-from snake_strategy.engine.state import UnitStore
+from snake_strategy.engine.optimizer.worker import OptimizerOverlap
+from snake_strategy.engine.state.stores import UnitStore
 from snake_strategy.engine.trace import FetchRecord, TaskTrace
-from snake_strategy.engine.worker_threads import single_threaded_ops
+from snake_strategy.engine.optimizer.worker_threads import single_threaded_ops
 from snake_strategy.schedule import Task, unit_run_ahead
 from snake_strategy.planning.memory import WEIGHT_STAGING_BUFFERS
 from snake_strategy.storage.pool import BufferPool
@@ -46,7 +46,7 @@ class WeightStreamer:
         if device.type == "cuda" and ssd_elems:
             self.staging = BufferPool("weight-staging", WEIGHT_STAGING_BUFFERS, ssd_elems, compute_dtype,
                                       torch.device("cpu"), pin_memory=True)
-        # Its copies run on one intra-op thread, set for this thread only (engine/worker_threads.py).
+        # Its copies run on one intra-op thread, set for this thread only (engine/optimizer/worker_threads.py).
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="snake-prefetch",
                                           initializer=single_threaded_ops)
         self._prefetched: dict[int, tuple[Future, float]] = {}  # unit -> (job, issue time)

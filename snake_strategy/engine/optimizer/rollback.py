@@ -26,8 +26,8 @@ from __future__ import annotations
 import torch
 
 from snake_strategy.config import TierSplit
-from snake_strategy.engine.partition import shard_range
-from snake_strategy.engine.state import UnitStore
+from snake_strategy.engine.parallel.partition import shard_range
+from snake_strategy.engine.state.stores import UnitStore
 from snake_strategy.engine.view import StepStats
 from snake_strategy.planning.autoplan import STEP_MODES
 from snake_strategy.storage import IOEngine, SsdDirectory, TieredTensor, TrafficCounters
@@ -139,7 +139,7 @@ class SpeculationPolicy:
         assert step_mode in STEP_MODES, step_mode
         self.enabled = step_mode == "speculative"
         # A speculative step assumes the clip factor 1 and no overflow: only the loss scale's unscale
-        # (value clipping unscales each unit as it clamps it, engine/gradients.py).
+        # (value clipping unscales each unit as it clamps it, engine/step/gradients.py).
         self._unscales = scaler.enabled and not (clip is not None and clip[0] == "value")
         self._scaler = scaler
         self.speculate_next = True

@@ -11,7 +11,7 @@ from typing import Any, Callable
 import torch
 from torch import Tensor, nn
 
-from snake_strategy.engine.half_weights import checked
+from snake_strategy.engine.state.half_weights import checked
 from snake_strategy.optim import AdamHyperParams, adam_step
 from snake_strategy.precision import DtypePolicy
 from snake_strategy.storage import TieredTensor
@@ -30,7 +30,7 @@ class UnitStore:
     exp_avg_sq: TieredTensor
     grads: TieredTensor
     split: int  # forward part = [0, split), backward part = [split, train_end)
-    # Half-precision weight storage (mixed precision, engine/half_weights.py): the layout of ``weights``
+    # Half-precision weight storage (mixed precision, engine/state/half_weights.py): the layout of ``weights``
     # and the full-precision tail; None when ``weights`` holds the layout's elements in one dtype.
     fmt: WeightFormat | None = None
     tail: TieredTensor | None = None

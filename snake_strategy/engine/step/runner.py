@@ -23,13 +23,13 @@ from torch import Tensor, nn
 
 from snake_strategy.activations import ActivationStore
 from snake_strategy.contract import check_block_output, stack_side_inputs, unpack_pre_stage
-from snake_strategy.engine.batch_check import check_batching
-from snake_strategy.engine.gradients import GradientPath
-from snake_strategy.engine.kept import KeptGraph, KeptGraphs
-from snake_strategy.engine.split import DeferLinearWeights, WeightGradStash
-from snake_strategy.engine.state import NonLayerState, UnitStore
+from snake_strategy.engine.step.batch_check import check_batching
+from snake_strategy.engine.step.gradients import GradientPath
+from snake_strategy.engine.step.kept_graphs import KeptGraph, KeptGraphs
+from snake_strategy.engine.step.split_backward import DeferLinearWeights, WeightGradStash
+from snake_strategy.engine.state.stores import NonLayerState, UnitStore
 from snake_strategy.engine.trace import TASK, TaskTrace
-from snake_strategy.engine.weights import WeightStreamer
+from snake_strategy.engine.stream.streamer import WeightStreamer
 from snake_strategy.progress import StepProgress
 from snake_strategy.schedule import BACKWARD, FORWARD, WEIGHT_GRAD, Task
 
@@ -74,14 +74,14 @@ class StepRunner:
         self.units, self.nonlayer, self.weights = parts.units, parts.nonlayer, parts.weights
         self.activations, self.gradients, self.trace = parts.activations, parts.gradients, parts.trace
         self.device, self._autocast_dtype = device, autocast
-        # Kept forward graphs (engine/kept.py); ``free_host_bytes(checkpoint_bytes)``: what the host budget
+        # Kept forward graphs (engine/step/kept_graphs.py); ``free_host_bytes(checkpoint_bytes)``: what the host budget
         # leaves once the plan with checkpoints of that size is placed (the "auto" choice).
         self.kept, self._free_host_bytes = parts.kept, free_host_bytes
         # Frozen parameters (docs/design.md, "Frozen parameters"): units below ``first_backward`` get no
         # backward at all; ``pre_trains`` says whether pre_stage's output depends on a trainable parameter.
         self.first_backward, self.pre_trains = 0, True
         # Batched passes: (what turned them on, tolerance) until the run's first batched task has checked
-        # that batching leaves each sample's output alone (engine/batch_check.py); None once checked.
+        # that batching leaves each sample's output alone (engine/step/batch_check.py); None once checked.
         self.unverified_batching: tuple[str, float] | None = None
 
     def plan_backward(self, micro_batch: Any) -> None:
