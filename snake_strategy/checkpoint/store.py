@@ -318,9 +318,8 @@ def sweep(directory: str | os.PathLike) -> list[str]:
     parts = []
     if removed:
         freed = sum(held.get(g, 0) for g in removed)
-        parts.append(f"removed {len(removed)} partial or displaced save(s) of dead processes, "
-                     f"{_describe_bytes(freed)} in all: "
-                     + ", ".join(f"{root / g} ({_describe_bytes(held.get(g, 0))})" for g in removed))
+        parts.append("removed " + ", ".join(f"{root / g} ({_describe_bytes(held.get(g, 0))})" for g in removed)
+                     + f": what saves of dead processes left, {_describe_bytes(freed)} in all")
     return ["; ".join(parts + restored)]
 
 
