@@ -36,12 +36,12 @@ from lightning.fabric.utilities.distributed import (
     _sync_ddp_if_available,
 )
 from lightning.fabric.utilities.seed import reset_seed
-from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from torch import Tensor
 from torch.utils.data import DistributedSampler
 
 from snake_strategy.config import StorageConfig
+from snake_strategy.launchers import ScriptLauncher, SingleProcessLauncher
 
 DEFAULT_TIMEOUT = timedelta(minutes=30)  # torch.distributed's default process-group timeout
 
@@ -87,10 +87,12 @@ class DataParallelMixin:
         return self._process_group_backend
 
     def _configure_launcher(self) -> None:
-        # A single process needs no launcher; otherwise Lightning's script launcher starts the local
-        # ranks (or, under torchrun / SLURM, sees that the environment already did).
+        # Lightning's script launcher starts the local ranks (or, under torchrun / SLURM, sees that the
+        # environment already did); both launchers first recover what killed saves left (launchers.py).
         if self.is_distributed:
-            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+            self._launcher = ScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+        else:
+            self._launcher = SingleProcessLauncher()
 
     def set_world_ranks(self) -> None:
         if self.cluster_environment is not None:

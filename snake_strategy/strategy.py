@@ -232,7 +232,7 @@ class GreedySnakeStrategy(DataParallelMixin, ParallelStrategy):
         self._deferred = preemption.DeferredSaves()
         # Sweep what killed saves left in the checkpoint directories; check the kept checkpoints fit.
         checkpoint_pins.prepare_checkpoint_dirs(self.engine, trainer.checkpoint_callbacks, self.is_global_zero,
-                                                checkpoint_store.sweep)
+                                                checkpoint_store.sweep_and_log)
         if not any(c is self._preemption for c in trainer.callbacks):
             trainer.callbacks.append(self._preemption)  # saves last.ckpt at the end of a SIGTERMed batch
         self._preemption.saved_step = None

@@ -284,16 +284,17 @@ def kept_checkpoints(callback: Any) -> int:
 
 
 def prepare_checkpoint_dirs(engine: SnakeEngine, callbacks: list, is_global_zero: bool,
-                            sweep: Callable[[str], list[str]]) -> None:
-    """At setup: sweep each ModelCheckpoint directory of what killed saves left (``sweep``: store.sweep,
-    rank 0 only; restores a ``last`` set aside), and check that its kept checkpoints fit their disk."""
+                            sweep: Callable[[str], None]) -> None:
+    """At setup: sweep each ModelCheckpoint directory of what killed saves left (``sweep``:
+    store.sweep_and_log, rank 0 only; restores a ``last`` set aside: a directory resolved only now, from
+    the logger's; the launcher swept those named up front), and check that its kept checkpoints fit
+    their disk."""
     for callback in callbacks:
         dirpath = getattr(callback, "dirpath", None)
         if not dirpath:
             continue
         if is_global_zero:
-            for line in sweep(dirpath):
-                log.warning("checkpoint directory %s: %s", dirpath, line)
+            sweep(dirpath)
         kept = kept_checkpoints(callback)
         if kept and engine.partition is None:  # per-rank shards are written, not pinned: not counted here
             check_space(engine, dirpath, kept, f"ModelCheckpoint(dirpath={dirpath!r}, save_top_k="

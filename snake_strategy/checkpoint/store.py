@@ -207,7 +207,7 @@ def _leftovers(final: Path) -> list[tuple[Path, str, int]]:
     return found
 
 
-def _recover(final: Path, clean: bool) -> Path | None:
+def _recover(final: Path, clean: bool, may_replace: bool = True) -> Path | None:
     """The directory that holds checkpoint ``final``: itself, or the old checkpoint a killed save set aside
     (moved back under its name; read where it lies if that is not allowed). None if there is neither.
 
@@ -218,12 +218,16 @@ def _recover(final: Path, clean: bool) -> Path | None:
     new one complete under its temporary name), the newest complete copy (highest step in its manifest;
     on a tie the one set aside) goes back under the name, and a complete copy newer than the one under
     the name is never removed: it takes the name instead.
+
+    ``may_replace`` False only fills a missing name (one rename, which several processes may race to do:
+    the loser finds the name taken and uses it); it never displaces a checkpoint under the name.
     """
     mine_or_dead = [(p, kind) for p, kind, pid in _leftovers(final) if pid == os.getpid() or not pid_alive(pid)]
     found: Path | None = final if os.path.lexists(final) else None
     complete = [(_step_of(p), kind == "old", p) for p, kind in mine_or_dead if kind in ("old", "tmp")]
     complete = sorted((c for c in complete if c[0] is not None), key=lambda c: (c[0], c[1]))
-    current = _step_of(final) if found is not None and found.is_dir() else None
+    # Only where a complete copy competes (a stat per file of the checkpoint under the name).
+    current = _step_of(final) if complete and found is not None and may_replace and found.is_dir() else None
     if complete and (found is None or (current is not None and complete[-1][0] > current)):
         newest = complete[-1][2]
         try:
@@ -231,9 +235,12 @@ def _recover(final: Path, clean: bool) -> Path | None:
                 _replace(newest, final)  # the newer copy takes the name; the older one goes
             else:
                 os.rename(newest, final)
+                fsync_parent(final)
             found = final
         except OSError:
-            if found is None:
+            if os.path.lexists(final):
+                found = final  # another process (a data-parallel rank) adopted it first
+            elif found is None:
                 found = newest  # e.g. a read-only copy of the checkpoints: use it in place
     if clean:
         for leftover, _ in mine_or_dead:
@@ -243,40 +250,90 @@ def _recover(final: Path, clean: bool) -> Path | None:
 
 
 def _step_of(root: Path) -> int | None:
-    """The step of a complete checkpoint directory (its manifest is written last), None if incomplete."""
+    """The step of a complete checkpoint directory, None if incomplete. Complete: its manifest (written
+    last, after every file was fsynced) parses and every file it lists is there with its recorded size
+    (a stat each; the CRC-32s are checked by whoever loads it)."""
     try:
-        return int(json.loads((root / "manifest.json").read_text())["step_count"])
-    except (OSError, ValueError, KeyError, TypeError):
+        manifest = json.loads((root / "manifest.json").read_text())
+        for name, info in manifest["files"].items():
+            if os.stat(root / name).st_size != info["bytes"]:
+                return None
+        return int(manifest["step_count"])
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None
 
 
+def _held_bytes(path: Path) -> int:
+    """Disk space the files under ``path`` hold (allocated blocks, each inode once: a zero-copy save's
+    files are hard links)."""
+    seen, total = set(), 0
+    for root, _, names in os.walk(path):
+        for name in names:
+            with contextlib.suppress(OSError):
+                st = os.lstat(os.path.join(root, name))
+                if (st.st_dev, st.st_ino) not in seen:
+                    seen.add((st.st_dev, st.st_ino))
+                    total += st.st_blocks * 512
+    return total
+
+
+def _describe_bytes(num_bytes: int) -> str:
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if num_bytes >= size:
+            return f"{num_bytes / size:.3g} {unit}"
+    return f"{num_bytes} bytes"
+
+
 def sweep(directory: str | os.PathLike) -> list[str]:
-    """At the start of a run: for every checkpoint in ``directory`` that dead runs left siblings of
-    (``.<name>.tmp-PID``, ``.old-PID``, ``.del-PID``), put the newest complete copy under the name and
-    remove the rest. Returns what was removed or restored (for the log)."""
+    """For every checkpoint in ``directory`` that dead processes left siblings of (``.<name>.tmp-PID``:
+    an unfinished or staged save, ``.old-PID``: one set aside, ``.del-PID``: one being released), put
+    the newest complete copy under the name and remove the rest. A live process's siblings are its save
+    in progress: left alone (a pid the system gave to another process since looks alive too: kept, never
+    wrongly removed). Returns one line for the log (none when there was nothing): each path removed with
+    the disk space it held, each checkpoint restored."""
     root = Path(directory)
     try:
         names = os.listdir(root)
     except OSError:
         return []
-    finals = set()
+    finals, held = set(), {}
     for name in names:
         if name.startswith(".") and ("." in name[1:]):
             stem, _, suffix = name[1:].rpartition(".")
             kind, _, pid = suffix.partition("-")
             if kind in ("tmp", "old", "del") and pid.isdigit() and not pid_alive(int(pid)):
                 finals.add(stem)
-    done = []
+                held[name] = _held_bytes(root / name)
+    removed, restored = [], []
     for stem in sorted(finals):
         final = root / stem
         before = set(os.listdir(root))
         had = os.path.lexists(final)
         _recover(final, clean=True)
-        gone = sorted(before - set(os.listdir(root)))
-        done += [f"removed {root / g}" for g in gone if g != stem]
+        removed += sorted(g for g in before - set(os.listdir(root)) if g != stem)
         if not had and os.path.lexists(final):
-            done.append(f"restored {final} (step {_step_of(final)}) from the copy a killed save left aside")
-    return done
+            restored.append(f"restored {final} (step {_step_of(final)}) from the copy a killed save left aside")
+    if not removed and not restored:
+        return []
+    parts = []
+    if removed:
+        freed = sum(held.get(g, 0) for g in removed)
+        parts.append("removed " + ", ".join(f"{root / g} ({_describe_bytes(held.get(g, 0))})" for g in removed)
+                     + f": what saves of dead processes left, {_describe_bytes(freed)} in all")
+    return ["; ".join(parts + restored)]
+
+
+def sweep_and_log(directory: str | os.PathLike) -> None:
+    """``sweep``, its line logged as a warning (the one message a run gives about what it cleaned)."""
+    for line in sweep(directory):
+        log.warning("checkpoint directory %s: %s", directory, line)
+
+
+def adopt(path: str | os.PathLike) -> None:
+    """Where the name ``path`` is missing and a killed save left a complete copy of it aside or staged,
+    put the newest one under the name; nothing is removed and a checkpoint under the name is never
+    displaced (safe in every data-parallel rank at once, before they agree on anything)."""
+    _recover(Path(path), clean=False, may_replace=False)
 
 
 def release(path: str | os.PathLike) -> None:
@@ -325,16 +382,22 @@ def read_manifest(path: str | os.PathLike, progress: Progress | None = None) -> 
 
 
 def recover(path: str | os.PathLike) -> None:
-    """Adopt the checkpoint a killed save left aside under ``path``'s name, drop dead runs' leftovers (what
-    ``load`` does first; data-parallel ranks let rank 0 alone do it, then all load with ``recover=False``)."""
-    _recover(Path(path), clean=True)
+    """Adopt the checkpoint a killed save left aside under ``path``'s name, and drop what dead processes
+    left in its directory (logged; what ``load`` does first; data-parallel ranks let rank 0 alone do it,
+    then all load with ``recover=False``)."""
+    _recover_directory(Path(path))
+
+
+def _recover_directory(final: Path) -> None:
+    sweep_and_log(final.parent)
+    _recover(final, clean=True)  # this process's own leftovers of that name too
 
 
 def load(engine: SnakeEngine, path: str | os.PathLike, progress: Progress | None = None,
          recover: bool = True) -> dict[str, Any]:
     """Stream a checkpoint into the engine's tiers; returns Lightning's checkpoint dict."""
     if recover:
-        _recover(Path(path), clean=True)  # a resuming run owns the name: adopt, and drop dead runs' leftovers
+        _recover_directory(Path(path))  # a resuming run owns the directory: adopt, drop dead runs' leftovers
     root = locate(path)
     # The shard files are verified by load_units, each rank those it reads.
     manifest = verified_manifest(root, progress, verify=lambda name: not name.startswith("shards/"))
