@@ -69,10 +69,10 @@ def needs_base_error(how: Any, what: str) -> ValueError:
                       "CPU), or use init_lora_weights=True or 'gaussian'")
 
 
-# peft's LoraLayer methods that compute the adapters from the base weight (``update_layer`` calls them for
-# init_lora_weights "pissa*", "olora", "corda*", "mica", "loftq", "orthogonal", "lora_ga").
-BASE_READING_INITS = ("pissa_init", "olora_init", "corda_init", "mica_init", "loftq_init", "orthogonal_init",
-                      "lora_ga_init")
+# peft's LoraLayer methods that compute the adapters from the base weight's values (``update_layer`` calls
+# them for init_lora_weights "pissa*", "olora", "corda*", "mica", "loftq"). Not "orthogonal" (only the
+# base's dtype) nor "lora_ga" (a gradient peft attaches beforehand): peft's call goes through for those.
+BASE_READING_INITS = ("pissa_init", "olora_init", "corda_init", "mica_init", "loftq_init")
 
 
 def refuse_base_inits_on_meta(lora_layer_class: type) -> None:
