@@ -170,18 +170,24 @@ def test_get_peft_model_directly_on_hf_causal_lm(tmp_path):
 
 @pytest.mark.parametrize("init", ["pissa", "olora"])
 def test_base_derived_lora_init_on_a_meta_model_gets_the_documented_error(init, tmp_path):
-    """peft's own get_peft_model fails inside peft ("variable.set_data ... incompatible tensor type");
-    snake_strategy.hf.get_peft_model refuses first with the ValueError that names the fix, and the
-    same config on the model built for real works."""
+    """peft's own get_peft_model raises the ValueError that names the fix (not peft's "variable.set_data ...
+    incompatible tensor type", which names neither the init nor the fix); snake_strategy.hf.get_peft_model
+    refuses with it before peft touches the model; the same config on the model built for real works."""
     from snake_strategy.hf import get_peft_model
 
     torch.set_default_dtype(torch.float32)  # PiSSA/OLoRA need float32/16 weights (peft's rule); the fixture restores
     hf_model("llama").float().save_pretrained(tmp_path / "start")
     config = dict(LORA, init_lora_weights=init)
     module = HFCausalLM(tmp_path / "start")
-    with pytest.raises(RuntimeError, match="set_data"):  # what peft itself says: the reason for the wrapper
+    fix = f"init_lora_weights='{init}'.*module.configure_model\\(\\) first"
+    with pytest.raises(ValueError, match=fix):
         peft.get_peft_model(HFCausalLM(tmp_path / "start"), peft.LoraConfig(**config))
-    with pytest.raises(ValueError, match=f"init_lora_weights='{init}'.*module.configure_model\\(\\) first"):
+    meta_gpt = GPTModule(SMALL_GPT)  # a model of one's own, built on meta
+    with torch.device("meta"):
+        meta_gpt.configure_model()
+    with pytest.raises(ValueError, match=fix):
+        peft.get_peft_model(meta_gpt, peft.LoraConfig(r=4, target_modules=["qkv"], init_lora_weights=init))
+    with pytest.raises(ValueError, match=fix):
         get_peft_model(module, peft.LoraConfig(**config))
     assert not hasattr(module, "peft_config")  # refused before peft touched the model
     real = HFCausalLM(tmp_path / "start")

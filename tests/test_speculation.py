@@ -44,7 +44,7 @@ class SpeculationLog(L.Callback):
     """The engine's public per-step stats: was the step speculative, rollbacks so far, the clip factor."""
 
     def __init__(self):
-        self.modes, self.rollbacks, self.factors, self.rollback_bytes = [], [], [], []
+        self.modes, self.rollbacks, self.factors, self.rollback_bytes, self.norms = [], [], [], [], []
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         stats = trainer.strategy.engine.last_step
@@ -52,6 +52,7 @@ class SpeculationLog(L.Callback):
         self.modes.append(stats.speculation)
         self.rollbacks.append(stats.rollbacks)
         self.factors.append(stats.clip_factor)
+        self.norms.append(stats.grad_norm)
         self.rollback_bytes.append(sum(v for k, v in stats.step_traffic().items() if "/rollback/" in k))
 
 
@@ -136,6 +137,23 @@ def test_always_clipping_falls_back_to_the_deferred_mode(tmp_path):
     got, log, _ = _snake("64-true", tmp_path, module_cls=GPTModule, max_norm=0.1)
     assert all(f < 1.0 for f in log.factors), log.factors
     assert log.modes == [True] + [False] * (STEPS - 1) and log.rollbacks == [1] * STEPS
+    _close(got, ref, "64-true")
+
+
+def test_a_clip_factor_just_below_one_rolls_back(tmp_path):
+    """A step whose clip factor is 0.995 clipped: its speculative step (factor 1) was wrong and must be rolled
+    back like a step clipped to 0.2. max_norm is 0.995 of step 0's norm (the same with and without a clip),
+    so step 0, always speculative, clips by 0.5%: kept instead of redone, Adam's moments of step 0 are
+    0.5% off and every later step differs from plain Lightning by ~1e-5, far above fp64's 1e-10."""
+    first = SpeculationLog()
+    run_snake(SMALL_GPT, 1, MICRO, MICRO_SIZE, "64-true", lr=LR["64-true"], callbacks=[first],
+              trainer_extra={"gradient_clip_val": 1e6})
+    max_norm = 0.995 * first.norms[0]
+    ref = run_reference(SMALL_GPT, STEPS, MICRO, MICRO_SIZE, "64-true", lr=LR["64-true"],
+                        trainer_extra={"gradient_clip_val": max_norm})
+    got, log, _ = _snake("64-true", tmp_path / "clip", module_cls=GPTModule, max_norm=max_norm)
+    assert 0.99 < log.factors[0] < 0.999, log.factors
+    assert log.modes[0] and log.rollbacks[0] == 1, (log.modes, log.rollbacks)
     _close(got, ref, "64-true")
 
 

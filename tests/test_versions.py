@@ -121,3 +121,28 @@ def test_a_released_checkpoint_version_is_overwritten_by_the_next_one_not_freed_
     if not ssd.anonymous:
         assert len(inodes) == 2  # two files, alternating
         assert sorted(os.listdir(os.path.join(ssd.path, "master"))) == ["unit0.bin", "unit0.bin.alt"]
+
+
+@pytest.mark.parametrize("start", ["pin", "hold"])
+def test_settling_a_partly_written_version_keeps_the_bytes_it_never_received(ssd, tmp_path, start):
+    """A new version that received only part of the state (a unit whose frozen part is never rewritten,
+    a step cut short) is settled by the next pin: the previous version closes, so the ranges the new one
+    never received are copied into it first. Every read and the new checkpoint then still see the old bytes."""
+    vf = ssd.open_versioned("master/unit0.bin", SIZE)
+    quarter = SIZE // 4
+    _write(vf, 0, b"a" * SIZE)
+    if start == "pin":
+        vf.pin(tmp_path / "first.bin")
+    else:
+        vf.hold(quarter, quarter)
+    _write(vf, quarter, b"b" * quarter)  # a new version: only [quarter, 2 quarter) written
+    if start == "hold":
+        vf.release_hold()
+    assert vf.versions == 2
+    want = b"a" * quarter + b"b" * quarter + b"a" * (2 * quarter)
+    assert _read(vf.read_pieces(0, SIZE)) == want  # read through the previous version
+    second = tmp_path / "second.bin"
+    vf.pin(second)  # settles: the previous version is read no more
+    assert _read(vf.read_pieces(0, SIZE)) == want
+    assert _read(vf.read_pieces(3 * quarter, quarter)) == b"a" * quarter  # a range never rewritten
+    assert second.read_bytes() == want

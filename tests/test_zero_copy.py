@@ -121,6 +121,34 @@ def test_background_checksums_read_only_while_the_engines_io_is_idle(tmp_path):
         os.close(fd)
 
 
+def _wait_for_crc(manifest, name: str, timeout_s: float) -> int | None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        crc = json.loads(manifest.read_text())["files"][name]["crc32"]
+        if crc is not None:
+            return crc
+        time.sleep(0.02)
+    return None
+
+
+def test_background_checksums_read_no_faster_than_their_rate(tmp_path):
+    """The pinned files are read back at ``read_bytes_per_s`` at most (training's disk comes first): a 6 MiB
+    file at 4 MiB/s takes at least 1.5 s, where an unpaced read of it takes milliseconds."""
+    rate_bytes_per_s = 4 * 2**20
+    payload = os.urandom(6 * 2**20 + 123)
+    (tmp_path / "units").mkdir()
+    (tmp_path / "units" / "u.bin").write_bytes(payload)
+    manifest = tmp_path / "manifest.json"
+    manifest.write_text(json.dumps({"files": {"units/u.bin": {"bytes": len(payload), "crc32": None}}}))
+    checksums = Checksums()
+    start_s = time.monotonic()
+    checksums.submit(tmp_path, ["units/u.bin"], read_bytes_per_s=rate_bytes_per_s)
+    crc = _wait_for_crc(manifest, "units/u.bin", 30)
+    took_s = time.monotonic() - start_s
+    assert crc == zlib.crc32(payload)
+    assert took_s >= 6 * 2**20 / rate_bytes_per_s, took_s
+
+
 # ------------------------------------------------------------------------------ kills
 class AtStep(L.Callback):
     def __init__(self, step, fn):

@@ -19,7 +19,14 @@ from torch import Tensor, nn
 from snake_strategy.engine.view import running_engine
 from snake_strategy.hf.export import export_hf, master_dtype, module_weights
 from snake_strategy.hf.model import HFCausalLM
-from snake_strategy.sources.lora_init import is_lora_layer, needs_base, needs_base_error
+from snake_strategy.sources.lora_init import is_lora_layer, needs_base, needs_base_error, refuse_base_inits_on_meta
+
+try:  # the optional [peft] extra
+    from peft.tuners.lora.layer import LoraLayer
+except ImportError:
+    pass
+else:  # peft's own get_peft_model on a meta-built model: the ValueError naming the fix, not set_data's
+    refuse_base_inits_on_meta(LoraLayer)
 
 
 def trained_parameters(module: nn.Module) -> dict[str, Tensor]:
@@ -123,13 +130,12 @@ def get_peft_model(module: nn.Module, config: Any, **kwargs: Any) -> Any:
     """``peft.get_peft_model(module, config, **kwargs)``, also for a module whose base is on the meta device
     (``HFCausalLM(dir)`` before ``configure_model``, or a model built under ``torch.device("meta")``).
 
-    peft's own call fails there for inits that derive the adapter from the base weights (PiSSA, OLoRA:
-    ``RuntimeError: Attempted to call variable.set_data(tensor), but variable and tensor have
-    incompatible tensor type`` from inside peft, which names neither the init nor the fix; no code of this
-    project runs inside that call, so it cannot be caught there); this one refuses every init other than
-    True, False and "gaussian" on a meta base before peft runs, with the ValueError the engine raises for
-    them (``sources.lora_init.adapter_initializer``). Other inits behave as with peft: the engine
-    initialises the meta adapters as peft does.
+    Inits that derive the adapter from the base weights (PiSSA, OLoRA, ...) cannot run on a meta base. peft's
+    own call stops at the first such layer (importing this package makes peft's init methods raise the
+    ValueError that names the fix: ``sources.lora_init.refuse_base_inits_on_meta``); this one refuses
+    every init other than True, False and "gaussian" on a meta base before peft touches the model, with
+    the same ValueError the engine raises for them (``sources.lora_init.adapter_initializer``). Other
+    inits behave as with peft: the engine initialises the meta adapters as peft does.
     """
     import peft  # the optional [peft] extra: only this function needs it
 

@@ -19,6 +19,7 @@ need the base in memory and are refused for meta-built models.
 from __future__ import annotations
 
 import copy
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -66,6 +67,43 @@ def needs_base_error(how: Any, what: str) -> ValueError:
                       "built on the meta device does not hold: build the base model for real before get_peft_model "
                       "(HFCausalLM: call module.configure_model() first, which loads the directory's weights on the "
                       "CPU), or use init_lora_weights=True or 'gaussian'")
+
+
+# peft's LoraLayer methods that compute the adapters from the base weight's values (``update_layer`` calls
+# them for init_lora_weights "pissa*", "olora", "corda*", "mica", "loftq"). Not "orthogonal" (only the
+# base's dtype) nor "lora_ga" (a gradient peft attaches beforehand): peft's call goes through for those.
+BASE_READING_INITS = ("pissa_init", "olora_init", "corda_init", "mica_init", "loftq_init")
+
+
+def refuse_base_inits_on_meta(lora_layer_class: type) -> None:
+    """Make peft's base-reading LoRA inits (methods of ``lora_layer_class``, peft's ``LoraLayer``) raise
+    ``needs_base_error`` when the base weight is on the meta device and the adapters are not, i.e. when
+    ``peft.get_peft_model`` wraps a meta-built model (``HFCausalLM(dir)``) outside a meta device context.
+
+    Why a wrapper around peft's methods: unwrapped, peft computes meta adapters from the meta base and then
+    fails at ``lora_A.weight.data = <meta tensor>`` with ``RuntimeError: Attempted to call
+    variable.set_data(tensor) ...``, which names neither the init nor the fix, and no code of this project
+    runs during that call before it fails. Under ``torch.device("meta")`` the adapters are meta too and
+    peft's call goes through unchanged (the engine refuses the init at setup, ``adapter_initializer``).
+    Idempotent."""
+    for name in BASE_READING_INITS:
+        method = lora_layer_class.__dict__.get(name)
+        if method is None or getattr(method, "refuses_meta_base", False):
+            continue
+        setattr(lora_layer_class, name, _refusing_meta_base(name, method))
+
+
+def _refusing_meta_base(name: str, method: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(method)
+    def init(self: nn.Module, adapter_name: str, *args: Any, **kwargs: Any) -> Any:
+        if self.get_base_layer().weight.is_meta and not self.lora_A[adapter_name].weight.is_meta:
+            # pissa_init / corda_init get the config's init_lora_weights ("pissa_niter_4"); the others the name
+            how = args[0] if args and isinstance(args[0], str) else name.removesuffix("_init")
+            raise needs_base_error(how, f"the adapter '{adapter_name}'")
+        return method(self, adapter_name, *args, **kwargs)
+
+    init.refuses_meta_base = True  # type: ignore[attr-defined]
+    return init
 
 
 def adapter_parameter_ids(module: nn.Module) -> set[int]:
