@@ -67,8 +67,9 @@ class GreedySnakeStrategy(DataParallelMixin, ParallelStrategy):
             initialising the weights.
         hooks: test hooks that slow parts of the engine down (``EngineHooks``); None in normal use.
         progress: progress of setup, checkpoints, export and long steps: a ``Progress`` (add listeners
-            there), or True/False to force log lines on/off; None (and a ``Progress(log=None)``) writes
-            lines exactly when the Trainer's progress bar is enabled.
+            there), or True/False to force its output on/off; None (and a ``Progress(log=None)``) shows it
+            exactly when the Trainer's progress bar is enabled. Work shorter than ``Progress.delay_s`` (2 s)
+            writes one summary line; longer work a bar on a terminal, log lines elsewhere.
         trace_path: write the run's timeline (the last ``engine.trace.keep`` steps) to this file at teardown, as
             a Chrome/Perfetto trace (``snake_strategy.timeline``); None records no timeline.
         cluster_environment, process_group_backend, timeout: as ``DDPStrategy``'s, for ``devices``/``num_nodes``
