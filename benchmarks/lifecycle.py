@@ -144,6 +144,7 @@ def child(args) -> None:
     from torch.utils.data import DataLoader, Subset
 
     import snake_strategy
+    from snake_strategy.engine.state.weights_file import mapped_parameters
     from snake_strategy.data import ByteWindows, load_corpus
     from snake_strategy.gpt import GPTModule, preset
     from snake_strategy.hf import export_hf
@@ -208,7 +209,10 @@ def child(args) -> None:
                         default_root_dir=args.work_dir, callbacks=callbacks)
     trainer.fit(module, train_dataloaders=loader, ckpt_path=args.resume)
     weights_file = strategy.weights_file
-    meter.end(weights_file=weights_file, weights_file_bytes=os.path.getsize(weights_file) if weights_file else 0,
+    # The file's name is gone once mapped (unless storage.export_dir keeps it): count the bytes the module maps.
+    mapped = mapped_parameters(module) if weights_file else {}
+    mapped_bytes = sum(p.numel() * p.element_size() for n, p in module.named_parameters() if n in mapped)
+    meter.end(weights_file=weights_file, weights_file_bytes=mapped_bytes,
               export_s=export_times.get("end", 0.0) - export_times.get("start", 0.0), losses=losses)
     if args.validate:
         meter.begin("validate")

@@ -4,6 +4,9 @@
 - A fit that ends normally gives the trained weights back: in memory when they fit the host budget
   (``host_memory.host_budget``, the plan's), else streamed into a safetensors file that the parameters
   then map (``engine/state/weights_file.py``). The guard stays only for the case where no file can be written.
+  The file is the run's scratch, not an output: it is written where the SSD tier lives (``export_location``)
+  and its name is removed once mapped, so it goes away with the process (a user's working directory never
+  collects multi-GB files); ``storage.export_dir`` keeps it there instead, under a fixed name.
 - A fit that fails (setup, a step, a save, teardown) never starts a file export: the weights go back in
   memory when they fit the budget and the engine is sound; else the module gets its pre-fit weights
   back when they are still held (setup failures; file-backed weights of an earlier fit, which cost no
@@ -14,13 +17,16 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import tempfile
 from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 from torch import Tensor, nn
 
-from snake_strategy.engine.state.weights_file import (WEIGHTS_FILE, export_to_file, file_backed, file_bytes_needed,
-                                         file_mappings, give_module_file_weights, weights_file_plan)
+import snake_strategy.storage.leftovers as leftovers
+from snake_strategy.engine.state.weights_file import (WEIGHTS_FILE, close_unmapped, export_to_file, file_backed, file_bytes_needed,
+                                         file_mappings, give_module_file_weights, release_name,
+                                         temporary_file_name, weights_file_plan)
 
 from snake_strategy.engine.evaluation import EvalEngine
 
@@ -74,6 +80,7 @@ class PreFitWeights:
     def __init__(self, module: nn.Module) -> None:
         self._held: list[tuple[nn.Parameter, Tensor]] = []
         self._files: set[str] = set()
+        close_unmapped()  # released files of earlier fits that nothing maps any more: their space goes back
         maps = file_mappings()
         for p in module.parameters():
             if p.is_meta:
@@ -103,16 +110,17 @@ class PreFitWeights:
         return restored
 
 
-def export_directory(storage_export_dir: str | None, trainer: Any) -> str:
-    """``StorageConfig.export_dir``, else the directory of the last checkpoint saved, else the Trainer's
-    ``default_root_dir``."""
+def export_location(storage_export_dir: str | None, engine: SnakeEngine | EvalEngine,
+                    storage_ssd_dir: str | None) -> tuple[str, bool]:
+    """(directory, keep) of the weights file after fit. ``storage.export_dir`` when given: the file is
+    kept there. Else where the SSD tier lives (the run's SSD directory, the configured ``ssd_dir``, or the
+    temporary directory), and the file's name is removed once it is mapped (``keep`` False)."""
     if storage_export_dir is not None:
-        return storage_export_dir
-    callback = getattr(trainer, "checkpoint_callback", None)
-    last = getattr(callback, "last_model_path", "") or getattr(callback, "best_model_path", "")
-    if last:
-        return os.path.dirname(os.path.abspath(last))
-    return os.path.abspath(trainer.default_root_dir)
+        return os.path.abspath(storage_export_dir), True
+    ssd = getattr(engine, "ssd", None)
+    if ssd is not None:
+        return ssd.path, False
+    return os.path.abspath(storage_ssd_dir) if storage_ssd_dir is not None else tempfile.gettempdir(), False
 
 
 def weights_fit(weights_bytes: int, budget_bytes: int | None, engine_host_bytes: int) -> bool:
@@ -125,9 +133,10 @@ def weights_fit(weights_bytes: int, budget_bytes: int | None, engine_host_bytes:
 def give_back_weights(module: nn.Module, engine: SnakeEngine | EvalEngine, budget_bytes: int | None,
                       budget_source: str, directory: str, pre_fit: PreFitWeights | None,
                       file_name: str = WEIGHTS_FILE, progress: Progress | None = None,
-                      engine_host_bytes: int = 0) -> str | None:
+                      engine_host_bytes: int = 0, keep_file: bool = True) -> str | None:
     """After a normal fit: the trained weights into the module. Returns the file they map, or None when
-    they went back in memory (or a guard was installed because no file could be written). After an
+    they went back in memory (or a guard was installed because no file could be written). With
+    ``keep_file`` False the file gets a name of its own, which is removed once it is mapped. After an
     evaluation: weights an earlier fit mapped from a file are mapped again (evaluation did not change
     them), else the evaluated weights go back in memory."""
     if isinstance(engine, EvalEngine):
@@ -138,7 +147,7 @@ def give_back_weights(module: nn.Module, engine: SnakeEngine | EvalEngine, budge
     if weights_fit(weights_bytes, budget_bytes, engine_host_bytes):
         engine.export_to_module()
         return None
-    path = os.path.join(directory, file_name)
+    path = os.path.join(directory, file_name if keep_file else temporary_file_name(file_name))
     plan = weights_file_plan(engine)
     why_not = _why_not_writable(directory, file_bytes_needed(plan))
     over = (f"the trained weights ({weights_bytes / 2**30:.2f} GiB) and the engine's host memory while they are "
@@ -152,9 +161,22 @@ def give_back_weights(module: nn.Module, engine: SnakeEngine | EvalEngine, budge
             "snake_strategy.checkpoint CKPT_DIR model.ckpt"))
         log.warning("trained weights not given back: %s; %s", over, why_not)
         return None
+    ssd = getattr(engine, "ssd", None)
+    if not keep_file and ssd is not None and ssd.path == directory:
+        # Until its name is removed, a SIGKILL would leave the file: the next run in this directory
+        # reclaims what the manifest lists (storage/leftovers.py).
+        name = os.path.basename(path)
+        leftovers.record_file(directory, name)
+        leftovers.record_file(directory, os.path.join(name + ".partial", "model.safetensors"))
     size_bytes = export_to_file(engine, path, progress)
-    log.info("%s: the module's parameters now map %s (%.2f GiB, %d bytes)", over, path, size_bytes / 2**30,
-             size_bytes)
+    if keep_file:
+        log.info("%s: the module's parameters now map %s (%.2f GiB, %d bytes), kept there (storage.export_dir)",
+                 over, path, size_bytes / 2**30, size_bytes)
+    else:
+        release_name(path)
+        log.info("%s: the module's parameters now map %s (%.2f GiB, %d bytes), where the SSD tier lives; its "
+                 "name is already removed, so the file goes away with this process (storage.export_dir keeps "
+                 "one; checkpoints hold the weights too)", over, path, size_bytes / 2**30, size_bytes)
     return path
 
 

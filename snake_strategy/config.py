@@ -111,7 +111,9 @@ class StorageConfig:
     # host (placement "manual").
     rollback: str | None = None
     # Where the trained weights go after fit when they do not fit the host budget (a safetensors file the
-    # module's parameters then map); None: next to the last checkpoint, else the Trainer's default_root_dir.
+    # module's parameters then map), to keep the file there after the process ends. None: the file is
+    # written where the SSD tier lives (ssd_dir, else its temporary directory) and its name is removed once
+    # mapped, so it goes away with the process (the checkpoints hold the state to keep).
     export_dir: str | None = None
 
     def __post_init__(self) -> None:
@@ -144,7 +146,13 @@ class StorageConfig:
             # "~/ssd" or "$SCRATCH/run1" as a shell would read it, not a directory literally named "~".
             self.ssd_dir = os.path.expandvars(os.path.expanduser(os.fspath(self.ssd_dir)))
         if self.export_dir is not None:
+            if not isinstance(self.export_dir, (str, os.PathLike)) or not os.fspath(self.export_dir):
+                raise ValueError(f"storage.export_dir={self.export_dir!r} must be a directory path (where the trained "
+                                 "weights file is kept after fit), or null to let it go away with the process")
             self.export_dir = os.path.expandvars(os.path.expanduser(os.fspath(self.export_dir)))
+            if os.path.exists(self.export_dir) and not os.path.isdir(self.export_dir):
+                raise ValueError(f"storage.export_dir='{self.export_dir}' is a file, not a directory: name a directory "
+                                 "to keep the trained weights file in (it is created if missing), or null")
 
     def uses_ssd(self) -> bool:
         return any(getattr(self, state).ssd > 0 for state in STATES) or self.rollback == "ssd"

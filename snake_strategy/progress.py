@@ -10,11 +10,15 @@ rate and an ETA (from a predicted duration while the prediction holds, else from
 Two outlets:
 
 - ``listeners``: callables that receive every event (tests capture events there without parsing logs);
-- log lines on the ``snake_strategy.progress`` logger at a bounded cadence: a phase's first event, then
-  at most one line every ``every_s`` seconds, and its end. ``log=None`` (the strategy's default)
-  follows the Trainer's ``enable_progress_bar``, so ``enable_progress_bar=False`` silences the lines
-  (listeners still get events), as does raising the logger's level. When nothing configured logging,
-  the lines go to stderr through a handler of their own, as Lightning does for its own messages.
+- what a person reads, only for work that lasts (tqdm's ``delay``): a phase that ends within ``delay_s``
+  writes one summary line ("checkpoint_save: done, 14/14 files, 10 MB in 0.0 s"), nothing else. One that
+  runs longer shows its progress: on a terminal (stderr ``isatty``) a tqdm bar (Lightning's own
+  dependency), else log lines on the ``snake_strategy.progress`` logger at a bounded cadence (the
+  phase's first event once ``delay_s`` has passed, then at most one line every ``every_s`` seconds),
+  which is what log files and CI keep; its end is the same summary line. ``log=None`` (the strategy's
+  default) follows the Trainer's ``enable_progress_bar``, so ``enable_progress_bar=False`` silences
+  lines and bars (listeners still get events), as does raising the logger's level. When nothing
+  configured logging, the lines go to stderr through a handler of their own, as Lightning does.
 
 An optimizer step is the hot path: its tracker costs one clock read per task and reports nothing, to
 listeners or log, until the step has run longer than ``every_s``; then "step N: task i/T (F unit u)"
@@ -23,9 +27,10 @@ lines appear at the same cadence, and an end event closes such a long step.
 from __future__ import annotations
 
 import logging
+import sys
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 from snake_strategy.schedule import FORWARD, Task
 
@@ -97,18 +102,31 @@ class Progress:
             and how long a step runs before it reports at all.
         listeners: callables that receive every ``ProgressEvent`` (also ``progress.listeners.append``).
         clock: seconds as a float (``time.perf_counter``); tests substitute a fake one.
+        delay_s: a phase shows progress (bar or lines) only once it has run this long; a shorter one writes
+            its summary line only. 0 shows every phase from its start.
+        bar: True draws a tqdm bar on stderr for work that lasts, False writes log lines, None (default)
+            draws a bar when stderr is a terminal.
     """
 
     def __init__(self, log: bool | None = None, every_s: float = 5.0, listeners: list[Listener] | None = None,
-                 clock: Callable[[], float] = time.perf_counter) -> None:
+                 clock: Callable[[], float] = time.perf_counter, delay_s: float = 2.0,
+                 bar: bool | None = None) -> None:
         if not every_s > 0:
             raise ValueError(f"Progress(every_s={every_s}) must be a positive number of seconds (5 by default); "
                              "to silence the lines use log=False or Trainer(enable_progress_bar=False)")
+        if not delay_s >= 0:
+            raise ValueError(f"Progress(delay_s={delay_s}) must be >= 0 seconds (2 by default): how long work runs "
+                             "before its progress is shown")
         if log not in (True, False, None):
             raise ValueError(f"Progress(log={log!r}) must be True (write lines), False (never) or None (follow the "
                              "Trainer's enable_progress_bar)")
+        if bar not in (True, False, None):
+            raise ValueError(f"Progress(bar={bar!r}) must be True (a bar on stderr), False (log lines) or None (a bar "
+                             "when stderr is a terminal)")
         self.log = log
         self.every_s = float(every_s)
+        self.delay_s = float(delay_s)
+        self.bar = bar
         self.listeners: list[Listener] = list(listeners or [])
         # Predicted seconds per phase, e.g. the planner's step floor under "step": the ETA uses it while
         # the phase has not outrun it (afterwards the observed rate says more).
@@ -139,12 +157,21 @@ class Progress:
             return None
         return StepProgress(self, step, total_tasks)
 
-    def emit(self, event: ProgressEvent, write_line: bool) -> None:
+    @property
+    def bars(self) -> bool:
+        """Whether lasting work is drawn as a bar (a terminal) rather than written as log lines."""
+        if self.bar is not None:
+            return self.bar
+        isatty = getattr(sys.stderr, "isatty", None)
+        return bool(isatty and isatty())
+
+    def emit(self, event: ProgressEvent) -> None:
         for listener in list(self.listeners):
             listener(event)
-        if write_line and self.logs:
-            _ensure_visible(log)
-            log.info(event.message)
+
+    def write_line(self, message: str) -> None:
+        _ensure_visible(log)
+        log.info(message)
 
 
 def or_quiet(progress: Progress | None) -> Progress:
@@ -154,15 +181,18 @@ def or_quiet(progress: Progress | None) -> Progress:
 
 
 class _Tracker:
-    """What a phase and a step share: timing, the ETA and the log cadence."""
+    """What a phase and a step share: timing, the ETA, and how a person sees it (summary, lines or a bar)."""
 
     def __init__(self, progress: Progress, phase: str, label: str, total: int, what: str, total_bytes: int) -> None:
         self.progress, self.phase, self.label, self.what = progress, phase, label, what
         self.total, self.total_bytes = int(total), int(total_bytes)
         self.done, self.done_bytes = 0, 0
         self.start_s = progress.clock()
-        self.next_line_s = self.start_s  # the first event is always written
+        self.next_line_s = self.start_s + progress.delay_s  # no line before the work has lasted delay_s
         self.finished = False
+        self.shown = False  # progress (beyond the summary) has been shown
+        self._first: ProgressEvent | None = None  # the start event, written late when the work lasts
+        self._bar: Any = None
 
     def _event(self, stage: str, now_s: float, detail: str = "", shown_done: int | None = None) -> ProgressEvent:
         elapsed_s = now_s - self.start_s
@@ -179,13 +209,40 @@ class _Tracker:
             return min(1.0, self.done_bytes / self.total_bytes)
         return min(1.0, self.done / self.total) if self.total else 0.0
 
-    def _report(self, stage: str, now_s: float, detail: str = "") -> None:
+    def _report(self, stage: str, now_s: float, detail: str = "", shown_done: int | None = None) -> None:
         if not self.progress.active:
             return
-        write_line = stage != UPDATE or now_s >= self.next_line_s
-        if write_line:
-            self.next_line_s = now_s + self.progress.every_s
-        self.progress.emit(self._event(stage, now_s, detail), write_line)
+        event = self._event(stage, now_s, detail, shown_done)
+        self.progress.emit(event)
+        if self.progress.logs:
+            self._show(event, now_s)
+
+    def _show(self, event: ProgressEvent, now_s: float) -> None:
+        """The reader's view: the summary line at the end; before it, nothing until the work has lasted
+        ``delay_s``, then a bar (a terminal) or lines at the ``every_s`` cadence."""
+        progress = self.progress
+        if event.stage == START:
+            self._first = event
+        if event.stage == END:
+            if self._bar is not None:
+                self._bar.close()
+                self._bar = None
+            progress.write_line(event.message)
+            return
+        if not self.shown:
+            if now_s - self.start_s < progress.delay_s:
+                return
+            self.shown = True
+            if progress.bars:
+                self._bar = _open_bar(self)
+            elif self._first is not None and self._first is not event:
+                progress.write_line(self._first.message)  # how the work started, now that it lasts
+                self.next_line_s = self.start_s + progress.every_s
+        if self._bar is not None:
+            _update_bar(self._bar, self, event)
+        elif now_s >= self.next_line_s:
+            self.next_line_s = now_s + progress.every_s
+            progress.write_line(event.message)
 
 
 class PhaseProgress(_Tracker):
@@ -216,6 +273,9 @@ class PhaseProgress(_Tracker):
         # A failed phase ends with its error, not with a "done" line.
         if exc_type is None:
             self.finish()
+        elif self._bar is not None:
+            self._bar.close()
+            self._bar = None
 
 
 class StepProgress(_Tracker):
@@ -224,20 +284,21 @@ class StepProgress(_Tracker):
 
     def __init__(self, progress: Progress, step: int, total_tasks: int) -> None:
         super().__init__(progress, "step", f"step {step}", total_tasks, "tasks", 0)
-        self.next_line_s = self.start_s + progress.every_s
+        self.quiet_until_s = self.start_s + progress.every_s
+        self.next_line_s = self.quiet_until_s
         self.reported = False
 
     def task(self, index: int, task: Task) -> None:
         """Task ``index`` (0-based) of the list is about to run."""
         now_s = self.progress.clock()
-        if now_s < self.next_line_s:
+        if now_s < self.quiet_until_s:
             return  # the common case: one clock read
+        self.quiet_until_s = now_s + (0.0 if self.progress.bars else self.progress.every_s)
         self.done = index  # tasks completed: what the ETA goes by
         self.reported = True
         kind = "F" if task.kind == FORWARD else "B"
         # The line shows the task now running, numbered from 1 ("1/T" is the first).
-        self.next_line_s = now_s + self.progress.every_s
-        self.progress.emit(self._event(UPDATE, now_s, f"{kind} unit {task.unit}", shown_done=index + 1), True)
+        self._report(UPDATE, now_s, f"{kind} unit {task.unit}", shown_done=index + 1)
 
     def finish(self) -> None:
         """Close a step that reported (a short one stays silent)."""
@@ -247,6 +308,22 @@ class StepProgress(_Tracker):
         if self.reported:
             self.done = self.total
             self._report(END, self.progress.clock())
+
+
+def _open_bar(tracker: _Tracker) -> Any:
+    from tqdm import tqdm  # Lightning's dependency; imported only when a bar is drawn
+
+    in_bytes = bool(tracker.total_bytes)
+    return tqdm(total=tracker.total_bytes if in_bytes else tracker.total, desc=tracker.label, file=sys.stderr,
+                unit="B" if in_bytes else f" {tracker.what}", unit_scale=in_bytes, unit_divisor=1000,
+                leave=False, dynamic_ncols=True)
+
+
+def _update_bar(bar: Any, tracker: _Tracker, event: ProgressEvent) -> None:
+    bar.n = event.done_bytes if tracker.total_bytes else event.done
+    if event.detail:
+        bar.set_postfix_str(event.detail, refresh=False)
+    bar.refresh()
 
 
 def _eta(elapsed_s: float, fraction: float, predicted_s: float | None) -> tuple[float | None, str]:

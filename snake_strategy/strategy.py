@@ -31,7 +31,7 @@ from typing_extensions import override
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from snake_strategy import preemption
-from snake_strategy.after_fit import (PreFitWeights, after_failure, after_setup_failure, export_directory,
+from snake_strategy.after_fit import (PreFitWeights, after_failure, after_setup_failure, export_location,
                                       give_back_weights, guard_message, has_weight_guard,
                                       remove_weight_guard, teardown_after_failure, weights_fit)
 from snake_strategy.checkpoint import pins as checkpoint_pins, shards as checkpoint_shards, store as checkpoint_store
@@ -68,8 +68,9 @@ class GreedySnakeStrategy(DataParallelMixin, ParallelStrategy):
             initialising the weights.
         hooks: test hooks that slow parts of the engine down (``EngineHooks``); None in normal use.
         progress: progress of setup, checkpoints, export and long steps: a ``Progress`` (add listeners
-            there), or True/False to force log lines on/off; None (and a ``Progress(log=None)``) writes
-            lines exactly when the Trainer's progress bar is enabled.
+            there), or True/False to force its output on/off; None (and a ``Progress(log=None)``) shows it
+            exactly when the Trainer's progress bar is enabled. Work shorter than ``Progress.delay_s`` (2 s)
+            writes one summary line; longer work a bar on a terminal, log lines elsewhere.
         trace_path: write the run's timeline (the last ``engine.trace.keep`` steps) to this file at teardown, as
             a Chrome/Perfetto trace (``snake_strategy.timeline``); None records no timeline.
         cluster_environment, process_group_backend, timeout: as ``DDPStrategy``'s, for ``devices``/``num_nodes``
@@ -116,7 +117,9 @@ class GreedySnakeStrategy(DataParallelMixin, ParallelStrategy):
         self._eval_start: dict | None = None
         self._eval_checkpoint: CheckpointWeights | None = None  # ckpt_path of an eval stage
         self._gave_back_weights, self._created_ssd_dirs = False, []  # weights a run gave back; ssd_dir levels several ranks made
-        self.weights_file: str | None = None  # the safetensors file the module's parameters map after fit
+        # The safetensors file the module's parameters map after fit; its name is already removed (the file
+        # goes away with the process) unless storage.export_dir keeps it.
+        self.weights_file: str | None = None
         self._failure: BaseException | None = None  # what stopped the current fit (Lightning's on_exception)
         self._pre_fit: PreFitWeights | None = None  # what the module held before this fit/evaluation
         self.progress = progress if isinstance(progress, Progress) else Progress(log=progress)
@@ -365,10 +368,10 @@ class GreedySnakeStrategy(DataParallelMixin, ParallelStrategy):
     def _give_back_weights(self, engine: SnakeEngine | EvalEngine) -> None:
         """The module's weights after the engine (after_fit.give_back_weights): in memory, or mapped from a file."""
         module = self.lightning_module
+        directory, keep = export_location(self.storage.export_dir, engine, self.storage.ssd_dir)
         self.weights_file = give_back_weights(
-            module, engine, self.plan.host_budget_bytes, self.plan.host_budget_source,
-            export_directory(self.storage.export_dir, module.trainer), self._pre_fit,
-            weights_file_name(self.world_size, self.global_rank), self.progress, self.plan.host_bytes)
+            module, engine, self.plan.host_budget_bytes, self.plan.host_budget_source, directory, self._pre_fit,
+            weights_file_name(self.world_size, self.global_rank), self.progress, self.plan.host_bytes, keep)
         self._gave_back_weights = not has_weight_guard(module)
 
     # ------------------------------------------------------------------ the step

@@ -101,6 +101,10 @@ class StepReport(pl.Callback):
         self.losses: list[float] = []
         self.val_losses: list[float] = []
         self.step_traffic: list[dict[str, int]] = []
+        # Seconds of each step that compute waited on transfers (weights, checkpoints) and on the optimizer
+        # worker: the I/O the overlap did not hide.
+        self.step_io_wait_s: list[float] = []
+        self.step_optimizer_wait_s: list[float] = []
         self.total_traffic: dict[str, int] | None = None
         self.predicted_s: float | None = None
         self._start: float | None = None
@@ -129,6 +133,8 @@ class StepReport(pl.Callback):
         self.step_seconds.append(seconds)
         self.step_tokens.append(tokens)
         self.step_traffic.append(traffic)
+        self.step_io_wait_s.append(stats.io_wait_s)
+        self.step_optimizer_wait_s.append(stats.optimizer_wait_s)
         per_tier = bytes_per_tier(traffic)
         metrics = {
             "perf/tokens_per_s": tokens / seconds if seconds > 0 else 0.0,
@@ -188,6 +194,8 @@ class StepReport(pl.Callback):
             validation traffic included; captured at the end of training (None without an engine).
         bytes_per_tier / bytes_per_tier_state: the same, reads and writes added up.
         step_bytes_mean: mean bytes per training step ("tier/state/direction"), optimizer step included.
+        exposed_io_s / exposed_optimizer_s: seconds of all steps that compute waited on transfers / on the
+            optimizer worker (what the overlap did not hide), next to train_s, the steps' total.
         """
         skip = self.warmup_steps if len(self.step_seconds) > self.warmup_steps else 0
         seconds = self.step_seconds[skip:]
@@ -212,6 +220,9 @@ class StepReport(pl.Callback):
             "bytes_per_tier_state": bytes_per_tier_state(total) if total is not None else None,
             "step_bytes_mean": step_bytes,
             "predicted_floor_s_per_step": self.predicted_s,
+            "train_s": sum(self.step_seconds),
+            "exposed_io_s": sum(self.step_io_wait_s),
+            "exposed_optimizer_s": sum(self.step_optimizer_wait_s),
         }
 
     def format_summary(self) -> str:
@@ -231,4 +242,9 @@ class StepReport(pl.Callback):
             lines.append(f"bytes moved (whole run): {tiers}")
             for key, n in s["bytes_per_tier_state"].items():
                 lines.append(f"  {key:<24} {_fmt_bytes(n)}")
+        if s["steps"]:
+            share = (lambda x: f"{x / s['train_s']:.0%}") if s["train_s"] > 0 else (lambda x: "n/a")
+            lines.append(f"exposed I/O: compute waited {s['exposed_io_s']:.2f} s on transfers ({share(s['exposed_io_s'])}) "
+                         f"and {s['exposed_optimizer_s']:.2f} s on the optimizer ({share(s['exposed_optimizer_s'])}) "
+                         f"of {s['train_s']:.2f} s of steps")
         return "\n".join(lines)

@@ -27,9 +27,10 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from snake_strategy.checkpoint import consolidate
-from snake_strategy.config import ScheduleConfig, StorageConfig
+from snake_strategy.config import STATES, ScheduleConfig, StorageConfig
 from snake_strategy.gpt import GPTConfig
 from snake_strategy.strategy import GreedySnakeStrategy
+from snake_strategy.planning.autoplan import RunPlan
 from snake_strategy.telemetry import StepReport
 
 log = logging.getLogger(__name__)
@@ -129,11 +130,32 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     if report["choices"]:
         print(" ".join(f"{k}={v}" for k, v in sorted(report["choices"].items())))
     print(report_cb.format_summary())
+    if strategy.plan is not None:
+        print("\n".join(plan_lines(strategy.plan)))
     for kind, saved in report["saved"].items():
         print(f"saved {kind}: {saved}")
     if trace_path is not None:
         print(f"timeline: {trace_path} (open in https://ui.perfetto.dev or chrome://tracing)")
     return report
+
+
+# The settings whose reasons the end-of-run report shows (all of them are in report.json's plan.reasons).
+REPORTED_REASONS = (*STATES, "rollback", "kind", "prefetch_depth", "keep_activations")
+
+
+def plan_lines(plan: RunPlan) -> list[str]:
+    """The plan in a few lines: where each state lives, the budget it was placed in, and why (settings that
+    share a reason on one line)."""
+    places = ", ".join(f"{state} " + "/".join(f"{tier} {getattr(split, tier):g}" for tier in ("device", "host", "ssd")
+                                              if getattr(split, tier))
+                       for state in STATES if (split := getattr(plan.storage, state)) is not None)
+    lines = [f"plan: {places}; host budget {plan.host_budget_bytes / 2**20:.1f} MiB ({plan.host_budget_source})"]
+    by_reason: dict[str, list[str]] = {}
+    for key in REPORTED_REASONS:
+        if key in plan.reasons:
+            by_reason.setdefault(plan.reasons[key], []).append(key)
+    lines += [f"  {', '.join(keys)}: {reason}" for reason, keys in by_reason.items()]
+    return lines
 
 
 class SaveFinal(L.Callback):

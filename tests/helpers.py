@@ -72,8 +72,8 @@ class ParamRecorder(L.Callback):
 
 
 def trainer_kwargs(**overrides) -> dict:
-    # default_root_dir: a fresh directory, not the working directory. Weights over a host budget are written
-    # there after fit (after_fit.export_directory), and so are checkpoints of a ModelCheckpoint without dirpath.
+    # default_root_dir: a fresh directory, not the working directory: checkpoints of a ModelCheckpoint without
+    # dirpath are written there.
     kw = dict(default_root_dir=tempfile.mkdtemp(prefix="snake-test-"), accelerator="cpu", devices=1, logger=False,
               enable_checkpointing=False,
               enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,

@@ -81,9 +81,11 @@ def test_every_config_composes_and_instantiates(group, tmp_path):
 
 
 def test_context_len_follows_the_model_preset():
-    for name in [n for n in options("model") if not n.startswith("hf_")]:  # HF configs set their own
+    # HF configs set their own; so does tiny (shorter windows keep the main job's activations in its budget).
+    for name in [n for n in options("model") if not n.startswith("hf_") and n != "tiny"]:
         cfg = compose_train([f"model={name}"])
         assert cfg.data.context_len == GPTConfig.from_any(name).context_len
+    assert compose_train([]).data.context_len == 32 < GPTConfig.from_any("tiny").context_len
     assert compose_train(["model=small", "data.context_len=8"]).data.context_len == 8
 
 
@@ -102,8 +104,11 @@ def test_every_storage_override_works_on_the_default_auto_storage(tmp_path):
     states: the planner decides), so no override needs Hydra's `+`."""
     import dataclasses
 
+    # The yaml states exactly the defaults (for a model that sets no auto_host_budget_bytes)...
+    assert instantiate(compose_train(["model=small"]).storage, _convert_="all") == StorageConfig(placement="auto")
+    # ...and the main job's tiny model plans within its own budget (test_main_job_shows_the_ssd_tier).
     default = instantiate(compose_train([]).storage, _convert_="all")
-    assert default == StorageConfig(placement="auto")  # the yaml states exactly the defaults
+    assert default == StorageConfig(placement="auto", host_budget_bytes=16 * 2**20)
     assert default.unset() == ["weights", "master", "optimizer", "gradients", "checkpoints"]
     values = {"ssd_dir": str(tmp_path / "nvme"), "weights": "ssd", "master": "host", "optimizer": "{host: 0.5, ssd: 0.5}",
               "gradients": "host", "checkpoints": "ssd", "checkpoint_host_ends": "1", "use_o_direct": "false",
@@ -167,3 +172,22 @@ def test_multirun_sweep_in_one_process(tmp_path):
     assert by_storage["device"]["bytes_per_tier"]["ssd"] == 0
     assert by_storage["host"]["bytes_per_tier"]["ssd"] == 0
     assert not (tmp_path / "outputs").exists()  # hydra.job.chdir stays false and the sweep dir was used
+
+
+def test_main_job_shows_the_ssd_tier(tmp_path):
+    """`python -m snake_strategy.train` as the README runs it, no overrides: the tiny model's host budget
+    makes the planner put state on the SSD tier, and the report says what moved, what was exposed and why."""
+    cmd = [sys.executable, "-m", "snake_strategy.train", f"hydra.run.dir={tmp_path / 'run'}"]
+    env = dict(os.environ, PYTHONWARNINGS="ignore")
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads((tmp_path / "run" / "report.json").read_text())
+    assert report["bytes_per_tier"]["ssd"] > 0
+    assert report["plan"]["storage"]["optimizer"]["ssd"] > 0
+    assert report["plan"]["host_budget_source"] == "storage.host_budget_bytes"
+    assert report["exposed_io_s"] >= 0 and report["train_s"] > report["exposed_io_s"]
+    out = proc.stdout
+    assert "bytes moved (whole run):" in out and "ssd 0 B" not in out
+    assert "exposed I/O: compute waited" in out
+    assert "plan: weights host" in out
+    assert any(line.startswith("  ") and "optimizer" in line and "planner.plan" in line for line in out.splitlines())

@@ -8,6 +8,7 @@ working set of a few units, as a 4B model's are on a 16 GiB machine.
 from __future__ import annotations
 
 import io
+import json
 import logging
 import os
 import signal
@@ -154,8 +155,10 @@ def test_weights_over_a_cgroup_budget_are_mapped_from_a_file(mapped_run):
     assert strategy.plan.host_budget_source == SOURCE_CGROUP
     assert strategy.plan.host_budget_bytes == int(CGROUP_HEADROOM_SHARE * HEADROOM_BYTES)
     assert "bounded by cgroup" in strategy.plan.describe()
-    # Next to nothing: no checkpoint, no export_dir: the Trainer's default_root_dir.
-    assert strategy.weights_file == str(root / "mapped" / "greedysnake-weights.safetensors")
+    # No export_dir: where the SSD tier lives (the run's ssd_dir), under a name of its own that is already gone.
+    assert os.path.dirname(strategy.weights_file) == str(root / "mapped" / "ssd")
+    assert os.path.basename(strategy.weights_file).startswith("greedysnake-weights-pid")
+    assert not os.path.exists(strategy.weights_file)
     assert set(mapped_parameters(module).values()) == {strategy.weights_file}
     assert set(mapped_parameters(module)) == {n for n, _ in module.named_parameters()}
     _assert_equal(_values(module), expected)  # bitwise the weights an in-memory export gives
@@ -178,23 +181,82 @@ def test_mapped_weights_validate_and_train_again_like_in_memory_ones(mapped_run,
     assert set(mapped_parameters(module).values()) == {strategy.weights_file}  # evaluation keeps the map
     # A second fit of each, from the first fit's weights: the mapped one under the same small budget.
     _fit(tmp_path / "again_ref", module=reference)
-    _fit(tmp_path / "again", module=module, budget=BUDGET_BYTES)
+    _, again = _fit(tmp_path / "again", module=module, budget=BUDGET_BYTES)
     _assert_equal(_values(module), _values(reference))
-    assert set(mapped_parameters(module).values()) == {str(tmp_path / "again" / "greedysnake-weights.safetensors")}
+    assert again.weights_file != strategy.weights_file
+    assert set(mapped_parameters(module).values()) == {again.weights_file}
 
 
 def test_export_log_line_names_the_file_and_its_size(tmp_path, caplog):
     with caplog.at_level(logging.INFO, logger="snake_strategy.after_fit"):
         _, strategy = _fit(tmp_path, budget=BUDGET_BYTES, export_dir=str(tmp_path / "exported"))
-    size = os.path.getsize(strategy.weights_file)
+    size = os.path.getsize(strategy.weights_file)  # kept: export_dir names a place for it
     assert strategy.weights_file == str(tmp_path / "exported" / "greedysnake-weights.safetensors")
     assert any(strategy.weights_file in r.message and f"{size} bytes" in r.message for r in caplog.records)
 
 
-def test_weights_go_next_to_the_last_checkpoint(tmp_path):
+def test_checkpoint_directory_holds_only_the_checkpoints(tmp_path):
     ckpt = ModelCheckpoint(dirpath=str(tmp_path / "ckpts"), every_n_train_steps=1, save_last=True)
-    _, strategy = _fit(tmp_path / "root", budget=BUDGET_BYTES, callbacks=[ckpt])
-    assert strategy.weights_file == str(tmp_path / "ckpts" / "greedysnake-weights.safetensors")
+    module, strategy = _fit(tmp_path / "root", budget=BUDGET_BYTES, callbacks=[ckpt])
+    assert set(mapped_parameters(module).values()) == {strategy.weights_file}
+    assert sorted(p.name for p in (tmp_path / "ckpts").iterdir()) == ["epoch=0-step=2.ckpt", "last.ckpt"]
+
+
+def test_export_dir_that_is_a_file_is_refused(tmp_path):
+    (tmp_path / "a_file").write_text("")
+    with pytest.raises(ValueError, match="storage.export_dir=.*a_file' is a file, not a directory"):
+        snake_strategy.StorageConfig(export_dir=str(tmp_path / "a_file"))
+    with pytest.raises(ValueError, match="storage.export_dir='' must be a directory path"):
+        snake_strategy.StorageConfig(export_dir="")
+
+
+# A fit whose weights exceed the budget, with a temporary SSD tier (no ssd_dir): the module maps the weights
+# file after fit, reads it after teardown removed the tier's directory, and equals the engine's last state.
+_MAPPED_FIT = """
+import json, logging, os, sys
+import lightning as L, torch
+import snake_strategy
+from snake_strategy.engine.state.weights_file import mapped_parameters
+from snake_strategy.gpt import GPTModule
+from tests.helpers import ParamRecorder, trainer_kwargs
+from tests.test_lifecycle import BUDGET_BYTES, CFG, SSD_STATES, _loader
+
+logging.basicConfig(level=logging.INFO)
+torch.manual_seed(0)
+module = GPTModule(CFG)
+strategy = snake_strategy.GreedySnakeStrategy(storage={**SSD_STATES, "host_budget_bytes": BUDGET_BYTES},
+                                              schedule={"num_micro_batches": 2})
+recorder = ParamRecorder(only_last=True)
+L.Trainer(strategy=strategy, max_steps=2, callbacks=[recorder],
+          **trainer_kwargs(default_root_dir=sys.argv[1])).fit(module, _loader())
+trained = recorder.states[-1]
+state = module.state_dict()
+print(json.dumps({
+    "weights_file": strategy.weights_file, "exists": os.path.exists(strategy.weights_file),
+    "tier_dir_exists": os.path.exists(os.path.dirname(strategy.weights_file)),
+    "all_mapped": set(mapped_parameters(module).values()) == {strategy.weights_file}
+                  and set(mapped_parameters(module)) == {n for n, _ in module.named_parameters()},
+    "names_equal": {n for n, _ in module.named_parameters()} == set(trained),
+    "different": sorted(n for n in trained if not torch.equal(state[n], trained[n]))}))
+"""
+
+
+def test_weights_over_the_budget_leave_nothing_behind_the_process(tmp_path):
+    root = tmp_path / "root"
+    root.mkdir()
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-c", _MAPPED_FIT, str(root)], env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    seen = json.loads(done.stdout.strip().splitlines()[-1])
+    # While alive: every parameter mapped from the file, every weight the trained one, the name already gone.
+    assert seen["all_mapped"] and seen["names_equal"] and seen["different"] == []
+    assert not seen["exists"] and not seen["tier_dir_exists"]
+    assert not seen["weights_file"].startswith(str(root))
+    assert "goes away with this process" in done.stderr
+    # After: default_root_dir holds nothing (no checkpoints or logs were asked for), the file is gone.
+    assert list(root.rglob("*")) == []
+    assert not os.path.exists(seen["weights_file"])
 
 
 def test_a_file_of_mixed_dtypes_maps_and_saves(tmp_path):
@@ -357,8 +419,7 @@ def test_teardown_failure_during_the_export_leaves_a_clean_module(tmp_path):
     with pytest.raises(Boom, match="while exporting"):
         _fit(tmp_path / "second", module=module, budget=BUDGET_BYTES, progress=Progress(listeners=[fail_in_export]))
     _assert_equal(_values(module), before)  # the pre-fit (first fit's) weights, mapped again
-    assert not (tmp_path / "second" / "greedysnake-weights.safetensors").exists()
-    assert not (tmp_path / "second" / "greedysnake-weights.safetensors.partial").exists()
+    assert not list(tmp_path.rglob("greedysnake-weights*"))  # no partial file, no name of the first fit's either
 
 
 # ---------------------------------------------------------------------- item 4: a dead run's ssd_dir
@@ -442,6 +503,7 @@ def test_weights_that_fit_only_without_the_engine_are_mapped_not_copied(tmp_path
     weights_bytes = sum(p.numel() * p.element_size() for p in module.parameters())
     budget = weights_bytes + roomy.plan.host_bytes - 1
     assert weights_bytes < budget
-    _, tight = _fit(tmp_path / "b", budget=budget)
+    mapped, tight = _fit(tmp_path / "b", budget=budget)
     assert tight.plan.host_bytes == roomy.plan.host_bytes  # the same plan: only the export's choice differs
-    assert tight.weights_file is not None and os.path.getsize(tight.weights_file) > weights_bytes
+    assert tight.weights_file is not None
+    assert set(mapped_parameters(mapped)) == {n for n, _ in mapped.named_parameters()}

@@ -125,6 +125,43 @@ def test_phase_events_every_item_and_log_lines_at_the_cadence(caplog):
     assert lines[-1] == "checkpoint_save: done, 10/10 files, 10 MB in 20.0 s (500 kB/s)"
 
 
+def _run_phase(progress: Progress, clock: FakeClock, items: int, seconds_per_item: float) -> None:
+    with progress.phase("checkpoint_save", items, "files", total_bytes=items * 1_000_000) as tracker:
+        for _ in range(items):
+            clock.now_s += seconds_per_item
+            tracker.advance(1, 1_000_000)
+
+
+def test_short_work_writes_one_summary_line_long_work_shows_progress(caplog):
+    caplog.set_level(logging.INFO, logger=LOGGER_NAME)
+    clock = FakeClock()
+    events: list[ProgressEvent] = []
+    progress = Progress(log=True, bar=False, listeners=[events.append], clock=clock)  # delay_s: 2 s by default
+    _run_phase(progress, clock, items=14, seconds_per_item=0.005)  # 14 files in 0.07 s
+    lines = [r.getMessage() for r in _records(caplog)]
+    assert lines == ["checkpoint_save: done, 14/14 files, 14 MB in 0.1 s (200 MB/s)"], lines
+    assert len(events) == 16  # listeners still get every event
+    caplog.clear()
+    _run_phase(progress, clock, items=10, seconds_per_item=1.0)  # 10 s: lasts past delay_s
+    lines = [r.getMessage() for r in _records(caplog)]
+    assert lines == ["checkpoint_save: 0/10 files (10 MB)",  # written late, at 2 s, when the work had lasted
+                     "checkpoint_save: 5/10 files, 5 MB of 10 MB, 5.0 s, 1 MB/s, ETA 5 s",  # every_s: 5 s
+                     "checkpoint_save: 10/10 files, 10 MB of 10 MB, 10.0 s, 1 MB/s, ETA 0 s",
+                     "checkpoint_save: done, 10/10 files, 10 MB in 10.0 s (1 MB/s)"], lines
+
+
+def test_a_terminal_gets_a_bar_and_the_summary_line(caplog, capsys):
+    caplog.set_level(logging.INFO, logger=LOGGER_NAME)
+    clock = FakeClock()
+    _run_phase(Progress(log=True, bar=True, clock=clock), clock, items=3, seconds_per_item=0.01)
+    assert capsys.readouterr().err == ""  # short: no bar at all
+    _run_phase(Progress(log=True, bar=True, clock=clock), clock, items=10, seconds_per_item=1.0)
+    drawn = capsys.readouterr().err
+    assert "checkpoint_save" in drawn and "10.0M/10.0M" in drawn  # tqdm's bar, in bytes
+    lines = [r.getMessage() for r in _records(caplog)]
+    assert [line.split(",")[0] for line in lines] == ["checkpoint_save: done"] * 2, lines  # no per-item lines
+
+
 def test_a_failed_phase_ends_without_a_done_event():
     events = []
     progress = Progress(log=False, listeners=[events.append])
@@ -166,7 +203,8 @@ def test_nobody_listening_costs_no_step_tracker():
     assert Progress(log=False, listeners=[print]).step(1, 10) is not None
 
 
-@pytest.mark.parametrize("kwargs, words", [({"every_s": 0}, "every_s=0"), ({"log": "yes"}, "log='yes'")])
+@pytest.mark.parametrize("kwargs, words", [({"every_s": 0}, "every_s=0"), ({"log": "yes"}, "log='yes'"),
+                                           ({"delay_s": -1}, "delay_s=-1"), ({"bar": "auto"}, "bar='auto'")])
 def test_settings_are_checked(kwargs, words):
     with pytest.raises(ValueError, match=words):
         Progress(**kwargs)
@@ -231,8 +269,10 @@ def test_cli_prints_progress_lines(saved_run, tmp_path):
     assert done.returncode == 0, done.stderr
     lines = [line for line in done.stderr.splitlines() if line.split(":")[0] in
              ("checkpoint_verify", "consolidate", "consolidate_write")]
-    assert lines[0] == f"checkpoint_verify: 0/{CHECKPOINT_FILES} files" + lines[0][lines[0].index(" ("):]
-    assert any(line.startswith(f"consolidate: done, {NUM_UNITS}/{NUM_UNITS} units") for line in lines), lines
+    # Work of milliseconds: one summary line per phase, no start or progress lines (issue 36, item 5).
+    assert len(lines) == 3, lines
+    assert lines[0].startswith(f"checkpoint_verify: done, {CHECKPOINT_FILES}/{CHECKPOINT_FILES} files"), lines
+    assert lines[1].startswith(f"consolidate: done, {NUM_UNITS}/{NUM_UNITS} units"), lines
     assert lines[-1].startswith("consolidate_write: done, 1/1 files"), lines
     assert done.stdout.startswith(f"wrote {out}")
 

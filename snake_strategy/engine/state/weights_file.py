@@ -9,9 +9,15 @@ and dropped by the kernel under pressure (a cgroup limit reclaims them too). ``s
 One mapping per dtype, each of the whole file up to the end of that dtype's tensors: ``torch.save`` then
 sees one storage per dtype (it refuses two dtypes viewing one storage), and every tensor starts at a
 multiple of its own item size because the writer puts wider dtypes first after an 8-byte aligned header.
+
+Unless the user keeps it (``storage.export_dir``), the file's name is removed as soon as it is mapped
+(``release_name``): the maps keep its data alive while the module uses it, and the kernel frees it when
+the process ends, however it ends. A descriptor per such file (``_UNLINKED``) lets a failed later fit map
+the same weights again (``/proc/self/fd/N``); ``close_unmapped`` lets go of the ones nothing maps.
 """
 from __future__ import annotations
 
+import itertools
 import os
 import shutil
 from typing import TYPE_CHECKING
@@ -28,11 +34,52 @@ if TYPE_CHECKING:
 WEIGHTS_FILE = "greedysnake-weights.safetensors"
 # The file is written as one piece: the shard limit of the HF writer is set past any model.
 _ONE_FILE_BYTES = 2**62
+# How the kernel marks a mapped file whose name is gone in /proc/self/maps.
+_DELETED = " (deleted)"
+# The path a weights file had when its name was removed -> a read-only descriptor of it (see above).
+_UNLINKED: dict[str, int] = {}
+_TEMPORARY_NAMES = itertools.count()
 
 
 def weights_file_name(world_size: int = 1, rank: int = 0) -> str:
     """One file per rank when several processes train (each gives its module the weights back)."""
     return WEIGHTS_FILE if world_size == 1 else f"greedysnake-weights-rank{rank}.safetensors"
+
+
+def temporary_file_name(file_name: str) -> str:
+    """A name no other process or export of this one uses (``file_name`` with the pid and a counter): the
+    file is written under it, mapped, then its name is removed, so two runs sharing a directory never meet."""
+    stem = file_name.removesuffix(".safetensors")
+    return f"{stem}-pid{os.getpid()}-{next(_TEMPORARY_NAMES)}.safetensors"
+
+
+def release_name(path: str) -> None:
+    """Remove the name of the weights file ``path``, which the module's parameters map: the disk space goes
+    back when the process ends (or when nothing maps it and ``close_unmapped`` ran). A read-only descriptor
+    is kept so that the same weights can be mapped again while the process lives."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.unlink(path)
+    except BaseException:
+        os.close(fd)
+        raise
+    old = _UNLINKED.pop(path, None)
+    if old is not None:
+        os.close(old)
+    _UNLINKED[path] = fd
+
+
+def name_released(path: str) -> bool:
+    """Whether ``path`` is a weights file whose name ``release_name`` removed (its data lives on)."""
+    return path in _UNLINKED
+
+
+def close_unmapped() -> None:
+    """Close the descriptors of released weights files that no parameter maps any more: their disk space
+    goes back now rather than at the end of the process."""
+    mapped = {path for _, _, path in file_mappings()}
+    for path in [p for p in _UNLINKED if p not in mapped]:
+        os.close(_UNLINKED.pop(path))
 
 
 def weights_file_plan(engine: SnakeEngine) -> list[tuple[str, torch.dtype, torch.Size]]:
@@ -113,8 +160,10 @@ def map_weights_file(path: str) -> dict[str, Tensor]:
 
 def give_module_file_weights(module: nn.Module, path: str) -> None:
     """Swap every parameter of ``module`` named in the file for its mapped view (the Parameter objects,
-    which the optimizer and tied modules refer to, are kept)."""
-    mapped = map_weights_file(path)
+    which the optimizer and tied modules refer to, are kept). A file whose name was released is opened
+    through its kept descriptor."""
+    fd = _UNLINKED.get(path)
+    mapped = map_weights_file(path if fd is None else f"/proc/self/fd/{fd}")
     for name, value in mapped.items():
         p = module.get_parameter(name)
         torch.utils.swap_tensors(p, nn.Parameter(value, p.requires_grad))
@@ -122,7 +171,8 @@ def give_module_file_weights(module: nn.Module, path: str) -> None:
 
 def file_mappings() -> list[tuple[int, int, str]]:
     """(start, end, path) of every file this process maps, sorted (Linux ``/proc/self/maps``; empty
-    elsewhere). A private map does not record its file in the tensor's storage, the kernel does."""
+    elsewhere). A private map does not record its file in the tensor's storage, the kernel does. A file
+    whose name is gone is listed under the path it had (the kernel's " (deleted)" mark is dropped)."""
     out = []
     try:
         with open("/proc/self/maps") as f:
@@ -130,7 +180,7 @@ def file_mappings() -> list[tuple[int, int, str]]:
                 fields = line.split(maxsplit=5)
                 if len(fields) == 6 and fields[5].startswith("/"):
                     start, end = (int(x, 16) for x in fields[0].split("-"))
-                    out.append((start, end, fields[5].rstrip("\n")))
+                    out.append((start, end, fields[5].rstrip("\n").removesuffix(_DELETED)))
     except OSError:
         return []
     return sorted(out)
