@@ -81,7 +81,7 @@ def _loader(shape: dict, batch_size: int, num_batches: int, seed: int = 1234):
 def _fit(shape: dict, system: str, storage: dict | None, precision: str, micro: int, num_micro: int, steps: int,
          ssd_dir: str, record_params: bool = False, accelerator: str = "gpu") -> dict:
     """One training run on the GPU: plain Lightning (accumulate_grad_batches) or greedysnake.
-    (``accelerator="cpu"``: the same code on the CPU, for tests/test_gpu_check.py.)"""
+    (``accelerator="cpu"``: the same code on the CPU, for tests/gpu/test_gpu_check.py.)"""
     import lightning as L
     import torch
 

@@ -11,7 +11,7 @@ Semantics are those of transformers' ``generate(do_sample=False)``: prompts left
 ``attention_mask`` (positions count real tokens only, the cumulative sum of the mask minus one; padding
 is masked out of every attention), a sequence that emits an EOS token is finished and gets
 ``pad_token_id`` from then on, and generation stops when every sequence is finished or after
-``max_new_tokens`` passes. ``tests/test_generation.py`` checks the tokens against ``model.generate``.
+``max_new_tokens`` passes. ``tests/hf/test_generation.py`` checks the tokens against ``model.generate``.
 """
 from __future__ import annotations
 

@@ -33,7 +33,7 @@ ALIGN_ELEMS = 4096
 WORKSPACE_CHECKPOINTS_PER_BLOCK = 24
 # What the budget cannot see and the engine does not allocate: allocator fragmentation, glibc arenas
 # of the worker threads, Lightning's per-step objects. Peak RSS <= baseline at setup + plan + this
-# (tests/test_memory.py measures it).
+# (tests/planning/test_memory_model.py measures it).
 RSS_SLACK_BYTES = 96 * 2**20
 # Pinned staging buffers of the weight streamer on CUDA, each the largest unit's SSD share: one is
 # filled from the SSD while the other's bytes cross PCIe.
