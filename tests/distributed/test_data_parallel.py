@@ -27,7 +27,7 @@ from snake_strategy.engine.parallel.partition import shard_bounds
 from snake_strategy.engine.parallel.reduce import ring_all_reduce_sent_bytes
 from snake_strategy.schedule import BACKWARD
 
-from .helpers import max_abs_diff
+from tests.helpers import max_abs_diff
 
 WORKER = Path(__file__).with_name("dp_worker.py")
 REPO = Path(__file__).resolve().parents[2]
