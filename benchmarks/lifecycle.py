@@ -271,9 +271,11 @@ def run_child(args, name: str, work: Path, cgroup: str, kill_at_step: int | None
     events = work / f"{name}.events.jsonl"
     tmp = work / f"{name}.tmp"  # the child's TMPDIR: its temporary ssd_dir lands here, so leftovers are found
     tmp.mkdir()
-    cmd = [sys.executable, __file__, "--child", "--preset", args.preset, "--context-len", str(args.context_len),
+    root_dir = work / name  # the child's working directory and default_root_dir, empty at its start
+    root_dir.mkdir()
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", "--preset", args.preset, "--context-len", str(args.context_len),
            "--batch", str(args.batch), "--lr", str(args.lr), "--events", str(events), "--cgroup-dir", cgroup,
-           "--work-dir", str(work / name), "--hf-dtype", args.hf_dtype]
+           "--work-dir", str(root_dir), "--hf-dtype", args.hf_dtype]
     if args.host_budget_gib is not None:
         cmd += ["--host-budget-gib", str(args.host_budget_gib)]
     for key, value in options.items():
@@ -290,7 +292,7 @@ def run_child(args, name: str, work: Path, cgroup: str, kill_at_step: int | None
 
     disk_start = disk_used_bytes(str(work))
     high_water = [disk_start]
-    proc = subprocess.Popen(cmd, env=env, preexec_fn=enter_cgroup)
+    proc = subprocess.Popen(cmd, env=env, preexec_fn=enter_cgroup, cwd=root_dir)
     killed_at = None
     step_s = None
     while proc.poll() is None:
@@ -310,6 +312,13 @@ def run_child(args, name: str, work: Path, cgroup: str, kill_at_step: int | None
            "disk_high_water_bytes": high_water[0] - disk_start,
            "oom_killed": proc.returncode == -signal.SIGKILL and killed_at is None}
     out.update({k: v for r in records if r.get("event") == "hf_check" for k, v in r.items() if k != "event"})
+    # What the process left behind, beyond what it was asked to write (checkpoints, the HF export live
+    # elsewhere): a run that ended must leave no multi-GB scratch (the weights file) in its directories.
+    out["left_in_root_dir_bytes"] = tree_bytes(root_dir)
+    out["files_over_100mb_left"] = [str(f) for d in (root_dir, tmp) for f in d.rglob("*")
+                                    if f.is_file() and f.stat().st_size > 100 * 2**20]
+    if killed_at is None:
+        out["left_in_tmpdir_bytes"] = tree_bytes(tmp)
     if killed_at is not None:
         out["killed_during_step"] = kill_at_step
         out["left_on_disk_after_kill_bytes"] = tree_bytes(tmp)  # outside the checkpoint directory
