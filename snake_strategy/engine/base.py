@@ -10,7 +10,9 @@
   (engine/state/api.py) that the weights file reads, over the units' ``named_values``.
 
 A subclass builds its parts in dependency order, passing each what it needs, and owns each one that
-holds a resource right after building it (``own``).
+holds a resource right after building it (``own``). As it builds its state it sets what the weights out
+read: ``units``, ``blocks_prefix``, ``nonlayer_trained``, ``nonlayer_copies`` and ``working_pools``; the
+hand-back then calls back into it only to ``flush`` pending updates.
 """
 from __future__ import annotations
 
@@ -49,8 +51,13 @@ class EngineBase:
         self.trace = TaskTrace(enabled=runtime.trace)
         self.step_count = 0
         self.last_step = StepStats()
+        # What the weights handed back are read from, set by the subclass as it builds its state:
         self.units: list[Any] = []
         self.blocks_prefix = ""
+        self.nonlayer_trained: list[tuple[str, Tensor]] = []  # the non-layer trained values (live tensors)
+        # Non-layer parameters whose trained value is another tensor (a master copy in another dtype).
+        self.nonlayer_copies: list[tuple[nn.Parameter, Tensor]] = []
+        self.working_pools: list[BufferPool] = []  # the step's and the streaming's buffers
         self.io: IOEngine | None = None
         self.ssd: SsdDirectory | None = None
         self._resources = contextlib.ExitStack()
@@ -130,18 +137,6 @@ class EngineBase:
     def flush(self) -> None:
         """Apply every pending optimizer update (none by default)."""
 
-    def working_pools(self) -> list[BufferPool | None]:
-        """The buffers of the step and the streaming, which the weights handed back no longer need."""
-        return []
-
-    def nonlayer_values(self) -> list[tuple[str, Tensor]]:
-        """The non-layer parameters' trained values by module name (live tensors, not copies)."""
-        raise NotImplementedError
-
-    def nonlayer_hand_back(self) -> list[tuple[nn.Parameter, Tensor]]:
-        """(parameter, value) of the non-layer parameters whose trained value is not the parameter itself."""
-        return []
-
     def export_phase(self) -> Progress:
         """Where ``export_to_module`` reports its units."""
         return self.progress
@@ -169,19 +164,18 @@ class EngineBase:
         return self.units[u].named_values(self.blocks_prefix)
 
     def weight_specs(self) -> list[WeightSpec]:
-        specs = [(name, value.dtype, value.shape) for name, value in self.nonlayer_values()]
+        specs = [(name, value.dtype, value.shape) for name, value in self.nonlayer_trained]
         for unit in self.units:
             specs += unit.value_specs(self.blocks_prefix)
         return specs
 
     def release_working_memory(self) -> None:
         self.flush()
-        for pool in self.working_pools():
-            if pool is not None:
-                pool.clear()
+        for pool in self.working_pools:
+            pool.clear()
 
     def weight_groups(self) -> Iterator[list[tuple[str, Tensor]]]:
-        yield [(name, value.detach().cpu()) for name, value in self.nonlayer_values()]
+        yield [(name, value.detach().cpu()) for name, value in self.nonlayer_trained]
         for unit in self.units:
             yield list(unit.named_values(self.blocks_prefix).items())
 
@@ -212,6 +206,6 @@ class EngineBase:
                 p = unit.layout.blocks[s.block].get_parameter(s.name)
                 torch.utils.swap_tensors(p, nn.Parameter(values[name], p.requires_grad))
             tracker.advance(1, num_bytes)
-        for p, value in self.nonlayer_hand_back():
+        for p, value in self.nonlayer_copies:
             torch.utils.swap_tensors(p, nn.Parameter(value.detach().clone(), p.requires_grad))
         tracker.finish()

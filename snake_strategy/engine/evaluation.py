@@ -34,7 +34,6 @@ from snake_strategy.planning.autoplan import RunPlan
 from snake_strategy.sources.pretrained import PretrainedSource
 from snake_strategy.progress import Progress, or_quiet
 from snake_strategy.storage import TieredTensor
-from snake_strategy.storage.pool import BufferPool
 from snake_strategy.storage.tiered import Tiers
 from snake_strategy.units import UnitLayout, named_tensors
 
@@ -129,8 +128,10 @@ class EvalEngine(EngineBase):
             if p.dtype != self.dtypes.compute and p.is_floating_point():
                 # swap_tensors keeps the Parameter object that tied modules refer to.
                 torch.utils.swap_tensors(p, nn.Parameter(p.detach().to(self.dtypes.compute), p.requires_grad))
+        self.nonlayer_trained = list(named)  # the module's own parameters, in the compute dtype from here on
         self.weights = self.own(WeightStreamer(self.units, _NoPendingUpdates(), self.trace, s.prefetch_depth,
                                                self.dtypes.compute, self.device), self._close_weights)
+        self.working_pools = [self.weights.pool] if self.weights.pool is not None else []
 
     def _close_weights(self) -> None:
         weights, self.weights = self.weights, None
@@ -166,12 +167,6 @@ class EvalEngine(EngineBase):
 
     def nonlayer_state(self) -> dict[str, Any]:
         return {"names": [n for n, _ in self._nonlayer], "master": [p.detach().cpu().clone() for _, p in self._nonlayer]}
-
-    def nonlayer_values(self) -> list[tuple[str, Tensor]]:
-        return list(self._nonlayer)  # the module's own parameters, in the compute dtype since the build
-
-    def working_pools(self) -> list[BufferPool | None]:
-        return [self.weights.pool if self.weights is not None else None]
 
     def export_phase(self) -> Progress:
         """Evaluation gives back what it loaded, without a progress report of its own."""

@@ -116,6 +116,9 @@ class SnakeEngine(EngineBase):
                             shard=partition.bounds if partition is not None else None)
         self.blocks_prefix, self.nonlayer = built.blocks_prefix, built.nonlayer
         units = self.units = built.units
+        nonlayer = self.nonlayer  # trainable ones by their master values, then the frozen ones as stored
+        self.nonlayer_trained = [*zip(nonlayer.names, nonlayer.master), *zip(nonlayer.frozen_names, nonlayer.frozen)]
+        self.nonlayer_copies = [(p, master) for p, master in zip(nonlayer.params, nonlayer.master) if p is not master]
         pools = pool_sizes(self.memory_inputs())
         self.activations = ActivationStore(storage, s.num_micro_batches, len(units), pools.checkpoint_staging, device,
                                            self.counters, self.io, self.ssd, trace=self.trace)
@@ -133,6 +136,7 @@ class SnakeEngine(EngineBase):
         grad_elems = [partition.padded(t) if partition else t for t in self.shape.trainable]
         self.grad_pool = BufferPool("gradients", pools.grad_buffers, max(grad_elems + [1]), dtypes.master, device,
                                     trace=self.trace)
+        self.working_pools = [pool for pool in (self.grad_pool, self.weights.pool) if pool is not None]
         self.gradients = GradientPath(units, self.overlap, self.grad_pool, self.clip, self.scaler, self.reducer,
                                       partition, self.speculation)
         unverified_batching = None
@@ -396,16 +400,3 @@ class SnakeEngine(EngineBase):
         frozen = sum(shape.unit_params) - sum(shape.trainable) + shape.nonlayer_frozen_params
         return ((sum(shape.trainable) + shape.nonlayer_params) * self.dtypes.bytes_per("master")
                 + frozen * self.dtypes.bytes_per("compute"))
-
-    # ------------------------------------------------------------------ weights out (EngineBase, TrainedWeights)
-    def working_pools(self) -> list[BufferPool | None]:
-        return [self.grad_pool, self.weights.pool]
-
-    def nonlayer_values(self) -> list[tuple[str, Tensor]]:
-        """Trainable non-layer parameters' master values, then the frozen ones as stored."""
-        nonlayer = self.nonlayer
-        return [*zip(nonlayer.names, nonlayer.master), *zip(nonlayer.frozen_names, nonlayer.frozen)]
-
-    def nonlayer_hand_back(self) -> list[tuple[nn.Parameter, Tensor]]:
-        """A separate master copy (the compute dtype differs from the master dtype) replaces the parameter."""
-        return [(p, master) for p, master in zip(self.nonlayer.params, self.nonlayer.master) if p is not master]
