@@ -214,7 +214,7 @@ class GreedySnakeStrategy(DataParallelMixin, ParallelStrategy):
         runtime = EngineRuntime(self.precision_plugin.dtypes, self.root_device, clip=clip,
                                 scaler=self.precision_plugin.make_scaler(), pretrained=pretrained, hooks=self.hooks,
                                 progress=self.progress, world_size=self.world_size, rank=self.global_rank,
-                                shard_optimizer=self.shard_optimizer_state)
+                                shard_optimizer=self.shard_optimizer_state, trace=self.trace_path is not None)
 
         def build() -> SnakeEngine:
             return SnakeEngine(module, self.optimizers[0], self._rank_plan(), runtime)
@@ -223,7 +223,6 @@ class GreedySnakeStrategy(DataParallelMixin, ParallelStrategy):
         self.engine, self._created_ssd_dirs = build_engine(build, self.storage, self.global_rank, self.world_size)
         if self.world_size > 1:
             sync_initial_state(self.engine, self.root_device)  # every rank starts from rank 0's weights
-        self.engine.trace.enabled = self.trace_path is not None
         self._predicted_at_step_one = False
         with contextlib.suppress(ValueError):  # a batch the run refuses: that refusal comes with its own check
             self.prediction = self._predict(batch, at_setup=True) if batch is not None else None

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, field
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Callable
 
 import torch
@@ -69,6 +69,18 @@ class UnitLayout:
     @property
     def trainable_slots(self) -> list[ParamSlot]:
         return self.slots[:self.num_trainable]
+
+    def named_slots(self, blocks_prefix: str, trainable: bool | None = None) -> Iterator[tuple[str, ParamSlot]]:
+        """(module name, slot) of each parameter of the unit (only the trainable or only the frozen ones
+        when ``trainable`` says so), in flat-vector order."""
+        for s in self.slots:
+            if trainable is None or s.trainable == trainable:
+                yield f"{blocks_prefix}.{self.first_block + s.block}.{s.name}", s
+
+    def slot_rows(self, blocks_prefix: str, trainable: bool | None = None) -> list[tuple[str, list[int], int, int]]:
+        """(module name, shape, offset, numel) of each parameter, as ``named_tensors`` and the checkpoint
+        manifests take them (``trainable`` as in ``named_slots``)."""
+        return [(name, list(s.shape), s.offset, s.numel) for name, s in self.named_slots(blocks_prefix, trainable)]
 
     def leaves(self, flat: Tensor) -> list[Tensor]:
         """One leaf per parameter, each a view into ``flat`` (no copies), in slot order; the trainable

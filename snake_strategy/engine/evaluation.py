@@ -25,19 +25,16 @@ import torch
 from torch import Tensor, nn
 
 from snake_strategy.contract import check_contract
+from snake_strategy.engine.base import EngineBase
 from snake_strategy.engine.state.build import materialize
-from snake_strategy.engine.runtime import EngineHooks, EngineRuntime
+from snake_strategy.engine.runtime import EngineRuntime
 from snake_strategy.engine.stream.forward_only import split_eval_batch, stream_blocks, streamed_forward
-from snake_strategy.engine.trace import TaskTrace
-from snake_strategy.engine.view import StepStats
 from snake_strategy.engine.stream.streamer import WeightStreamer
 from snake_strategy.planning.autoplan import RunPlan
-from snake_strategy.planning.memory import ssd_plan
 from snake_strategy.sources.pretrained import PretrainedSource
-from snake_strategy.progress import or_quiet
-from snake_strategy.storage import IOEngine, SsdDirectory, TieredTensor, TrafficCounters
+from snake_strategy.progress import Progress, or_quiet
+from snake_strategy.storage import TieredTensor
 from snake_strategy.storage.tiered import Tiers
-from snake_strategy.storage.aligned import return_large_frees_to_os
 from snake_strategy.units import UnitLayout, named_tensors
 
 
@@ -47,6 +44,15 @@ class EvalUnit:
 
     layout: UnitLayout
     weights: TieredTensor
+
+    def named_values(self, blocks_prefix: str) -> dict[str, Tensor]:
+        """Every parameter of the unit by module name, fresh CPU copies of the compute weights."""
+        views = named_tensors(self.weights.read_full(), self.layout.slot_rows(blocks_prefix))
+        return {name: value.clone() for name, value in views.items()}  # see UnitStore.named_values
+
+    def value_specs(self, blocks_prefix: str) -> list[tuple[str, torch.dtype, torch.Size]]:
+        """(module name, dtype, shape) of what ``named_values`` returns, in its order, without reading it."""
+        return [(name, self.weights.dtype, torch.Size(s.shape)) for name, s in self.layout.named_slots(blocks_prefix)]
 
 
 class _NoPendingUpdates:
@@ -58,7 +64,7 @@ class _NoPendingUpdates:
         return None
 
 
-class EvalEngine:
+class EvalEngine(EngineBase):
     """Forward-only streaming of a layered module's blocks (see the module docstring).
 
     ``source``: a ``PretrainedSource``-like object (``unit_flat``, ``tensor``, ``close``), e.g. a
@@ -69,28 +75,16 @@ class EvalEngine:
 
     def __init__(self, module: nn.Module, plan: RunPlan, runtime: EngineRuntime, source: Any = None) -> None:
         check_contract(module)
-        self.module, self.plan, self.storage, self.schedule = module, plan, plan.storage, plan.schedule
-        self.dtypes, self.device = runtime.dtypes, runtime.device
-        self.hooks = runtime.hooks or EngineHooks()
-        self.progress = or_quiet(runtime.progress)
-        storage = self.storage
-        self.counters = TrafficCounters()
-        self.last_step = StepStats()  # evaluation runs no training step
-        self.trace = TaskTrace()
-        self.step_count = 0
-        self.io: IOEngine | None = None
-        self.ssd: SsdDirectory | None = None
-        self.units: list[EvalUnit] = []
+        super().__init__(module, plan, runtime)
         self.weights: WeightStreamer | None = None
-        return_large_frees_to_os()
+        self._nonlayer: list[tuple[str, nn.Parameter]] = []
         if isinstance(source, (str, os.PathLike)):
             source = PretrainedSource(source)
         try:
             if isinstance(source, PretrainedSource):
                 source.check_unexpected(module)  # names only: refused before any unit is built
-            if storage.weights.ssd > 0:  # only the weights are stored: the other states' shares do not matter
-                self.ssd = SsdDirectory(storage.ssd_dir, storage.use_o_direct, storage.keep_ssd_files)
-                self.io = IOEngine(storage.num_io_threads, before_transfer=self.hooks.before_ssd_transfer)
+            # Only the weights are stored: the other states' shares do not matter.
+            self.open_storage(self.storage.weights.ssd > 0)
             self._build(source)
         except BaseException:
             self.close()
@@ -113,8 +107,7 @@ class EvalEngine:
         named = [(n, p) for n, p in module.named_parameters() if id(p) not in block_ids]
         self._nonlayer = named
         e_c = self.dtypes.bytes_per("compute")
-        if self.ssd is not None:
-            self.ssd.check_free_space(sum(ssd_plan(self.plan.memory_inputs()).values()), "weights")
+        self.check_ssd_space("weights")
         self.check_host_budget()
         tracker = self.progress.phase("materialize" if source is None else "load_weights", len(layouts),
                                       total_bytes=sum(self._unit_params) * e_c)
@@ -135,16 +128,14 @@ class EvalEngine:
             if p.dtype != self.dtypes.compute and p.is_floating_point():
                 # swap_tensors keeps the Parameter object that tied modules refer to.
                 torch.utils.swap_tensors(p, nn.Parameter(p.detach().to(self.dtypes.compute), p.requires_grad))
-        self.weights = WeightStreamer(self.units, _NoPendingUpdates(), self.trace, s.prefetch_depth,
-                                      self.dtypes.compute, self.device)
+        self.nonlayer_trained = list(named)  # the module's own parameters, in the compute dtype from here on
+        self.weights = self.own(WeightStreamer(self.units, _NoPendingUpdates(), self.trace, s.prefetch_depth,
+                                               self.dtypes.compute, self.device), self._close_weights)
+        self.working_pools = [self.weights.pool] if self.weights.pool is not None else []
 
-    def host_bytes_plan(self) -> dict[str, int]:
-        """Host memory evaluation needs, by item: the plan's evaluation part (``memory.host_plan`` of the
-        compute weights only). Activations are not counted."""
-        return self.plan.host_items()
-
-    def check_host_budget(self) -> None:
-        self.plan.check_host_budget(self.host_bytes_plan())
+    def _close_weights(self) -> None:
+        weights, self.weights = self.weights, None
+        weights.close()
 
     # ------------------------------------------------------------------ the forward pass
     def split(self, batch: Any) -> list[Any]:
@@ -165,22 +156,9 @@ class EvalEngine:
         return streamed_forward(self.module, batch, self.schedule.num_micro_batches, self.device,
                                 self.dtypes.autocast, self.stream_blocks)
 
-    def flush(self) -> None:
-        """Nothing is ever pending: evaluation makes no updates."""
-
-    # ------------------------------------------------------------------ weights out
-    @property
-    def num_units(self) -> int:
-        return len(self.units)
-
+    # ------------------------------------------------------------------ weights out (EngineBase, TrainedWeights)
     def unit_numel(self, u: int) -> int:
         return self.units[u].layout.numel
-
-    def unit_slots(self, u: int) -> list[tuple[str, list[int], int, int]]:
-        """(module name, shape, offset, numel) of every parameter of unit ``u``, in flat-vector order."""
-        layout = self.units[u].layout
-        return [(f"{self.blocks_prefix}.{layout.first_block + s.block}.{s.name}", list(s.shape), s.offset, s.numel)
-                for s in layout.slots]
 
     def unit_state(self, u: int) -> dict[str, Tensor]:
         """Unit ``u``'s weights as a fresh CPU copy, under the key "master" as the training engine names
@@ -190,65 +168,15 @@ class EvalEngine:
     def nonlayer_state(self) -> dict[str, Any]:
         return {"names": [n for n, _ in self._nonlayer], "master": [p.detach().cpu().clone() for _, p in self._nonlayer]}
 
-    def named_weights(self) -> Iterator[tuple[str, Tensor]]:
-        """Every parameter by its module name (EngineView), CPU copies, one unit in memory at a time."""
-        yield from ((name, p.detach().cpu()) for name, p in self._nonlayer)
-        for u in range(self.num_units):
-            views = named_tensors(self.unit_state(u)["master"], self.unit_slots(u))
-            yield from ((name, value.clone()) for name, value in views.items())  # see SnakeEngine.unit_weights
+    def export_phase(self) -> Progress:
+        """Evaluation gives back what it loaded, without a progress report of its own."""
+        return or_quiet(None)
 
     def trainable_named_weights(self) -> Iterator[tuple[str, Tensor]]:
         """The parameters that require grad in the module (EngineView): what a fit would train."""
         trainable = {name for name, p in self.module.named_parameters() if p.requires_grad}
         yield from ((name, value) for name, value in self.named_weights() if name in trainable)
 
-    def state_dict(self) -> dict[str, Tensor]:
-        """Every parameter by its module name (CPU copies, the whole model in memory: tests, small models)."""
-        return dict(self.named_weights())
-
-    @property
-    def autocast_dtype(self) -> torch.dtype | None:
-        return self.dtypes.autocast
-
-    @property
-    def master_dtype(self) -> torch.dtype:
-        return self.dtypes.master  # the dtype of named_weights()' trained values
-
     def master_bytes(self) -> int:
         """What giving the weights back to the module costs in host memory."""
         return (sum(self._unit_params) + sum(p.numel() for _, p in self._nonlayer)) * self.dtypes.bytes_per("compute")
-
-    @torch.no_grad()
-    def export_to_module(self) -> None:
-        """Give the module its block weights back, one unit at a time, so that after ``trainer.validate``
-        the module holds what was evaluated, as it does under a plain strategy."""
-        if self.weights is not None and self.weights.pool is not None:
-            self.weights.pool.clear()
-        for unit in self.units:
-            flat = unit.weights.read_full()
-            for s in unit.layout.slots:
-                p = unit.layout.blocks[s.block].get_parameter(s.name)
-                value = flat[s.offset:s.offset + s.numel].view(s.shape).clone()  # see SnakeEngine.unit_weights
-                torch.utils.swap_tensors(p, nn.Parameter(value, p.requires_grad))
-
-    # ------------------------------------------------------------------ teardown
-    def ssd_files(self) -> list[str]:
-        return self.ssd.files() if self.ssd is not None else []
-
-    def close(self) -> None:
-        """Release the prefetch thread, the buffers, the files and the lock (idempotent); re-raise the first
-        error after trying every step."""
-        first_error: BaseException | None = None
-        weights, self.weights = self.weights, None
-        io, ssd, self.io, self.ssd = self.io, self.ssd, None, None
-        for step in (weights.close if weights is not None else None, io.close if io is not None else None,
-                     ssd.close if ssd is not None else None):
-            if step is None:
-                continue
-            try:
-                step()
-            except BaseException as err:  # keep releasing: files and the lock must not leak
-                first_error = first_error or err
-        self.units = []
-        if first_error is not None:
-            raise first_error

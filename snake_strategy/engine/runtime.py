@@ -35,3 +35,4 @@ class EngineRuntime:
     world_size: int = 1
     rank: int = 0
     shard_optimizer: bool = False  # data parallel: each rank keeps 1/N of the moments (ZeRO-1)
+    trace: bool = False  # record timed spans for a timeline (``TaskTrace.enabled``; the strategy's trace_path)

@@ -1,9 +1,10 @@
-"""The training engine, one class past 500 lines: its step and its state API share every part it owns.
+"""The training engine: the step over the offloaded state, and the state API checkpoints read.
 
 ``SnakeEngine``: the facade the strategy talks to. It owns every offloaded state of the blocks and the
 non-layer parameters' optimizer state, and exposes a small API: ``train_step``, ``optimizer_step``,
 ``flush``, ``forward`` (evaluation), the state API (per unit and non-layer, for checkpoints), the memory
-plan, and ``close``.
+plan, and ``close``. I/O, the resources, the budget and the weights handed back are ``EngineBase``'s
+(engine/base.py), shared with the evaluation engine.
 
 Threads (all started here, all joined by ``close``): the main thread computes (``StepRunner``); a
 prefetch thread fetches weights ahead (``WeightStreamer``); the optimizer worker steps units
@@ -24,6 +25,7 @@ from torch import Tensor, nn
 from snake_strategy.activations import ActivationStore
 from snake_strategy.contract import (batch_size, batch_tensors, check_contract, slice_batch, split_micro_batches,
                                      unpack_pre_stage)
+from snake_strategy.engine.base import EngineBase
 from snake_strategy.engine.step.batch_check import batching_tolerance
 from snake_strategy.engine.state.build import build_model
 from snake_strategy.engine.step.gradients import GradientPath
@@ -33,27 +35,23 @@ from snake_strategy.engine.parallel.partition import Partition, shard_range
 from snake_strategy.engine.parallel.reduce import GradientReducer
 from snake_strategy.engine.optimizer.rollback import RollbackStore, SpeculationPolicy
 from snake_strategy.engine.step.runner import StepParts, StepRunner, StepState
-from snake_strategy.engine.runtime import EngineHooks, EngineRuntime
+from snake_strategy.engine.runtime import EngineRuntime
 from snake_strategy.engine.stream.forward_only import stream_blocks, streamed_forward
-from snake_strategy.engine.trace import TaskTrace
 from snake_strategy.engine.view import StepStats
 from snake_strategy.engine.stream.streamer import WeightStreamer
-from snake_strategy.planning.memory import MemoryInputs, pool_sizes, ssd_plan
+from snake_strategy.planning.memory import pool_sizes
 from snake_strategy.optim import check_optimizer, snapshot_hyper_params
 from snake_strategy.planning.autoplan import RunPlan
 from snake_strategy.planning.planner import ModelShape
 from snake_strategy.precision import LossScaler
-from snake_strategy.progress import or_quiet
 from snake_strategy.schedule import build_tasks
-from snake_strategy.storage import IOEngine, SsdDirectory, TrafficCounters
 from snake_strategy.storage.counters import traffic_delta
-from snake_strategy.storage.aligned import return_large_frees_to_os
 from snake_strategy.storage.pool import BufferPool
 from snake_strategy.storage.tiered import Tiers
 from snake_strategy.units import named_tensors
 
 
-class SnakeEngine:
+class SnakeEngine(EngineBase):
     """Trains ``module`` with the plan's storage and schedule (``planning.autoplan.resolve``); the engine
     decides none of the plan's settings again. ``EngineView`` (engine/view.py) is what other code may use."""
 
@@ -68,42 +66,31 @@ class SnakeEngine:
             raise ValueError(f"SnakeEngine runs concrete settings, but schedule {schedule.unset()} and storage "
                              f"{storage.unset()} are left to the planner: resolve them first (snake_strategy.planning."
                              "autoplan.resolve, as GreedySnakeStrategy does) or set them")
-        self.module, self.optimizer, self.storage, self.schedule = module, optimizer, storage, schedule
-        self.plan, self.runtime = plan, runtime
-        self.dtypes, self.device, self.clip = runtime.dtypes, runtime.device, clip
-        self.master_dtype = runtime.dtypes.master  # the dtype of named_weights()' trained values
+        super().__init__(module, plan, runtime)
+        self.optimizer, self.clip = optimizer, clip
         self.scaler = runtime.scaler if runtime.scaler is not None else LossScaler(runtime.dtypes.loss_scaling)
-        self.hooks = runtime.hooks or EngineHooks()
-        self.progress = or_quiet(runtime.progress)  # setup, long steps and export report here
         self.alpha = schedule.alpha  # the plan's, as its step mode (autoplan.resolve): not decided again here
         # The plan's step mode, which resolve decided from the same clip and loss scaling this engine runs.
         assert plan.step_mode != "speculative" or self.alpha < 1.0, "a speculative step has backward parts"
         assert plan.step_mode != "deferred" or self.alpha == 1.0, "a deferred step defers whole updates"
         self.speculation = SpeculationPolicy(plan.step_mode, clip, self.scaler)  # engine/optimizer/rollback.py
         world_size, rank = runtime.world_size, runtime.rank
-        self.counters = TrafficCounters()
-        self.trace = TaskTrace()
         # Data parallel (world_size > 1, a process group set up): unit gradients summed across ranks.
         self.world_size = world_size
         self.reducer = GradientReducer(world_size, self.counters, self.trace, self.device) if world_size > 1 else None
         # ZeRO-1: this rank keeps 1/N of the moments (engine/parallel/partition.py).
         self.partition = Partition(world_size, rank, self.counters, self.dtypes, self.device) \
             if runtime.shard_optimizer and world_size > 1 else None
-        self.step_count = 0
-        self.last_step = StepStats()
         self.checkpoint_bytes = 0  # one unit input of one micro-batch, known after the first forward
         self.global_batch_size: int | None = None  # samples per full step (set from the loader or batch 1)
-        self.io: IOEngine | None = None
-        self.ssd: SsdDirectory | None = None
-        self._parts: list[Any] = []  # everything with a close(), in creation order
+        self.runner: StepRunner | None = None  # built last (_build); the kept graphs it measures count in the budget
         self._train_end_snapshot: dict | None = None
         self._nonlayer_sum = None  # the in-flight cross-rank sum of the non-layer gradients
-        return_large_frees_to_os()  # else freed buffers stay in the heap and RSS grows with depth
+        self._tasks: dict[int, list] = {}
+        self._frozen_crc: dict[str, Any] | None = None
+        self._backward_planned = False
         try:
-            if storage.uses_ssd():
-                self.ssd = SsdDirectory(storage.ssd_dir, storage.use_o_direct, storage.keep_ssd_files)
-                self.io = IOEngine(storage.num_io_threads, before_transfer=self.hooks.before_ssd_transfer,
-                                   trace=self.trace)
+            self.open_storage(storage.uses_ssd())
             self._build()
         except BaseException:
             self.close()
@@ -111,7 +98,9 @@ class SnakeEngine:
 
     # ------------------------------------------------------------------ setup
     def _build(self) -> None:
-        s = self.schedule
+        """The parts in dependency order, each given what it needs; each one holding a resource is owned
+        (closed by ``close``) as soon as it exists."""
+        s, storage, dtypes, device = self.schedule, self.storage, self.dtypes, self.device
         # The planner laid the model out and checked it (autoplan.setup_layouts); the SSD and host checks
         # need only those sizes, so they run before anything is allocated.
         assert self.plan.layouts and self.plan.shape is not None and not self.plan.evaluating, \
@@ -119,47 +108,47 @@ class SnakeEngine:
         self.shape = self.plan.shape  # the one the planner placed the states for
         assert self.shape.optimizer_shards == (self.world_size if self.partition else 1), \
             "the plan was resolved for another partition of the optimizer state"
-        if self.ssd is not None:
-            self.ssd.check_free_space(sum(ssd_plan(self.memory_inputs()).values()),
-                                      "weights, master weights, optimizer moments and gradients")
+        self.check_ssd_space("weights, master weights, optimizer moments and gradients")
         self.check_host_budget()
-        tiers = Tiers(self.storage, self.device, self.counters, self.io, self.ssd)
+        tiers = Tiers(storage, device, self.counters, self.io, self.ssd)
+        partition = self.partition
         built = build_model(self.module, self.optimizer, self.plan, self.runtime, tiers, self.alpha,
-                            shard=self.partition.bounds if self.partition is not None else None)
-        self.blocks_prefix, self.units, self.nonlayer = built.blocks_prefix, built.units, built.nonlayer
+                            shard=partition.bounds if partition is not None else None)
+        self.blocks_prefix, self.nonlayer = built.blocks_prefix, built.nonlayer
+        units = self.units = built.units
+        nonlayer = self.nonlayer  # trainable ones by their master values, then the frozen ones as stored
+        self.nonlayer_trained = [*zip(nonlayer.names, nonlayer.master), *zip(nonlayer.frozen_names, nonlayer.frozen)]
+        self.nonlayer_copies = [(p, master) for p, master in zip(nonlayer.params, nonlayer.master) if p is not master]
         pools = pool_sizes(self.memory_inputs())
-        self.overlap = OptimizerOverlap(self.units, self.dtypes.weights, self.dtypes.master, self.device,
-                                        self.storage.optimizer_chunk_elems, self.hooks.before_optimizer_chunk,
-                                        trace=self.trace)
-        self._parts.append(self.overlap)
-        self.overlap.rollback = RollbackStore(self.units, self.storage.rollback, self.dtypes.master, self.device,
-                                              self.counters, self.io, self.ssd) if self.speculation.enabled else None
-        self.weights = WeightStreamer(self.units, self.overlap, self.trace, s.prefetch_depth, self.dtypes.weights,
-                                      self.device)
-        self._parts.append(self.weights)
-        self.activations = ActivationStore(self.storage, s.num_micro_batches, len(self.units),
-                                           pools.checkpoint_staging, self.device, self.counters, self.io, self.ssd,
-                                           trace=self.trace)
+        self.activations = ActivationStore(storage, s.num_micro_batches, len(units), pools.checkpoint_staging, device,
+                                           self.counters, self.io, self.ssd, trace=self.trace)
+        self.own(self.activations, self.activations.clear)
+        rollback = RollbackStore(units, storage.rollback, dtypes.master, device, self.counters, self.io, self.ssd) \
+            if self.speculation.enabled else None
+        # Partitioned: every rank's updated shard of a unit is gathered after its forward part.
+        gather = (lambda u: partition.gather_weights(units[u])) if partition is not None else None
+        self.overlap = self.own(OptimizerOverlap(units, dtypes.weights, dtypes.master, device,
+                                                 storage.optimizer_chunk_elems, self.hooks.before_optimizer_chunk,
+                                                 trace=self.trace, rollback=rollback, gather=gather))
+        self.weights = self.own(WeightStreamer(units, self.overlap, self.trace, s.prefetch_depth, dtypes.weights,
+                                               device))
         # Partitioned: the buffer is padded to N equal shards for the reduce-scatter (< N pages more).
-        grad_elems = [self.partition.padded(t) if self.partition else t for t in self.shape.trainable]
-        self.grad_pool = BufferPool("gradients", pools.grad_buffers, max(grad_elems + [1]),
-                                    self.dtypes.master, self.device, trace=self.trace)
-        self.gradients = GradientPath(self.units, self.overlap, self.grad_pool, self.clip, self.scaler, self.reducer,
-                                      self.partition, self.speculation)
-        if self.partition is not None:
-            self.overlap.gather = lambda u: self.partition.gather_weights(self.units[u])
-        parts = StepParts(self.units, self.nonlayer, self.weights, self.activations, self.gradients,
-                          KeptGraphs.for_schedule(s, self.device), self.trace)
-        self.runner = StepRunner(self.module, parts, self.device, self.dtypes.autocast, self._free_host_bytes)
+        grad_elems = [partition.padded(t) if partition else t for t in self.shape.trainable]
+        self.grad_pool = BufferPool("gradients", pools.grad_buffers, max(grad_elems + [1]), dtypes.master, device,
+                                    trace=self.trace)
+        self.working_pools = [pool for pool in (self.grad_pool, self.weights.pool) if pool is not None]
+        self.gradients = GradientPath(units, self.overlap, self.grad_pool, self.clip, self.scaler, self.reducer,
+                                      partition, self.speculation)
+        unverified_batching = None
         if s.batched_forward or s.batched_backward:
             declared = getattr(self.module, "independent_samples", False)
             settings = (f"schedule.batched_forward={s.batched_forward}, batched_backward={s.batched_backward}"
                         + (" (the planner's choice: the module declares independent_samples=True)" if declared else ""))
-            self.runner.unverified_batching = (settings, batching_tolerance(self.dtypes.compute, self.dtypes.autocast,
-                                                                            self.device))
-        self._tasks: dict[int, list] = {}
-        self._frozen_crc: dict[str, Any] | None = None
-        self._backward_planned = False
+            unverified_batching = (settings, batching_tolerance(dtypes.compute, dtypes.autocast, device))
+        parts = StepParts(units, self.nonlayer, self.weights, self.activations, self.gradients,
+                          KeptGraphs.for_schedule(s, device), self.trace)
+        self.runner = StepRunner(self.module, parts, device, dtypes.autocast, self._free_host_bytes,
+                                 unverified_batching)
 
     def tasks(self, num_micro: int | None = None) -> list:
         """The task list of a step with ``num_micro`` micro-batches (the configured number by default)."""
@@ -171,17 +160,15 @@ class SnakeEngine:
         return self._tasks[num_micro]
 
     # ------------------------------------------------------------------ memory plan
-    def memory_inputs(self, checkpoint_bytes: int = 0) -> MemoryInputs:
-        """The plan's memory inputs for this rank (``RunPlan.memory_inputs``)."""
-        return self.plan.memory_inputs(checkpoint_bytes, shard_rank=self.partition.rank if self.partition else 0)
+    @property
+    def shard_rank(self) -> int:
+        return self.partition.rank if self.partition is not None else 0
 
-    def host_bytes_plan(self, checkpoint_bytes: int = 0) -> dict[str, int]:
-        """Host memory the run needs, by item: the plan's (``RunPlan.host_items``, per rank with partitioned
-        moments) and the kept graphs measured at the first step."""
-        plan = self.plan.host_items(checkpoint_bytes, shard_rank=self.partition.rank if self.partition else 0)
-        if getattr(self, "runner", None) is not None and self.runner.kept.planned_bytes:
-            plan["kept_graphs"] = self.runner.kept.planned_bytes  # measured at the first step
-        return plan
+    def measured_host_items(self) -> dict[str, int]:
+        """The kept graphs, measured at the first step."""
+        if self.runner is not None and self.runner.kept.planned_bytes:
+            return {"kept_graphs": self.runner.kept.planned_bytes}
+        return {}
 
     def _free_host_bytes(self, checkpoint_bytes: int) -> int | None:
         """What the plan's budget leaves once the plan with checkpoints of this size is placed (kept graphs
@@ -189,9 +176,6 @@ class SnakeEngine:
         if not self.plan.host_budget_bytes:
             return None
         return self.plan.host_budget_bytes - sum(self.host_bytes_plan(checkpoint_bytes).values())
-
-    def check_host_budget(self, checkpoint_bytes: int = 0) -> None:
-        self.plan.check_host_budget(self.host_bytes_plan(checkpoint_bytes))
 
     def model_shape(self, micro_batch: Any) -> ModelShape:
         """The planner's view of this model for the given micro-batch (shapes only, no compute)."""
@@ -342,19 +326,9 @@ class SnakeEngine:
                                 self.dtypes.autocast, self.stream_blocks)
 
     # ------------------------------------------------------------------ state API (checkpoints, export)
-    def unit_slots(self, u: int, trainable: bool = True) -> list[tuple[str, list[int], int, int]]:
-        """(module name, shape, offset, numel) of every trainable (or frozen) parameter of unit ``u``, in
-        flat-vector order."""
-        return [(name, list(s.shape), s.offset, s.numel)
-                for name, s in self.units[u].named_slots(self.blocks_prefix, trainable)]
-
     def unit_numel(self, u: int) -> int:
         """Elements of unit ``u``'s master vector and moments (its trainable part, page-padded)."""
         return self.units[u].train_end
-
-    @property
-    def num_units(self) -> int:
-        return len(self.units)
 
     def unit_state(self, u: int) -> dict[str, Tensor]:
         """Unit ``u``'s master weights and Adam moments, fresh CPU copies (one unit at a time)."""
@@ -395,15 +369,6 @@ class SnakeEngine:
         if "step_count" in state:
             self.step_count = int(state["step_count"])
 
-    def named_weights(self) -> Iterator[tuple[str, Tensor]]:
-        """Every parameter by its module name (EngineView): trainable ones' master values, frozen ones'
-        stored values; CPU tensors, one unit in memory at a time."""
-        self.flush()
-        yield from zip(self.nonlayer.names, (m.detach().cpu() for m in self.nonlayer.master))
-        yield from zip(self.nonlayer.frozen_names, (p.detach().cpu() for p in self.nonlayer.frozen))
-        for u in range(len(self.units)):
-            yield from self.unit_weights(u).items()
-
     def trainable_named_weights(self) -> Iterator[tuple[str, Tensor]]:
         """The trainable parameters by module name (EngineView), master values, one unit at a time."""
         state = self.nonlayer_state()  # flushes pending updates first
@@ -411,23 +376,6 @@ class SnakeEngine:
         for u, unit in enumerate(self.units):
             views = named_tensors(unit.master.read_copy(0, unit.train_end), self.unit_slots(u))
             yield from ((name, value.clone()) for name, value in views.items())  # see unit_weights
-
-    def state_dict(self) -> dict[str, Tensor]:
-        """Every parameter by its module name, fresh CPU copies (the whole model in memory: tests, small models)."""
-        return {name: value.clone() for name, value in self.named_weights()}
-
-    def unit_weights(self, u: int) -> dict[str, Tensor]:
-        """Unit ``u``'s parameters by module name (fresh CPU copies): trainable ones from the master copy,
-        frozen ones from the compute weights (their only copy)."""
-        unit = self.units[u]
-        views = {**named_tensors(unit.master.read_copy(0, unit.train_end), self.unit_slots(u, trainable=True)),
-                 **named_tensors(unit.read_frozen(), self.unit_slots(u, trainable=False), base=unit.train_end)}
-        # Copies, not views of the unit's vector: a saved view would carry the whole vector's storage.
-        return {name: value.clone() for name, value in views.items()}
-
-    @property
-    def autocast_dtype(self) -> torch.dtype | None:
-        return self.dtypes.autocast
 
     def frozen_checksums(self) -> dict[str, Any]:
         """CRC-32 of every frozen parameter's stored bytes, per unit and for the non-layer ones: what a
@@ -452,57 +400,3 @@ class SnakeEngine:
         frozen = sum(shape.unit_params) - sum(shape.trainable) + shape.nonlayer_frozen_params
         return ((sum(shape.trainable) + shape.nonlayer_params) * self.dtypes.bytes_per("master")
                 + frozen * self.dtypes.bytes_per("compute"))
-
-    @torch.no_grad()
-    def export_to_module(self) -> None:
-        """Give the module its trained weights back (master values), streamed one unit at a time, so
-        ``model.state_dict()``, a second ``fit`` or a plain Trainer see them after training."""
-        self.flush()
-        # The working buffers are not needed any more: give their memory back before the weights arrive.
-        for pool in (self.grad_pool, self.weights.pool):
-            if pool is not None:
-                pool.clear()
-        e_c, e_m = self.dtypes.bytes_per("compute"), self.dtypes.bytes_per("master")
-        unit_bytes = [u.train_end * e_m + (u.layout.numel - u.train_end) * e_c for u in self.units]
-        tracker = self.progress.phase("export", len(self.units), total_bytes=sum(unit_bytes))
-        for u, unit in enumerate(self.units):
-            values = self.unit_weights(u)  # trainable ones from the master copy, frozen ones as stored
-            for name, s in unit.named_slots(self.blocks_prefix):
-                p = unit.layout.blocks[s.block].get_parameter(s.name)
-                torch.utils.swap_tensors(p, nn.Parameter(values[name], p.requires_grad))
-            tracker.advance(1, unit_bytes[u])
-        for p, master in zip(self.nonlayer.params, self.nonlayer.master):
-            if p is not master:
-                torch.utils.swap_tensors(p, nn.Parameter(master.detach().clone(), p.requires_grad))
-        tracker.finish()
-
-    # ------------------------------------------------------------------ teardown
-    def ssd_files(self) -> list[str]:
-        return self.ssd.files() if self.ssd is not None else []
-
-    def close(self) -> None:
-        """Release every buffer, thread, file and the lock, whatever fails on the way (idempotent); then
-        re-raise the first error. A Hydra multirun or a notebook retry relies on it."""
-        first_error: BaseException | None = None
-        steps = [part.close for part in reversed(self._parts)]
-        if getattr(self, "activations", None) is not None:
-            steps.append(self.activations.clear)
-        steps += [self._close_io]
-        for step in steps:
-            try:
-                step()
-            except BaseException as err:  # keep releasing: files and the lock must not leak
-                first_error = first_error or err
-        self._parts = []
-        self.units = []
-        if first_error is not None:
-            raise first_error
-
-    def _close_io(self) -> None:
-        io, ssd, self.io, self.ssd = self.io, self.ssd, None, None
-        try:
-            if io is not None:
-                io.close()
-        finally:
-            if ssd is not None:
-                ssd.close()

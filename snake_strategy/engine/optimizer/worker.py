@@ -12,7 +12,7 @@ frozen elements [train_end, n) are never stepped nor written:
 Every element is updated exactly once per iteration, with its full accumulated gradient, before it is
 next read: the parameter sequence is synchronous AdamW (docs/design.md, "Why the overlap is exact").
 
-Under norm clipping and fp16 loss scaling (a ``RollbackStore`` is set, engine/optimizer/rollback.py) the backward
+Under norm clipping and fp16 loss scaling (a ``RollbackStore`` is given, engine/optimizer/rollback.py) the backward
 part is stepped speculatively, its raw gradient and pre-step state saved first ("speculate"), or only its
 raw gradient is saved ("defer"); the end of the iteration then queues a redo (restore + step with the
 true factor) or an apply (step with the true factor) of the backward part into the unit's next forward
@@ -65,7 +65,8 @@ class OptimizerOverlap:
 
     def __init__(self, units: list[UnitStore], compute_dtype: torch.dtype, master_dtype: torch.dtype,
                  device: torch.device, chunk_elems: int, before_chunk: Callable[[int], None] | None = None,
-                 trace: TaskTrace | None = None) -> None:
+                 trace: TaskTrace | None = None, rollback: RollbackStore | None = None,
+                 gather: Callable[[int], None] | None = None) -> None:
         self._units, self._compute_dtype = units, compute_dtype
         self._before_chunk = before_chunk
         self._trace = trace if trace is not None else TaskTrace()  # spans of the worker's parts and chunks
@@ -86,10 +87,10 @@ class OptimizerOverlap:
         self.unused: dict[int, list[tuple[int, int]]] = {}
         self._lock = threading.Lock()
         # Partitioned optimizer state: gather(u) all-gathers unit u's updated weights (engine/parallel/partition.py).
-        self.gather: Callable[[int], None] | None = None
+        self.gather = gather
         self.busy_s = 0.0  # worker time spent stepping, since the last reset
-        # The speculative step (engine/optimizer/rollback.py): set by the engine under norm clipping / fp16 scaling.
-        self.rollback: RollbackStore | None = None
+        # The speculative step (engine/optimizer/rollback.py): given under norm clipping / fp16 scaling.
+        self.rollback = rollback
         self._mode: str | None = None  # this iteration: SPECULATE, DEFER, or None (plain overlap)
         self._spec_scale: float | None = None  # the factor a speculative step assumes (the unscale only)
         self.speculated: set[int] = set()  # units whose backward part was stepped speculatively

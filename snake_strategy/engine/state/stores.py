@@ -16,7 +16,7 @@ from snake_strategy.optim import AdamHyperParams, adam_step
 from snake_strategy.precision import DtypePolicy
 from snake_strategy.storage import TieredTensor
 from snake_strategy.storage.io_engine import Ticket
-from snake_strategy.units import UnitLayout, WeightFormat
+from snake_strategy.units import UnitLayout, WeightFormat, named_tensors
 
 
 @dataclass
@@ -113,12 +113,25 @@ class UnitStore:
                 "grads_ssd": self.grads.ssd_bytes, "exp_avg_ssd": self.exp_avg.ssd_bytes,
                 "exp_avg_sq_ssd": self.exp_avg_sq.ssd_bytes}
 
-    def named_slots(self, blocks_prefix: str, trainable: bool | None = None):
-        """(module name, slot) of each parameter of the unit (only the trainable or only the frozen ones
-        when ``trainable`` says so), in flat-vector order."""
-        for s in self.layout.slots:
-            if trainable is None or s.trainable == trainable:
-                yield f"{blocks_prefix}.{self.layout.first_block + s.block}.{s.name}", s
+    @property
+    def frozen_dtype(self) -> torch.dtype:
+        """The dtype frozen parameters are stored and given back in (``read_frozen``)."""
+        return self.weights.dtype if self.fmt is None else self.fmt.full
+
+    def named_values(self, blocks_prefix: str) -> dict[str, Tensor]:
+        """The unit's parameters by module name (fresh CPU copies): trainable ones from the master copy,
+        frozen ones as stored (their only copy)."""
+        t = self.train_end
+        views = {**named_tensors(self.master.read_copy(0, t), self.layout.slot_rows(blocks_prefix, trainable=True)),
+                 **named_tensors(self.read_frozen(), self.layout.slot_rows(blocks_prefix, trainable=False), base=t)}
+        # Copies, not views of the unit's vector: a saved view would carry the whole vector's storage.
+        return {name: value.clone() for name, value in views.items()}
+
+    def value_specs(self, blocks_prefix: str) -> list[tuple[str, torch.dtype, torch.Size]]:
+        """(module name, dtype, shape) of what ``named_values`` returns, in its order, without reading it."""
+        return [(name, dtype, torch.Size(s.shape)) for trainable, dtype in ((True, self.master.dtype),
+                                                                          (False, self.frozen_dtype))
+                for name, s in self.layout.named_slots(blocks_prefix, trainable)]
 
 
 class NonLayerState:

@@ -29,7 +29,7 @@ from snake_strategy.progress import Progress, or_quiet
 from snake_strategy.sources.safetensors_io import SINGLE_FILE, ShardedSafetensorsWriter, read_header
 
 if TYPE_CHECKING:
-    from snake_strategy.engine.training import SnakeEngine
+    from snake_strategy.engine.state.api import TrainedWeights, WeightSpec
 
 WEIGHTS_FILE = "greedysnake-weights.safetensors"
 # The file is written as one piece: the shard limit of the HF writer is set past any model.
@@ -82,49 +82,32 @@ def close_unmapped() -> None:
         os.close(_UNLINKED.pop(path))
 
 
-def weights_file_plan(engine: SnakeEngine) -> list[tuple[str, torch.dtype, torch.Size]]:
-    """(name, dtype, shape) of every parameter the module gets back: trainable ones in the master dtype,
-    frozen ones as stored (what ``export_to_module`` gives the module)."""
-    plan = [(name, master.dtype, master.shape) for name, master in zip(engine.nonlayer.names, engine.nonlayer.master)]
-    plan += [(name, p.dtype, p.shape) for name, p in zip(engine.nonlayer.frozen_names, engine.nonlayer.frozen)]
-    for u, unit in enumerate(engine.units):
-        frozen_dtype = unit.weights.dtype if unit.fmt is None else unit.fmt.full
-        for trainable, dtype in ((True, engine.dtypes.master), (False, frozen_dtype)):
-            plan += [(name, dtype, torch.Size(shape)) for name, shape, _, _ in engine.unit_slots(u, trainable)]
-    return plan
-
-
-def file_bytes_needed(plan: list[tuple[str, torch.dtype, torch.Size]]) -> int:
-    """The file's data bytes plus a generous bound on its JSON header."""
+def file_bytes_needed(plan: list[WeightSpec]) -> int:
+    """The file's data bytes plus a generous bound on its JSON header (``plan``: ``TrainedWeights.weight_specs``)."""
     return sum(shape.numel() * dtype.itemsize for _, dtype, shape in plan) + 256 * (len(plan) + 4)
 
 
 @torch.no_grad()
-def export_to_file(engine: SnakeEngine, path: str, progress: Progress | None = None) -> int:
+def export_to_file(weights: TrainedWeights, path: str, plan: list[WeightSpec], progress: Progress | None = None) -> int:
     """Write every parameter's trained value into the safetensors file ``path``, one unit in memory at a
-    time, and make the module's parameters views of that file (``map_weights_file``). Returns the file's
-    size. The file is written under a temporary name and renamed when complete: a module still mapping an
-    older file at ``path`` (the previous fit's) keeps reading it until its parameters are replaced."""
-    engine.flush()
-    for pool in (engine.grad_pool, engine.weights.pool):  # not needed any more; their memory goes back first
-        if pool is not None:
-            pool.clear()
-    plan = weights_file_plan(engine)
+    time, and make the module's parameters views of that file (``map_weights_file``). ``plan``: the
+    engine's ``weight_specs()``, which the caller sized the file from. Returns the file's size. The file is
+    written under a temporary name and renamed when complete: a module still mapping an older file at
+    ``path`` (the previous fit's) keeps reading it until its parameters are replaced."""
+    weights.release_working_memory()  # the pending updates land; the working buffers' memory goes back first
     partial_dir = path + ".partial"
     writer = ShardedSafetensorsWriter(partial_dir, plan, _ONE_FILE_BYTES)
-    tracker = or_quiet(progress).phase("export", len(engine.units), total_bytes=writer.total_bytes)
+    tracker = or_quiet(progress).phase("export", weights.num_units, total_bytes=writer.total_bytes)
+    groups = weights.weight_groups()
     try:
-        for name, master in zip(engine.nonlayer.names, engine.nonlayer.master):
-            writer.write(name, master)
-        for name, p in zip(engine.nonlayer.frozen_names, engine.nonlayer.frozen):
-            writer.write(name, p)
-        for u, unit in enumerate(engine.units):
-            values = engine.unit_weights(u)  # one unit in memory (a copy of its master values)
+        for name, value in next(groups):  # the non-layer parameters
+            writer.write(name, value)
+        for group in groups:  # one unit in memory at a time (a copy of its master values)
             unit_bytes = 0
-            for name, value in values.items():
+            for name, value in group:
                 writer.write(name, value)
                 unit_bytes += value.numel() * value.element_size()
-            del values
+            del group
             tracker.advance(1, unit_bytes)
         writer.close()  # fsync: the file is complete on disk before the module depends on it
         os.replace(os.path.join(partial_dir, SINGLE_FILE), path)
@@ -134,7 +117,7 @@ def export_to_file(engine: SnakeEngine, path: str, progress: Progress | None = N
         raise
     shutil.rmtree(partial_dir, ignore_errors=True)
     tracker.finish()
-    give_module_file_weights(engine.module, path)
+    give_module_file_weights(weights.module, path)
     return os.path.getsize(path)
 
 

@@ -69,7 +69,8 @@ class StepRunner:
     """Runs one step's task list (schedule.py) over ``parts``, one task at a time, in order."""
 
     def __init__(self, module: nn.Module, parts: StepParts, device: torch.device, autocast: torch.dtype | None,
-                 free_host_bytes: Callable[[int], int | None]) -> None:
+                 free_host_bytes: Callable[[int], int | None],
+                 unverified_batching: tuple[str, float] | None = None) -> None:
         self.module = module
         self.units, self.nonlayer, self.weights = parts.units, parts.nonlayer, parts.weights
         self.activations, self.gradients, self.trace = parts.activations, parts.gradients, parts.trace
@@ -82,7 +83,7 @@ class StepRunner:
         self.first_backward, self.pre_trains = 0, True
         # Batched passes: (what turned them on, tolerance) until the run's first batched task has checked
         # that batching leaves each sample's output alone (engine/step/batch_check.py); None once checked.
-        self.unverified_batching: tuple[str, float] | None = None
+        self.unverified_batching = unverified_batching
 
     def plan_backward(self, micro_batch: Any) -> None:
         """Find the lowest unit whose backward is needed: 0 when pre_stage trains (its gradient flows down
