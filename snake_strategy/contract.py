@@ -1,5 +1,6 @@
 """The layered-model contract: what a module must declare so the strategy can stream it, the checks of
-what its stages return, and the splitting of a batch into micro-batches. No Lightning import.
+what its stages return, the Trainer and DataLoader settings a fit refuses, and the splitting of a batch
+into micro-batches. No Lightning import (the Trainer and loader are read by attribute).
 
 The strategy never calls a monolithic ``forward`` during training. It drives the model stage by stage:
 
