@@ -1,5 +1,6 @@
 """The layered-model contract: what a module must declare so the strategy can stream it, the checks of
-what its stages return, and the splitting of a batch into micro-batches. No Lightning import.
+what its stages return, the Trainer and DataLoader settings a fit refuses, and the splitting of a batch
+into micro-batches. No Lightning import (the Trainer and loader are read by attribute).
 
 The strategy never calls a monolithic ``forward`` during training. It drives the model stage by stage:
 
@@ -82,6 +83,43 @@ def check_not_empty(batch: Any, batch_idx: int | None, module: Any) -> None:
                          "strategy='greedysnake' cannot take an optimizer step on an empty batch. Remove empty "
                          "batches in the DataLoader (a filtering collate_fn or sampler), or set drop_last=True "
                          "when a last partial batch comes out empty")
+
+
+def check_fit_settings(trainer: Any, module: Any) -> tuple[str, float] | None:
+    """Refuse the Trainer and module settings of a fit that the strategy cannot honour; return the gradient
+    clipping it applies itself: ``(algorithm, value)``, or None."""
+    if not module.automatic_optimization:
+        raise ValueError("strategy='greedysnake' runs the backward itself and needs automatic optimization; "
+                         "remove `self.automatic_optimization = False` from the LightningModule")
+    if trainer.accumulate_grad_batches != 1:
+        raise ValueError(
+            f"Trainer(accumulate_grad_batches={trainer.accumulate_grad_batches}) is not used with "
+            "strategy='greedysnake': one Lightning batch is one optimizer step, split into "
+            "schedule.num_micro_batches micro-batches. Set accumulate_grad_batches=1 and make the "
+            "DataLoader batch size the global batch (micro-batch size x num_micro_batches)"
+        )
+    if not trainer.gradient_clip_val:
+        return None
+    algorithm = str(trainer.gradient_clip_algorithm or "norm").lower().split(".")[-1]
+    if algorithm not in ("norm", "value"):
+        raise ValueError(f"Trainer(gradient_clip_algorithm='{algorithm}') is not supported by "
+                         "strategy='greedysnake'; use 'norm' or 'value'")
+    return algorithm, float(trainer.gradient_clip_val)
+
+
+def loader_batch_size(loader: Any, num_micro_batches: int) -> int | None:
+    """The global batch size a training DataLoader declares (None when it declares none, e.g. a batch
+    sampler), refused before step 1 when it can never split into ``num_micro_batches`` equal micro-batches.
+    Known up front, it lets a short last batch be recognised as such."""
+    size = getattr(loader, "batch_size", None)
+    if not isinstance(size, int):
+        return None
+    if size % num_micro_batches:
+        raise ValueError(
+            f"DataLoader batch_size={size} does not split into schedule.num_micro_batches="
+            f"{num_micro_batches} equal micro-batches; make it a multiple of "
+            f"{num_micro_batches} (micro-batch size x num_micro_batches)")
+    return size
 
 
 def check_outputs_on_meta(module: nn.Module, batch: Any, num_micro_batches: int) -> bool:

@@ -1,7 +1,6 @@
-"""The Lightning glue, one class past 500 lines: its hooks (setup, the step, checkpoints) share its state.
-
-``Trainer(strategy="greedysnake")``. What the hooks call lives in after_fit.py, checkpoint/ and
-preemption.py.
+"""The Lightning glue: ``Trainer(strategy="greedysnake")``. Its hooks delegate: checkpoint saves, loads and
+preemption to ``checkpoint/saver.py``, the weights the module holds after a run to ``weights_handback.py``,
+the trainer and loader checks to ``contract.py``, evaluation traffic to ``telemetry.py``.
 
 One Lightning batch is one optimizer step: ``training_step`` splits the global batch into
 ``schedule.num_micro_batches`` micro-batches and runs the whole schedule through the engine;
@@ -11,43 +10,38 @@ optimizer only holds hyper-parameters (see ``optim.py``), so LR schedulers keep 
 from __future__ import annotations
 
 import contextlib
-import functools
 import dataclasses
 import datetime
-import os
+import functools
 import logging
+import os
 from collections.abc import Generator
 from typing import Any, Callable
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.plugins.precision import Precision
 from lightning.fabric.plugins.environments import ClusterEnvironment
+from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import Tensor
 from typing_extensions import override
 
-from lightning.pytorch.utilities.exceptions import SIGTERMException
-
-from snake_strategy import preemption
-from snake_strategy.after_fit import (PreFitWeights, after_failure, after_setup_failure, export_location,
-                                      give_back_weights, guard_message, has_weight_guard,
-                                      remove_weight_guard, teardown_after_failure, weights_fit)
-from snake_strategy.checkpoint import pins as checkpoint_pins, shards as checkpoint_shards, store as checkpoint_store
-from snake_strategy.checkpoint.consolidate import CheckpointWeights
+from snake_strategy.checkpoint import saver as checkpoint_saver
 from snake_strategy.config import ScheduleConfig, StorageConfig, coerce_config, requested_storage
-from snake_strategy.contract import check_contract, check_not_empty, check_outputs_on_meta
+from snake_strategy.contract import (check_contract, check_fit_settings, check_not_empty, check_outputs_on_meta,
+                                     loader_batch_size)
 from snake_strategy.distributed import DataParallelMixin, build_engine, check_rank_loader, close_engine, rank_storage, sync_initial_state
 from snake_strategy.engine import EngineHooks, EngineRuntime, EvalEngine, SnakeEngine
 from snake_strategy.engine.state.weights_file import weights_file_name
 from snake_strategy.module import LayeredModule
 from snake_strategy.planning.autoplan import RunPlan, example_batch, first_prediction, resolve
-from snake_strategy.planning.planner import HardwareProfile, StepPrediction
+from snake_strategy.planning.planner import HardwareProfile, ModelShape, StepPrediction
 from snake_strategy.precision import GreedySnakePrecision
 from snake_strategy.progress import Progress
-from snake_strategy.storage.counters import traffic_delta
+from snake_strategy.telemetry import EvalTraffic
 from snake_strategy.timeline import check_trace_path, export_trace
+from snake_strategy.weights_handback import WeightsHandback, weights_fit
 
 log = logging.getLogger(__name__)
 
@@ -97,42 +91,55 @@ class GreedySnakeStrategy(DataParallelMixin, ParallelStrategy):
         timeout: datetime.timedelta | None = None,
         shard_optimizer_state: bool = True,
     ) -> None:
-        # As asked ("auto" fields unset); self.storage / self.schedule hold the concrete plan after setup.
-        self.requested = (requested_storage(storage),
+        self.requested = (requested_storage(storage),  # as asked ("auto" fields unset); the plan's after setup
                           coerce_config(ScheduleConfig, None if schedule == "auto" else schedule, "schedule"))
-        self.storage, self.schedule = self.requested
         self.plan: RunPlan | None = None
         if isinstance(hardware, str) and hardware != "probe":
             raise ValueError(f"hardware='{hardware}' is not understood; pass 'probe', a HardwareProfile, a mapping or None")
         self.hardware = hardware if hardware in (None, "probe") else coerce_config(HardwareProfile, hardware, "hardware")
         self.hardware_profile: HardwareProfile | None = None  # resolved at the first step
-        # With a probed machine, measure the matmul rate at the model's own shape (0.2 s, first step).
-        self.hardware_at_model_shape = hardware == "probe"
         self.pretrained = pretrained  # a state dict / .ckpt file streamed in unit by unit at setup
         self.prediction: StepPrediction | None = None  # the planner's floor for this run's step
-        self._predicted_at_step_one = False
+        self.model_shape: ModelShape | None = None  # the planner's view of the model, at the step's shapes
         self.engine: SnakeEngine | EvalEngine | None = None
         self.hooks = hooks
-        self.eval_traffic: dict[str, int] = {}  # bytes moved by the last validate/test/predict loop, per tier/state/direction
-        self._eval_start: dict | None = None
-        self._eval_checkpoint: CheckpointWeights | None = None  # ckpt_path of an eval stage
-        self._gave_back_weights, self._created_ssd_dirs = False, []  # weights a run gave back; ssd_dir levels several ranks made
-        # The safetensors file the module's parameters map after fit; its name is already removed (the file
-        # goes away with the process) unless storage.export_dir keeps it.
-        self.weights_file: str | None = None
-        self._failure: BaseException | None = None  # what stopped the current fit (Lightning's on_exception)
-        self._pre_fit: PreFitWeights | None = None  # what the module held before this fit/evaluation
         self.progress = progress if isinstance(progress, Progress) else Progress(log=progress)
         self.trace_path = None if trace_path is None else check_trace_path(trace_path)  # refused now, not at the end
         super().__init__(accelerator=accelerator, cluster_environment=cluster_environment,
                          precision_plugin=precision_plugin)  # parallel_devices: filled by Lightning's connector
         self._init_data_parallel(process_group_backend, timeout)
         self.shard_optimizer_state = shard_optimizer_state
-        self._deferred = preemption.DeferredSaves()  # saves a signal handler asked for mid-step
-        self._preempted = False  # SIGTERM: the checkpoint is written, teardown exits fast
-        self._preemption = preemption.PreemptionSaver()
-        self._pinning_saves = 0  # zero-copy saves of this fit (the first one's growth is checked)
-        self.last_save: dict[str, Any] = {}  # written_bytes, seconds, methods of the last checkpoint save
+        self._predicted_at_step_one = False
+        self._created_ssd_dirs: list[str] = []  # ssd_dir levels several ranks made, removed at close
+        self._saver = checkpoint_saver.CheckpointSaver(self.progress)
+        self._handback = WeightsHandback()
+        self._eval_traffic = EvalTraffic()
+
+    # ------------------------------------------------------------------ what users and tests read
+    @property
+    def storage(self) -> StorageConfig:
+        """Where each state lives: the plan's concrete placement after setup, as requested before."""
+        return self.plan.storage if self.plan is not None else self.requested[0]
+
+    @property
+    def schedule(self) -> ScheduleConfig:
+        """The schedule: the plan's concrete one after setup, as requested before."""
+        return self.plan.schedule if self.plan is not None else self.requested[1]
+
+    @property
+    def weights_file(self) -> str | None:
+        """The safetensors file the module's parameters map after fit (``WeightsHandback.weights_file``)."""
+        return self._handback.weights_file
+
+    @property
+    def eval_traffic(self) -> dict[str, int]:
+        """Bytes moved by the last validate/test/predict loop, per tier/state/direction."""
+        return self._eval_traffic.last
+
+    @property
+    def last_save(self) -> dict[str, Any]:
+        """written_bytes, seconds, methods of the last checkpoint save."""
+        return self._saver.last_save
 
     # ------------------------------------------------------------------ plugins and devices
     @property
@@ -165,41 +172,23 @@ class GreedySnakeStrategy(DataParallelMixin, ParallelStrategy):
     def setup(self, trainer: pl.Trainer) -> None:
         module = self.lightning_module
         check_contract(module)
-        self._failure = None  # Lightning's on_exception sets it
         if trainer.state.fn != TrainerFn.FITTING:
             self._setup_eval(trainer)
             return
-        remove_weight_guard(module)
-        self._pre_fit = PreFitWeights(module)
+        self._handback.start_fit(module)
         try:
             self._setup_fit(trainer, module)
         except BaseException as err:
-            after_setup_failure(module, err, self._pre_fit)  # its pre-fit weights, or a guard naming err
+            self._handback.setup_failed(module, err)  # its pre-fit weights, or a guard naming err
             raise
-        self._pre_fit.setup_done()  # in-memory pre-fit values are released: the engine holds the weights
+        self._handback.setup_done()
 
     def _setup_fit(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
         if type(module).training_step is not LayeredModule.training_step and isinstance(module, LayeredModule):
             log.warning("%s overrides training_step, which strategy='greedysnake' does not call: it runs its own "
                         "schedule from pre_stage, blocks, post_stage and compute_loss. Put the loss in "
                         "compute_loss; log from callbacks or validation_step", type(module).__name__)
-        if not module.automatic_optimization:
-            raise ValueError("strategy='greedysnake' runs the backward itself and needs automatic optimization; "
-                             "remove `self.automatic_optimization = False` from the LightningModule")
-        if trainer.accumulate_grad_batches != 1:
-            raise ValueError(
-                f"Trainer(accumulate_grad_batches={trainer.accumulate_grad_batches}) is not used with "
-                "strategy='greedysnake': one Lightning batch is one optimizer step, split into "
-                "schedule.num_micro_batches micro-batches. Set accumulate_grad_batches=1 and make the "
-                "DataLoader batch size the global batch (micro-batch size x num_micro_batches)"
-            )
-        clip = None
-        if trainer.gradient_clip_val:
-            algorithm = str(trainer.gradient_clip_algorithm or "norm").lower().split(".")[-1]
-            if algorithm not in ("norm", "value"):
-                raise ValueError(f"Trainer(gradient_clip_algorithm='{algorithm}') is not supported by "
-                                 "strategy='greedysnake'; use 'norm' or 'value'")
-            clip = (algorithm, float(trainer.gradient_clip_val))
+        clip = check_fit_settings(trainer, module)
         self.progress.follow_progress_bar(trainer.progress_bar_callback is not None)
         self.accelerator.setup(trainer)
         self.setup_optimizers(trainer)
@@ -209,10 +198,9 @@ class GreedySnakeStrategy(DataParallelMixin, ParallelStrategy):
         self._resolve_plan(self.optimizers[0], clip)
         batch = example_batch(trainer)  # map-style loader (nothing iterated): for the check and the floor at setup
         check_outputs_on_meta(module, batch, self.schedule.num_micro_batches)  # before any weight exists
-        # Once a run gave its weights back, they are the module's weights: pretrained= was the starting point.
-        pretrained = None if self._gave_back_weights else self.pretrained
         runtime = EngineRuntime(self.precision_plugin.dtypes, self.root_device, clip=clip,
-                                scaler=self.precision_plugin.make_scaler(), pretrained=pretrained, hooks=self.hooks,
+                                scaler=self.precision_plugin.make_scaler(),
+                                pretrained=self._handback.pretrained(self.pretrained), hooks=self.hooks,
                                 progress=self.progress, world_size=self.world_size, rank=self.global_rank,
                                 shard_optimizer=self.shard_optimizer_state, trace=self.trace_path is not None)
 
@@ -230,33 +218,19 @@ class GreedySnakeStrategy(DataParallelMixin, ParallelStrategy):
         # attribute LightningModule.device reads, as model_to_device would have.
         module._device = self.root_device
         self.setup_precision_plugin()
-        self._preempted, self._pinning_saves = False, 0
-        self._deferred = preemption.DeferredSaves()
-        # Sweep what killed saves left in the checkpoint directories; check the kept checkpoints fit.
-        checkpoint_pins.prepare_checkpoint_dirs(self.engine, trainer.checkpoint_callbacks, self.is_global_zero,
-                                                checkpoint_store.sweep_and_log)
-        if not any(c is self._preemption for c in trainer.callbacks):
-            trainer.callbacks.append(self._preemption)  # saves last.ckpt at the end of a SIGTERMed batch
-        self._preemption.saved_step = None
+        self._saver.start_fit(self.engine, trainer, self.is_global_zero)
 
     def _setup_eval(self, trainer: pl.Trainer) -> None:
         """validate/test/predict: a forward-only engine with the compute weights only (no optimizer, no
         moments, no gradients), from ``ckpt_path``, ``pretrained`` or the module's own weights."""
         module = self.lightning_module
-        checkpoint, self._eval_checkpoint = self._eval_checkpoint, None
-        if has_weight_guard(module) and checkpoint is None:
-            # Its blocks are on the meta device: evaluating them would evaluate a fresh random init.
-            raise ValueError(f"trainer.{trainer.state.fn.value} has no weights to evaluate ({guard_message(module)}). "
-                             "Pass ckpt_path=<a greedysnake checkpoint directory saved during fit>")
-        remove_weight_guard(module)
+        checkpoint = self._saver.take_eval_checkpoint()
+        self._handback.start_eval(module, trainer.state.fn.value, checkpoint is not None)
         self.progress.follow_progress_bar(trainer.progress_bar_callback is not None)
         self.accelerator.setup(trainer)
         self._resolve_plan(None)
-        source = (checkpoint.with_base(module, self.pretrained) if checkpoint is not None  # fine-tuning: + base
-                  else None if self._gave_back_weights else self.pretrained)
+        source = self._handback.eval_source(module, checkpoint, self.pretrained)
         runtime = EngineRuntime(self.precision_plugin.dtypes, self.root_device, hooks=self.hooks, progress=self.progress)
-        # The module's own weights, mapped from a file: teardown maps them again instead of copying them back.
-        self._pre_fit = PreFitWeights(module).setup_done() if source is None else None
         plan = self._rank_plan()
         # As for training: under data parallelism the ranks' SSD directories are checked together first.
         self.engine, self._created_ssd_dirs = build_engine(lambda: EvalEngine(module, plan, runtime, source=source),
@@ -274,52 +248,40 @@ class GreedySnakeStrategy(DataParallelMixin, ParallelStrategy):
         trainer = module._trainer if module is not None else None
         return trainer is not None and trainer.state.fn not in (None, TrainerFn.FITTING)
 
-    def _begin_eval_traffic(self) -> None:  # around the eval loop: what a forward pass moves, not materialization
-        self._eval_start = self.engine.counters.snapshot() if self.engine is not None else None
-
-    def _end_eval_traffic(self) -> None:
-        if self.engine is not None and self._eval_start is not None:
-            self.eval_traffic = traffic_delta(self._eval_start, self.engine.counters.snapshot())
-
     @override
     def on_validation_start(self) -> None:
         # Deferred forward-part updates must land before anything reads the weights.
         if self.engine is not None:
             self.engine.flush()
-        self._begin_eval_traffic()
+        self._eval_traffic.begin(self.engine)
 
     @override
     def on_validation_end(self) -> None:
-        self._end_eval_traffic()
+        self._eval_traffic.end(self.engine)
 
     @override
     def on_test_start(self) -> None:
-        self._begin_eval_traffic()
+        self._eval_traffic.begin(self.engine)
 
     @override
     def on_test_end(self) -> None:
-        self._end_eval_traffic()
+        self._eval_traffic.end(self.engine)
 
     @override
     def on_predict_start(self) -> None:
-        self._begin_eval_traffic()
+        self._eval_traffic.begin(self.engine)
 
     @override
     def on_predict_end(self) -> None:
-        self._end_eval_traffic()
+        self._eval_traffic.end(self.engine)
 
     @override
     def on_train_start(self) -> None:
         # The global batch size from the loader: a short last batch is then recognised as such, and a
         # batch size that can never split is refused before step 1.
         loader = self.lightning_module.trainer.train_dataloader
-        size = getattr(loader, "batch_size", None)
-        if isinstance(size, int) and self.engine is not None:
-            if size % self.schedule.num_micro_batches:
-                raise ValueError(
-                    f"DataLoader batch_size={size} does not split into schedule.num_micro_batches="
-                    f"{self.schedule.num_micro_batches} equal micro-batches; make it a multiple of "
-                    f"{self.schedule.num_micro_batches} (micro-batch size x num_micro_batches)")
+        size = loader_batch_size(loader, self.schedule.num_micro_batches) if self.engine is not None else None
+        if size is not None:
             self.engine.global_batch_size = size  # this rank's batch (its DistributedSampler's share)
             if self.world_size > 1:
                 check_rank_loader(loader, size, self.world_size)
@@ -332,27 +294,13 @@ class GreedySnakeStrategy(DataParallelMixin, ParallelStrategy):
     @override
     def teardown(self) -> None:
         engine, self.engine = self.engine, None
-        if self._eval_checkpoint is not None:  # a stage that failed between loading and setup
-            self._eval_checkpoint.close()
-            self._eval_checkpoint = None
+        self._saver.close()
         if engine is not None:
             export_trace(self.trace_path, engine.trace)  # first: also after a failed step
             close = functools.partial(close_engine, engine, self._created_ssd_dirs)  # files, locks, rank dirs
-            if self._preempted:  # the zero-copy checkpoint holds the weights and the process exits: no export
-                close()
-            elif self._failure is not None:  # no export; never raises over the original failure
-                teardown_after_failure(self.lightning_module, engine, self._failure, self.plan.host_budget_bytes,
-                                       self._pre_fit, close)
-            else:
-                try:
-                    engine.flush()
-                    checkpoint_pins.CHECKSUMS.wait()  # the pinned files' CRC-32s, read while training ran
-                    self._give_back_weights(engine)
-                except BaseException as err:  # a failed export: the module is left clean, then err is raised
-                    after_failure(self.lightning_module, engine, err, self.plan.host_budget_bytes, self._pre_fit)
-                    raise
-                finally:
-                    close()  # even when the flush failed; re-raises
+            self._handback.teardown(self.lightning_module, engine, self.plan,
+                                    weights_file_name(self.world_size, self.global_rank), self.progress,
+                                    self._saver.preempted, close)
         self.precision_plugin.teardown()
         if self.cluster_environment is not None:
             self.cluster_environment.teardown()
@@ -361,24 +309,15 @@ class GreedySnakeStrategy(DataParallelMixin, ParallelStrategy):
         self.checkpoint_io.teardown()
 
     def weights_fit_host(self, engine: SnakeEngine | EvalEngine) -> bool:
-        """Whether the weights go back in memory after fit (else mapped from a file): ``after_fit.weights_fit``."""
+        """Whether the weights go back in memory after fit (else mapped from a file): ``weights_handback.weights_fit``."""
         return weights_fit(engine.master_bytes(), self.plan.host_budget_bytes, self.plan.host_bytes)
-
-    def _give_back_weights(self, engine: SnakeEngine | EvalEngine) -> None:
-        """The module's weights after the engine (after_fit.give_back_weights): in memory, or mapped from a file."""
-        module = self.lightning_module
-        directory, keep = export_location(self.storage.export_dir, engine, self.storage.ssd_dir)
-        self.weights_file = give_back_weights(
-            module, engine, self.plan.host_budget_bytes, self.plan.host_budget_source, directory, self._pre_fit,
-            weights_file_name(self.world_size, self.global_rank), self.progress, self.plan.host_bytes, keep)
-        self._gave_back_weights = not has_weight_guard(module)
 
     # ------------------------------------------------------------------ the step
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Tensor:
         batch = args[0] if args else kwargs["batch"]
         check_not_empty(batch, args[1] if len(args) > 1 else kwargs.get("batch_idx"), self.lightning_module)
-        self._deferred.in_step = True  # until optimizer_step: a save asked for now waits for the step's end
+        self._saver.step_started()  # until optimizer_step: a save asked for now waits for the step's end
         loss = self.engine.train_step(batch)
         if not self._predicted_at_step_one:  # with what the first step measured (kept graphs, checkpoints)
             self._predicted_at_step_one = True
@@ -394,10 +333,10 @@ class GreedySnakeStrategy(DataParallelMixin, ParallelStrategy):
         self.model_shape = engine.model_shape(engine.split(batch)[0][0])
         prediction, self.hardware_profile = first_prediction(
             self.plan, self.model_shape, engine.alpha, self.hardware, self.root_device,
-            engine.ssd.path if engine.ssd else None, engine.largest_block_matrix(), self.hardware_at_model_shape)
+            engine.ssd.path if engine.ssd else None, engine.largest_block_matrix(), self.hardware == "probe")
         if self.plan is not None:
             # "auto" decides the kept graphs at the first step
-            kept = self.plan.kept_units if at_setup else sorted(self.engine.runner.kept.units or ())
+            kept = self.plan.kept_units if at_setup else engine.kept_units
             self.plan = dataclasses.replace(self.plan, prediction=prediction, kept_units=kept)
         return prediction
 
@@ -409,7 +348,6 @@ class GreedySnakeStrategy(DataParallelMixin, ParallelStrategy):
                             self.root_device, hardware, processes_per_node=self.num_processes,
                             optimizer_shards=self.world_size if self.shard_optimizer_state else 1,
                             clip=clip)  # per-rank moments; alpha, step mode
-        self.storage, self.schedule = self.plan.storage, self.plan.schedule
         log.info("planner: %s", self.plan.describe())
 
     @override
@@ -418,26 +356,20 @@ class GreedySnakeStrategy(DataParallelMixin, ParallelStrategy):
         # gradients and so changes nothing, then applies the engine's step over the tiers.
         result = super().optimizer_step(optimizer, closure, model, **kwargs)
         self.engine.optimizer_step()
-        self._deferred.in_step = False
+        self._saver.step_ended()
         return result
 
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-        # The previous step is complete and counted: the moment for a save a signal handler asked for.
-        if self._deferred.pending:
-            self._deferred.run(self.lightning_module.trainer)
+        self._saver.run_deferred(self.lightning_module.trainer)  # the previous step is complete and counted
         return super().on_train_batch_start(batch, batch_idx)
 
     @override
     def on_exception(self, exception: BaseException) -> None:
         super().on_exception(exception)
-        self._failure = exception  # teardown then leaves a clean module without a multi-GB export
+        self._handback.failure = exception  # teardown then leaves a clean module without a multi-GB export
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
-        if isinstance(exception, SIGTERMException) and isinstance(self.engine, SnakeEngine) and trainer is not None:
-            self._deferred.pending = []  # the preemption save covers them
-            if self._preemption.saved_step != trainer.global_step:  # the signal came after the batch's end
-                preemption.save_on_preemption(trainer)
-            self._preempted = True
+        self._saver.on_exception(exception, trainer, training=isinstance(self.engine, SnakeEngine))
 
     def streamed_forward(self, batch: Any) -> Tensor:
         """Outputs of the whole model, blocks streamed from their tiers (used by LayeredModule.forward)."""
@@ -445,98 +377,38 @@ class GreedySnakeStrategy(DataParallelMixin, ParallelStrategy):
             raise RuntimeError("streamed_forward needs a set-up strategy (inside Trainer.fit)")
         return self.engine.forward(batch)
 
-    # ------------------------------------------------------------------ checkpoints
+    # ------------------------------------------------------------------ checkpoints (checkpoint/saver.py)
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        """The non-layer entries only: block weights go to per-unit files in ``save_checkpoint``, streamed
-        from their tiers (never the whole model in memory). ``snake_strategy.checkpoint.consolidate``
-        makes one ordinary file."""
+        """The non-layer entries only: block weights go to per-unit files in ``save_checkpoint``."""
         if self.engine is None:
             return self.lightning_module.state_dict()
-        self.engine.flush()
-        block_keys = {f"{self.engine.blocks_prefix}.{k}" for k in self.lightning_module.blocks.state_dict()}
-        # Frozen parameters are the base model's: checkpoints record their checksums, not a copy.
-        frozen = {k for k, v in self.lightning_module.state_dict(keep_vars=True).items()
-                  if isinstance(v, torch.nn.Parameter) and not v.requires_grad}
-        return {k: v for k, v in self.lightning_module.state_dict().items() if k not in block_keys | frozen}
+        return checkpoint_saver.nonlayer_state_dict(self.engine, self.lightning_module)
 
     @override
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
-        # The Adam moments live in the engine's tiers and are saved per unit by save_checkpoint; the
-        # optimizer itself only holds hyper-parameters, which an LR scheduler may have changed.
-        optimizer = getattr(optimizer, "_optimizer", optimizer)
-        return {"param_groups": [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]}
+        return checkpoint_saver.optimizer_hyperparameters(optimizer)
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
-        if storage_options is not None:
-            raise ValueError("strategy='greedysnake' writes checkpoint directories itself; storage_options is not supported")
-        if isinstance(self.engine, EvalEngine):
-            raise ValueError(f"cannot save {filepath} during trainer.validate/test/predict with strategy='greedysnake': "
-                             "the evaluation engine holds the weights only (no optimizer state). Save during fit "
-                             "(ModelCheckpoint), or after it")
-        if self.engine is None:
-            # After fit: the module holds the trained weights (teardown gave them back), the optimizer
-            # state is gone with the run. An ordinary Lightning file, loadable by load_from_checkpoint.
-            log.warning("saving %s after fit: the trained weights are in it, the Adam moments are not (they end "
-                        "with the run); to resume training exactly, checkpoint during fit (ModelCheckpoint)", filepath)
-            if self.is_global_zero:  # as DDPStrategy: one writer
-                self.checkpoint_io.save_checkpoint(checkpoint, filepath)
+        checkpoint_saver.check_save_request(filepath, storage_options, evaluating=isinstance(self.engine, EvalEngine))
+        if self.engine is None:  # after fit; as DDPStrategy, one writer
+            checkpoint_saver.save_after_fit(checkpoint, filepath,
+                                            self.checkpoint_io.save_checkpoint if self.is_global_zero else None)
             return
-        if self._deferred.in_step:
-            # A signal handler's save (Lightning's SLURM requeue) in the middle of a step: at its end.
-            log.warning("a checkpoint to %s was asked for in the middle of a step; it is written when the step "
-                        "completes", filepath)
-            self._deferred.pending.append(str(filepath))
-            return
-        shards = self.engine.partition is not None  # every rank writes its shard, rank 0 the manifest last
-        if not shards and self.is_global_zero:
-            # Before the first byte: the growth this save's pinned versions may cause (the first one of the
-            # fit; each one when every checkpoint is kept), and what it writes.
-            keep_all = any(getattr(c, "save_top_k", 1) < 0 for c in self.lightning_module.trainer.checkpoint_callbacks)
-            if self._pinning_saves == 0 or keep_all:
-                checkpoint_pins.check_space(self.engine, os.path.dirname(os.path.abspath(filepath)), 1,
-                                            f"saving {filepath}")
-            self._pinning_saves += 1
-        if shards:  # every rank writes its shard, rank 0 the manifest last
-            checkpoint_shards.save(self.engine, checkpoint, filepath, self.progress)
-        elif self.is_global_zero:  # one writer, as DDPStrategy (replicated state); Lightning barriers after
-            rate = checkpoint_pins.checksum_read_rate(self.hardware_profile and self.hardware_profile.ssd_read_gb_per_s)
-            self.last_save = checkpoint_store.save(self.engine, checkpoint, filepath, self.progress, zero_copy=True,
-                                                   checksum_read_bytes_per_s=rate)
+        hardware = self.hardware_profile  # its probed SSD rate paces the background checksums
+        self._saver.save(self.engine, checkpoint, filepath, self.lightning_module.trainer, self.is_global_zero,
+                         hardware.ssd_read_gb_per_s if hardware is not None else None)
 
     @override
     def remove_checkpoint(self, filepath: Any) -> None:
-        """Top-k rotation: a directory checkpoint is renamed aside, then unlinked (checkpoint/store.py: release)."""
         if self.is_global_zero:
-            if os.path.isdir(filepath):
-                checkpoint_store.release(filepath)
-            else:
-                self.checkpoint_io.remove_checkpoint(filepath)
+            checkpoint_saver.remove(filepath, self.checkpoint_io.remove_checkpoint)
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        if os.path.isfile(checkpoint_path):
-            raise ValueError(
-                f"{checkpoint_path} is not a greedysnake checkpoint directory; to start from the weights of an "
-                "ordinary state dict or .ckpt file, pass GreedySnakeStrategy(pretrained=path) instead of ckpt_path"
-            )
-        if self._evaluating:
-            # Evaluation restores before setup (restore_checkpoint_after_setup): the engine is then built
-            # straight from the checkpoint's master weights, with no init and nothing written twice.
-            self._eval_checkpoint = CheckpointWeights(checkpoint_path)
-            return self._eval_checkpoint.meta()
-        if self.world_size > 1:  # rank 0 alone adopts a checkpoint a killed save left aside, then all read
-            if self.is_global_zero:
-                checkpoint_store.recover(checkpoint_path)
-            self.barrier("greedysnake.load_checkpoint")
-        checkpoint = checkpoint_store.load(self.engine, checkpoint_path, self.progress,
-                                               recover=self.world_size == 1)
-        # Lightning restores the LR schedulers, but the current lr lives in the optimizer's param_groups.
-        for optimizer, saved in zip(self.optimizers, checkpoint.get("optimizer_states", [])):
-            for group, saved_group in zip(optimizer.param_groups, saved.get("param_groups", [])):
-                group.update(saved_group)
-        return checkpoint
+        return self._saver.load(self.engine, checkpoint_path, self._evaluating, self.world_size, self.is_global_zero,
+                                self.barrier, self.optimizers)
 
     @override
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:

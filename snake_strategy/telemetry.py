@@ -11,6 +11,9 @@ counts its tokens, records the bytes the engine moved during the step, and keeps
 
 The engine's cumulative counters are captured in ``on_train_end``: the strategy's teardown, which runs
 right after, closes the engine.
+
+``EvalTraffic`` is the strategy's own record of what a validate/test/predict loop moved
+(``strategy.eval_traffic``).
 """
 from __future__ import annotations
 
@@ -24,7 +27,8 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 
-from snake_strategy.engine.view import StepStats, running_engine
+from snake_strategy.engine.view import EngineView, StepStats, running_engine
+from snake_strategy.storage.counters import traffic_delta
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +80,24 @@ def _fmt_bytes(num: float) -> str:
             return f"{num:.0f} {unit}" if unit == "B" else f"{num:.1f} {unit}"
         num /= 1000
     return f"{num:.1f} GB"
+
+
+class EvalTraffic:
+    """Bytes moved by the last validate/test/predict loop, per ``tier/state/direction`` (``last``).
+
+    Counted from the loop's start hook to its end hook: what a forward pass moves, not the engine's
+    materialization at setup (nor a fit's steps when validation runs inside fit)."""
+
+    def __init__(self) -> None:
+        self.last: dict[str, int] = {}
+        self._start: dict | None = None
+
+    def begin(self, engine: EngineView | None) -> None:
+        self._start = engine.counters.snapshot() if engine is not None else None
+
+    def end(self, engine: EngineView | None) -> None:
+        if engine is not None and self._start is not None:
+            self.last = traffic_delta(self._start, engine.counters.snapshot())
 
 
 class StepReport(pl.Callback):

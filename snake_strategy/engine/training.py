@@ -188,6 +188,12 @@ class SnakeEngine(EngineBase):
                                    checkpoint_bytes=self.checkpoint_bytes, first_backward_unit=self.runner.first_backward,
                                    kept_units=len(self.runner.kept.units or ()))
 
+    @property
+    def kept_units(self) -> list[int]:
+        """The units whose forward graphs the step keeps for the backward, ascending (with
+        ``keep_activations="auto"``: empty until the first step decides them)."""
+        return sorted(self.runner.kept.units or ())
+
     def largest_block_matrix(self) -> tuple[int, int]:
         """(out, in) of the largest 2-D block parameter: the matmul shape the compute roof is probed at."""
         shapes = [s.shape for u in self.units for s in u.layout.slots if len(s.shape) == 2]

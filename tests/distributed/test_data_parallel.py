@@ -408,7 +408,7 @@ def _resume_in_process(ckpt: Path, ssd_dir: Path, steps: int = 4) -> tuple[dict,
     from snake_strategy.gpt import GPTModule
     import snake_strategy
 
-    from .helpers import SMALL_GPT, ParamRecorder, token_data, trainer_kwargs
+    from tests.helpers import SMALL_GPT, ParamRecorder, token_data, trainer_kwargs
 
     x, y = token_data(16, SMALL_GPT.context_len, SMALL_GPT.vocab_size)
     strategy = snake_strategy.GreedySnakeStrategy(storage={**SSD, "ssd_dir": str(ssd_dir)},

@@ -244,7 +244,7 @@ def test_eval_with_guarded_module_asks_for_a_checkpoint(tmp_path):
     trainer = L.Trainer(strategy=snake_strategy_for(tmp_path, "fit"), precision="64-true", max_steps=1,
                         **trainer_kwargs())
     trainer.fit(module, model.train_loader())
-    snake_strategy.after_fit.install_weight_guard(module, "no weights")
+    snake_strategy.weights_handback.install_weight_guard(module, "no weights")
     with pytest.raises(ValueError, match="ckpt_path=<a greedysnake checkpoint directory"):
         trainer.validate(module, model.eval_loader(), verbose=False)
 

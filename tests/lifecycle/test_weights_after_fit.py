@@ -188,7 +188,7 @@ def test_mapped_weights_validate_and_train_again_like_in_memory_ones(mapped_run,
 
 
 def test_export_log_line_names_the_file_and_its_size(tmp_path, caplog):
-    with caplog.at_level(logging.INFO, logger="snake_strategy.after_fit"):
+    with caplog.at_level(logging.INFO, logger="snake_strategy.weights_handback"):
         _, strategy = _fit(tmp_path, budget=BUDGET_BYTES, export_dir=str(tmp_path / "exported"))
     size = os.path.getsize(strategy.weights_file)  # kept: export_dir names a place for it
     assert strategy.weights_file == str(tmp_path / "exported" / "greedysnake-weights.safetensors")

@@ -1,5 +1,7 @@
-"""What the module holds after ``fit``, whatever happened: the trained weights, its pre-fit weights, or
-(only when neither can be given) a guard whose error says why. Never meta tensors without a word.
+"""The weights hand-back: what the module holds once the engine goes, whatever happened. The trained
+weights, its pre-fit weights, or (only when neither can be given) a guard whose error says why; never
+meta tensors without a word. ``WeightsHandback`` is the strategy's part: it holds the pre-fit weights and
+the failure of the current stage and, at teardown, decides between the preempted, failed and normal ends.
 
 - A fit that ends normally gives the trained weights back: in memory when they fit the host budget
   (``host_memory.host_budget``, the plan's), else streamed into a safetensors file that the parameters
@@ -24,6 +26,7 @@ import torch
 from torch import Tensor, nn
 
 import snake_strategy.storage.leftovers as leftovers
+from snake_strategy.checkpoint.pins import CHECKSUMS
 from snake_strategy.engine.state.weights_file import (WEIGHTS_FILE, close_unmapped, export_to_file, file_backed, file_bytes_needed,
                                          file_mappings, give_module_file_weights, release_name,
                                          temporary_file_name)
@@ -31,7 +34,9 @@ from snake_strategy.engine.state.weights_file import (WEIGHTS_FILE, close_unmapp
 from snake_strategy.engine.evaluation import EvalEngine
 
 if TYPE_CHECKING:
+    from snake_strategy.checkpoint.consolidate import CheckpointWeights
     from snake_strategy.engine.training import SnakeEngine
+    from snake_strategy.planning.autoplan import RunPlan
     from snake_strategy.progress import Progress
 
 log = logging.getLogger(__name__)
@@ -250,3 +255,84 @@ def _why_not_writable(directory: str, needed_bytes: int) -> str | None:
         return (f"'{directory}' has {free_bytes / 2**30:.2f} GiB free ({free_bytes} bytes), the file needs "
                 f"{needed_bytes / 2**30:.2f} GiB ({needed_bytes} bytes)")
     return None
+
+
+class WeightsHandback:
+    """The strategy's side of the hand-back, one per strategy, across its fits and evaluations.
+
+    ``weights_file``: the safetensors file the module's parameters map after the last fit (None when they
+    went back in memory); its name is already removed (the file goes away with the process) unless
+    ``storage.export_dir`` keeps it. ``gave_back_weights``: a run gave its trained weights back, so they
+    are the module's weights from then on (``pretrained=`` was only the first run's starting point).
+    ``failure``: what stopped the current stage (Lightning's ``on_exception``); teardown then leaves a
+    clean module without starting a multi-GB export."""
+
+    def __init__(self) -> None:
+        self.weights_file: str | None = None
+        self.gave_back_weights = False
+        self.failure: BaseException | None = None
+        self._pre_fit: PreFitWeights | None = None  # what the module held before this fit/evaluation
+
+    def start_fit(self, module: nn.Module) -> None:
+        """Before fit's setup: hold what the module has now, to give it back if the fit fails."""
+        self.failure = None
+        remove_weight_guard(module)
+        self._pre_fit = PreFitWeights(module)
+
+    def setup_failed(self, module: nn.Module, failure: BaseException) -> None:
+        """Fit's setup raised: the pre-fit weights go back, or a guard names ``failure``."""
+        after_setup_failure(module, failure, self._pre_fit)
+
+    def setup_done(self) -> None:
+        """The engine holds the weights: in-memory pre-fit values are released."""
+        self._pre_fit.setup_done()
+
+    def start_eval(self, module: nn.Module, stage: str, has_checkpoint: bool) -> None:
+        """Before validate/test/predict: refuse a guarded module (its blocks are on the meta device, so
+        evaluating them would evaluate a fresh random init) unless a checkpoint brings the weights."""
+        self.failure = None
+        if has_weight_guard(module) and not has_checkpoint:
+            raise ValueError(f"trainer.{stage} has no weights to evaluate ({guard_message(module)}). "
+                             "Pass ckpt_path=<a greedysnake checkpoint directory saved during fit>")
+        remove_weight_guard(module)
+
+    def eval_source(self, module: nn.Module, checkpoint: CheckpointWeights | None, pretrained: Any) -> Any:
+        """Where the evaluation engine reads the weights: the checkpoint (with the fine-tuning base), the
+        ``pretrained`` source before any run gave weights back, else None (the module's own weights, which
+        teardown maps again when they are file-backed instead of copying them back)."""
+        if checkpoint is not None:
+            source = checkpoint.with_base(module, pretrained)
+        else:
+            source = self.pretrained(pretrained)
+        self._pre_fit = PreFitWeights(module).setup_done() if source is None else None
+        return source
+
+    def pretrained(self, pretrained: Any) -> Any:
+        """The strategy's ``pretrained`` source, or None once a run gave its trained weights back."""
+        return None if self.gave_back_weights else pretrained
+
+    def teardown(self, module: nn.Module, engine: SnakeEngine | EvalEngine, plan: RunPlan, file_name: str,
+                 progress: Progress, preempted: bool, close: Callable[[], None]) -> None:
+        """The engine goes; ``close`` releases its files, locks and rank directories, on every path.
+
+        Preempted: the zero-copy checkpoint holds the weights and the process exits, so no export. Failed:
+        no export, and nothing raised over the original failure. Normal: the trained weights go back (in
+        memory or mapped from a file); a failed export leaves the module clean, then raises."""
+        if preempted:
+            close()
+        elif self.failure is not None:
+            teardown_after_failure(module, engine, self.failure, plan.host_budget_bytes, self._pre_fit, close)
+        else:
+            try:
+                engine.flush()
+                CHECKSUMS.wait()  # the pinned checkpoint files' CRC-32s, read while training ran
+                directory, keep = export_location(plan.storage.export_dir, engine, plan.storage.ssd_dir)
+                self.weights_file = give_back_weights(
+                    module, engine, plan.host_budget_bytes, plan.host_budget_source, directory, self._pre_fit,
+                    file_name, progress, plan.host_bytes, keep)
+                self.gave_back_weights = not has_weight_guard(module)
+            except BaseException as err:
+                after_failure(module, engine, err, plan.host_budget_bytes, self._pre_fit)
+                raise
+            finally:
+                close()  # even when the flush failed; re-raises

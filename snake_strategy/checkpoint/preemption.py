@@ -4,16 +4,16 @@ completed step.
 Lightning's own handler turns SIGTERM into a flag; the current step runs to its end (a step of the
 schedule cannot be cut: its units are updated while its backward runs). At the end of that batch
 (``on_train_batch_end``, where ModelCheckpoint saves, so the loops' state is the one a resume expects)
-the ``PreemptionSaver`` callback the strategy adds commits ``last.ckpt`` (``last_checkpoint_path``);
+the ``PreemptionSaver`` callback (added by ``saver.CheckpointSaver``) commits ``last.ckpt`` (``last_checkpoint_path``);
 Lightning then raises ``SIGTERMException``. Should the signal land after that hook, the strategy's
-``on_exception`` saves instead (the loops then count the batch as complete: the weights are the same,
+``on_exception`` saves instead (``CheckpointSaver.on_exception``) (the loops then count the batch as complete: the weights are the same,
 the resumed data order may differ). Being zero-copy, that save writes the host-tier and non-layer state and the manifest
 only, and links the SSD files: seconds, not minutes. Teardown then skips giving the weights back to the
 module (the process is exiting; the checkpoint holds them). A second SIGTERM during that save only sets
 Lightning's flag again; a SIGKILL leaves the previous ``last`` intact (atomic replacement).
 
 Lightning's SLURM requeue handler calls ``trainer.save_checkpoint`` from inside the signal handler, which
-may land in the middle of a step. The strategy then defers that save to the end of the step
+may land in the middle of a step. The saver then defers that save to the end of the step
 (``DeferredSaves``): a checkpoint of a half-updated model would not resume exactly.
 """
 from __future__ import annotations
