@@ -19,15 +19,13 @@ from __future__ import annotations
 
 import dataclasses
 
-import lightning as L
 import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-import snake_strategy
 from snake_strategy.gpt import GPTModule
 from snake_strategy.precision import GreedySnakePrecision
-from tests.helpers import SMALL_GPT, ParamRecorder, fp16_clip_reference, max_abs_diff, token_data, trainer_kwargs
+from tests.helpers import SMALL_GPT, fit_snake, fp16_clip_reference, max_abs_diff, token_data
 
 # Untied head (see tests/clipping/test_fp16_loss_scaling.py: the tied head's gradient sum order is one more fp16-amplified ulp).
 GPT = dataclasses.replace(SMALL_GPT, tied_head=False)
@@ -46,15 +44,10 @@ def _reference(x, y, algorithm: str | None, value: float, norm_in_float64: bool 
 
 
 def _snake(x, y, algorithm: str, value: float) -> list[dict[str, torch.Tensor]]:
-    torch.manual_seed(0)
-    strategy = snake_strategy.GreedySnakeStrategy(schedule={"kind": "vertical", "num_micro_batches": MICRO},
-                                                  precision_plugin=GreedySnakePrecision("16-mixed"))
-    rec = ParamRecorder()
-    trainer = L.Trainer(strategy=strategy, max_steps=STEPS, callbacks=[rec], gradient_clip_val=value,
-                        gradient_clip_algorithm=algorithm, **trainer_kwargs())
-    trainer.fit(GPTModule(GPT, learning_rate=LR),
-                train_dataloaders=DataLoader(TensorDataset(x, y), batch_size=MICRO * MICRO_SIZE))
-    return rec.states
+    return fit_snake(lambda: GPTModule(GPT, learning_rate=LR), DataLoader(TensorDataset(x, y), batch_size=MICRO * MICRO_SIZE),
+                     steps=STEPS, schedule={"kind": "vertical", "num_micro_batches": MICRO},
+                     precision_plugin=GreedySnakePrecision("16-mixed"),
+                     trainer_extra={"gradient_clip_val": value, "gradient_clip_algorithm": algorithm}).states
 
 
 @pytest.mark.parametrize("algorithm", ["norm", "value"])

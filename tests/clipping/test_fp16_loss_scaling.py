@@ -4,17 +4,15 @@ The reference is independent of the strategy: plain torch with fp16 autocast on 
 ``torch.amp.GradScaler`` (init scale 2^16, growth factor 2, backoff 0.5, growth interval 2000), the
 same model, data, micro-batches and ``torch.optim.AdamW`` from the same ``configure_optimizers``.
 """
-import dataclasses
 
 import lightning as L
 import pytest
 import torch
-from torch.utils.data import DataLoader, TensorDataset
 
-import snake_strategy
 from snake_strategy.gpt import GPTModule
 from snake_strategy.precision import GreedySnakePrecision
-from tests.helpers import SMALL_GPT, fp16_scaled_backward, token_data, trainer_kwargs
+from tests.helpers import (FP16_ATOL, FP16_GPT, OVERFLOW_FACTOR, SMALL_GPT, ScaledLossGPT, fit_snake,
+                           fp16_scaled_backward, token_data, token_loader)
 
 POISONED_STEP, POISONED_MICRO = 2, 1
 
@@ -48,16 +46,14 @@ class StateLog(L.Callback):
 
 
 def test_overflow_skips_exactly_that_step(tmp_path):
-    x, y = token_data(5 * 8, SMALL_GPT.context_len, SMALL_GPT.vocab_size)
+    loader = token_loader(5 * 8, 8, SMALL_GPT.context_len, SMALL_GPT.vocab_size)
     torch.manual_seed(0)
     module = PoisonedGPT(SMALL_GPT, learning_rate=1e-2)
-    module._poison_token = int(x[POISONED_STEP * 8 + POISONED_MICRO * 2, 0])
-    strategy = snake_strategy.GreedySnakeStrategy(
-        storage={"ssd_dir": str(tmp_path), "weights": "ssd", "optimizer": "ssd"},
-        schedule={"num_micro_batches": 4, "alpha": 0.25}, precision_plugin=GreedySnakePrecision("16-mixed"))
+    module._poison_token = int(loader.dataset.tensors[0][POISONED_STEP * 8 + POISONED_MICRO * 2, 0])
     log = StateLog()
-    trainer = L.Trainer(strategy=strategy, max_steps=5, callbacks=[log], **trainer_kwargs())
-    trainer.fit(module, train_dataloaders=DataLoader(TensorDataset(x, y), batch_size=8))
+    fit_snake(module, loader, steps=5, storage={"ssd_dir": str(tmp_path), "weights": "ssd", "optimizer": "ssd"},
+              schedule={"num_micro_batches": 4, "alpha": 0.25}, precision_plugin=GreedySnakePrecision("16-mixed"),
+              callbacks=[log], record=None)
     (before, scale_before, count_before, _), (after, scale_after, count_after, stats) = log.states[1], log.states[2]
     assert stats.get("skipped") is True
     assert scale_after == scale_before / 2 and count_after == count_before
@@ -71,27 +67,7 @@ def test_overflow_skips_exactly_that_step(tmp_path):
     assert all(torch.isfinite(v).all() for v in final.values())
 
 
-# Untied head: with the tied head the strategy adds the head's and the embedding's gradient of the tied
-# weight in another order than autograd does (one fp32 ulp), the next fp16 cast of the weights
-# rounds a few elements the other way, and Adam's normalisation turns those into differences of
-# order lr: measured 7e-5 after 2 steps and 6.5e-4 after 4 steps (lr 1e-3), too close to the
-# movement (4e-3) for a meaningful element-wise test. Untied, the spread stays at rounding level.
-FP16_GPT = dataclasses.replace(SMALL_GPT, tied_head=False)
 STEPS, MICRO, MICRO_SIZE, LR = 4, 4, 2, 1e-3
-OVERFLOW_FACTOR = 2.0**20  # loss x 2^20 x scale 2^16: the fp16 backward of the head overflows
-# Measured max |snake - reference| over all parameters and steps: 7.0e-10 (no overflow) and 2.3e-10
-# (with the skipped step); the weights move 1e-3 per step (4e-3 in total). 1e-8 leaves a 14x margin
-# and is 1e5 times smaller than one step's movement.
-FP16_ATOL = 1e-8
-
-
-class ScaledLossGPT(GPTModule):
-    """Multiplies the loss by ``loss_factor`` (1.0 except on the step forced to overflow)."""
-
-    loss_factor = 1.0
-
-    def compute_loss(self, outputs, batch):
-        return super().compute_loss(outputs, batch) * self.loss_factor
 
 
 def _gradscaler_reference(x, y, steps, overflow_step, growth_interval=2000):
@@ -136,15 +112,12 @@ def test_fp16_matches_gradscaler_reference(tmp_path, overflow_step):
     x, y = token_data(STEPS * MICRO * MICRO_SIZE, FP16_GPT.context_len, FP16_GPT.vocab_size)
     init, ref, ref_scales, ref_skipped = _gradscaler_reference(x, y, STEPS, overflow_step)
     assert len(ref) == STEPS and ref_skipped == [s == overflow_step for s in range(STEPS)], ref_skipped
-    torch.manual_seed(0)
-    strategy = snake_strategy.GreedySnakeStrategy(
-        storage={"ssd_dir": str(tmp_path), "weights": "ssd", "optimizer": "ssd"},
-        schedule={"kind": "vertical", "num_micro_batches": MICRO, "alpha": 0.25},  # the reference's micro-batching
-        precision_plugin=GreedySnakePrecision("16-mixed"))
     log = _Fp16Log(overflow_step)
-    trainer = L.Trainer(strategy=strategy, max_steps=STEPS, callbacks=[log], **trainer_kwargs())
-    trainer.fit(ScaledLossGPT(FP16_GPT, learning_rate=LR),
-                train_dataloaders=DataLoader(TensorDataset(x, y), batch_size=MICRO * MICRO_SIZE))
+    fit_snake(lambda: ScaledLossGPT(FP16_GPT, learning_rate=LR),
+              token_loader(STEPS * MICRO * MICRO_SIZE, MICRO * MICRO_SIZE, FP16_GPT.context_len, FP16_GPT.vocab_size),
+              steps=STEPS, storage={"ssd_dir": str(tmp_path), "weights": "ssd", "optimizer": "ssd"},
+              schedule={"kind": "vertical", "num_micro_batches": MICRO, "alpha": 0.25},  # the reference's micro-batching
+              precision_plugin=GreedySnakePrecision("16-mixed"), callbacks=[log], record=None)
     assert len(log.states) == len(log.stats) == STEPS
     # The same scale for every step, and the same step skipped.
     assert [s["loss_scale"] for s in log.stats] == ref_scales
@@ -185,12 +158,10 @@ def test_fp16_scale_doubles_after_2000_clean_steps():
     tiny = GPTConfig(vocab_size=8, d_model=8, num_layers=1, num_heads=1, context_len=16)
     steps = 2001
     # 4 x 16 tokens per step: each logit gradient is at most 2^16 / 64, no fp16 overflow.
-    x, y = token_data(steps * 4, tiny.context_len, tiny.vocab_size)
     log = _ScaleLog()
-    strategy = snake_strategy.GreedySnakeStrategy(schedule={"num_micro_batches": 1},
-                                                  precision_plugin=GreedySnakePrecision("16-mixed"))
-    trainer = L.Trainer(strategy=strategy, max_steps=steps, callbacks=[log], **trainer_kwargs())
-    trainer.fit(GPTModule(tiny), train_dataloaders=DataLoader(TensorDataset(x, y), batch_size=4))
+    fit_snake(GPTModule(tiny), token_loader(steps * 4, 4, tiny.context_len, tiny.vocab_size), steps=steps,
+              schedule={"num_micro_batches": 1}, precision_plugin=GreedySnakePrecision("16-mixed"), callbacks=[log],
+              record=None)
     assert len(log.scales) == steps and not any(log.skipped)
     assert log.scales[:2000] == [2.0**16] * 2000
     assert log.scales[2000] == 2.0**17
@@ -203,12 +174,9 @@ def test_fp16_scale_doubles_after_the_growth_interval():
 
     tiny = GPTConfig(vocab_size=8, d_model=8, num_layers=2, num_heads=1, context_len=16)
     steps = 8
-    x, y = token_data(steps * 4, tiny.context_len, tiny.vocab_size)
     log = _ScaleLog()
-    strategy = snake_strategy.GreedySnakeStrategy(
-        schedule={"num_micro_batches": 2},
-        precision_plugin=GreedySnakePrecision("16-mixed", growth_interval=3))
-    trainer = L.Trainer(strategy=strategy, max_steps=steps, callbacks=[log], **trainer_kwargs())
-    trainer.fit(GPTModule(tiny), train_dataloaders=DataLoader(TensorDataset(x, y), batch_size=4))
+    fit_snake(GPTModule(tiny), token_loader(steps * 4, 4, tiny.context_len, tiny.vocab_size), steps=steps,
+              schedule={"num_micro_batches": 2}, precision_plugin=GreedySnakePrecision("16-mixed", growth_interval=3),
+              callbacks=[log], record=None)
     assert not any(log.skipped)
     assert log.scales == [2.0**16] * 3 + [2.0**17] * 3 + [2.0**18] * 2

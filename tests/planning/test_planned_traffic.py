@@ -12,12 +12,9 @@ from collections import Counter
 import lightning as L
 import pytest
 import torch
-import torch.nn.functional as F
-from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import snake_strategy
-from snake_strategy import LayeredModule
 from snake_strategy.gpt import GPTModule
 from tests.helpers import SMALL_GPT, token_data, trainer_kwargs
 
@@ -28,29 +25,6 @@ LAYOUTS = {
     "ssd_all": {"weights": "ssd", "master": "ssd", "optimizer": "ssd", "checkpoints": "ssd"},
 }
 HOST_MODELLED = ("weights", "master", "exp_avg", "exp_avg_sq")
-
-
-class AlignedStack(LayeredModule):
-    """Units whose sizes are whole pages in fp32 and bf16 (128 x 128 weights, no bias) and whose forward
-    part at alpha 0.25 is exactly a quarter: no page rounding between the model and the engine."""
-
-    def __init__(self, width=128, depth=4, vocab=64):
-        super().__init__()
-        self.embed = nn.Embedding(vocab, width)
-        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(width, width, bias=False), nn.Tanh()) for _ in range(depth))
-        self.head = nn.Linear(width, vocab)
-
-    def pre_stage(self, batch):
-        return self.embed(batch[0])
-
-    def post_stage(self, hidden):
-        return self.head(hidden)
-
-    def compute_loss(self, outputs, batch):
-        return F.cross_entropy(outputs.float().flatten(0, 1), batch[1].flatten())
-
-    def configure_optimizers(self):
-        return torch.optim.AdamW(self.parameters(), lr=1e-3)
 
 
 class _Window(L.Callback):
@@ -90,3 +64,10 @@ def _measure(module, kind, layout, precision, ssd_dir):
 def test_predicted_ssd_bytes_equal_measured_for_a_gpt(tmp_path, kind):
     predicted, measured, delta = _measure(GPTModule(SMALL_GPT), kind, "ssd", "32-true", tmp_path / "ssd")
     assert predicted == measured, (predicted, measured, sorted(delta.items()))
+
+
+@pytest.mark.parametrize("layout", ["ssd", "host"])
+def test_planner_bytes_equal_counters_with_half_storage(tmp_path, layout):
+    predicted, measured, delta = _measure(GPTModule(SMALL_GPT), "vertical", layout, "bf16-mixed", tmp_path / layout)
+    assert predicted == measured, (predicted, measured, sorted(delta.items()))
+    assert measured["ssd_read"] > 0 or layout == "host"
