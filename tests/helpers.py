@@ -122,6 +122,7 @@ class Fit:
 
     states: list[dict[str, torch.Tensor]]
     trainer: L.Trainer
+    record: str | None = "step"
 
     @property
     def strategy(self):
@@ -129,7 +130,8 @@ class Fit:
 
     @property
     def last(self) -> dict[str, torch.Tensor]:
-        assert self.states, "nothing was recorded"
+        """The parameters after the last step (under ``record="last"`` the one recording)."""
+        assert len(self.states) == 1 if self.record == "last" else self.states, len(self.states)
         return self.states[-1]
 
 
@@ -184,7 +186,7 @@ def _fit(strategy, model, loader, *, steps, precision, accumulate, callbacks, re
     trainer = L.Trainer(strategy=strategy, max_steps=steps, callbacks=callbacks, **kw)
     fit_kw = {} if val_loader is None else {"val_dataloaders": val_loader}
     trainer.fit(model, train_dataloaders=loader, ckpt_path=ckpt_path, **fit_kw)
-    return Fit(recorder.states if recorder is not None else [], trainer)
+    return Fit(recorder.states if recorder is not None else [], trainer, record)
 
 
 def assert_params_close(got: dict[str, torch.Tensor], ref: dict[str, torch.Tensor], precision: str,
@@ -210,8 +212,8 @@ def assert_steps_close(got: list[dict], ref: list[dict], precision: str, steps: 
 
 
 def assert_bitwise(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
-    """Every tensor of ``want`` bitwise equal in ``got`` (resumed against straight runs)."""
-    assert want
+    """The same names, every tensor bitwise equal (resumed against straight runs)."""
+    assert got and got.keys() == want.keys(), (sorted(got), sorted(want))
     for name in want:
         assert torch.equal(got[name], want[name]), name
 
@@ -249,25 +251,54 @@ def run_snake(config: GPTConfig, steps: int, micro: int, micro_size: int, precis
 # ------------------------------------------------------------------------ checkpoint, resume, compare bitwise
 RESUME_MICRO, RESUME_MICRO_SIZE = 4, 2
 RESUME_SSD = {"weights": "ssd", "optimizer": "ssd"}
+# The lifecycle tests' variant of ``fit_resumable``: 6 steps an epoch (a resume can land mid-epoch), the LR
+# schedule over 8 steps (two epochs' worth of changes), the schedule's kind left to the planner.
+TWO_EPOCHS = dict(steps_per_epoch=6, lr_steps=8, kind="auto")
+
+
+class ResumableLoader(DataLoader):
+    """Lightning's resumable-dataloader interface (``state_dict`` / ``load_state_dict``): resumes after
+    the batches already consumed. With a plain DataLoader Lightning restarts the epoch's data from its
+    first batch (it warns "your dataloader is not resumable"), whatever the strategy does."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.yielded, self._skip = 0, 0
+
+    def __iter__(self):
+        skip, self._skip = self._skip, 0
+        self.yielded = skip
+        for i, batch in enumerate(super().__iter__()):
+            if i >= skip:
+                self.yielded += 1
+                yield batch
+
+    def state_dict(self):
+        return {"yielded": self.yielded}
+
+    def load_state_dict(self, state):
+        self._skip = state["yielded"]
 
 
 def resume_loader(steps_per_epoch: int = 3, loader_cls: type = DataLoader) -> DataLoader:
     """``steps_per_epoch`` optimizer steps an epoch for ``fit_resumable``: a resume at an epoch's end starts
-    the next epoch with the same data order, so it is bitwise the straight run."""
+    the next epoch with the same data order, so it is bitwise the straight run (``ResumableLoader``: also
+    in the middle of an epoch)."""
     return token_loader(steps_per_epoch * RESUME_MICRO * RESUME_MICRO_SIZE, RESUME_MICRO * RESUME_MICRO_SIZE,
                         SMALL_GPT.context_len, SMALL_GPT.vocab_size, loader_cls=loader_cls)
 
 
-def fit_resumable(steps: int, ssd_dir, *, lr_steps: int = 6, kind: str = "vertical", storage: dict | None = None,
-                  schedule: dict | None = None, module_cls: type = GPTModule, loader=None, record: str | None = "last",
-                  **fit_kw) -> Fit:
+def fit_resumable(steps: int, ssd_dir=None, *, steps_per_epoch: int = 3, lr_steps: int = 6, kind: str = "vertical",
+                  storage: dict | None = None, schedule: dict | None = None, module_cls: type = GPTModule, loader=None,
+                  record: str | None = "last", **fit_kw) -> Fit:
     """The checkpoint tests' run: the small GPT at lr 1e-2 (warmup 1 step, cosine over ``lr_steps``), its
-    weights and moments in SSD files under ``ssd_dir`` (``storage`` adds to them), 4 micro-batches, alpha
-    0.25, ``resume_loader()``'s data; ``fit_kw`` as ``fit_snake``'s (ckpt_dir, ckpt_path, callbacks, ...)."""
-    storage = {"ssd_dir": str(ssd_dir), **RESUME_SSD, **(storage or {})}
+    weights and moments in SSD files under ``ssd_dir`` (None: a temporary directory; ``storage`` adds to
+    them), 4 micro-batches, alpha 0.25, ``resume_loader(steps_per_epoch)``'s data unless ``loader``;
+    ``fit_kw`` as ``fit_snake``'s (ckpt_dir, ckpt_path, callbacks, hooks, ...)."""
+    storage = {**({} if ssd_dir is None else {"ssd_dir": str(ssd_dir)}), **RESUME_SSD, **(storage or {})}
     schedule = {"kind": kind, "num_micro_batches": RESUME_MICRO, "alpha": 0.25, **(schedule or {})}
     return fit_snake(lambda: module_cls(SMALL_GPT, learning_rate=1e-2, warmup_steps=1, max_steps=lr_steps),
-                     loader if loader is not None else resume_loader(), steps=steps, storage=storage,
+                     loader if loader is not None else resume_loader(steps_per_epoch), steps=steps, storage=storage,
                      schedule=schedule, record=record, **fit_kw)
 
 
