@@ -152,7 +152,7 @@ def fit_snake(model, loader, *, steps: int, storage=None, schedule=None, precisi
     there every ``ckpt_every`` steps, all kept. ``strategy_kw`` go to ``GreedySnakeStrategy`` (hooks,
     precision_plugin, progress, ...)."""
     strategy = snake_strategy.GreedySnakeStrategy(storage=storage, schedule=schedule, **strategy_kw)
-    return _fit(strategy, model, loader, steps=steps, precision=precision, accumulate=1, callbacks=callbacks,
+    return fit_with(strategy, model, loader, steps=steps, precision=precision, accumulate=1, callbacks=callbacks,
                 record=record, ckpt_dir=ckpt_dir, ckpt_every=ckpt_every, ckpt_path=ckpt_path, val_loader=val_loader,
                 trainer_extra=trainer_extra, seed=seed)
 
@@ -162,13 +162,16 @@ def fit_lightning(model, loader, *, steps: int, precision: str | None = None, ac
                   trainer_extra: dict | None = None, seed: int = 0) -> Fit:
     """The reference: plain Lightning (strategy="auto"), the loader's batches accumulated ``accumulate`` at a
     time into one optimizer step, the module's own optimizer. Arguments as ``fit_snake``'s."""
-    return _fit("auto", model, loader, steps=steps, precision=precision, accumulate=accumulate, callbacks=callbacks,
+    return fit_with("auto", model, loader, steps=steps, precision=precision, accumulate=accumulate, callbacks=callbacks,
                 record=record, ckpt_dir=ckpt_dir, ckpt_every=ckpt_every, ckpt_path=ckpt_path, val_loader=val_loader,
                 trainer_extra=trainer_extra, seed=seed)
 
 
-def _fit(strategy, model, loader, *, steps, precision, accumulate, callbacks, record, ckpt_dir, ckpt_every,
-         ckpt_path, val_loader, trainer_extra, seed) -> Fit:
+def fit_with(strategy, model, loader, *, steps: int, precision: str | None = None, accumulate: int = 1, callbacks=(),
+             record: str | None = "step", ckpt_dir=None, ckpt_every: int = 3, ckpt_path=None, val_loader=None,
+             trainer_extra: dict | None = None, seed: int = 0) -> Fit:
+    """``trainer.fit`` with a given ``strategy`` (an instance or a registered name): what ``fit_snake`` and
+    ``fit_lightning`` run, for tests whose strategy is itself the subject."""
     torch.manual_seed(seed)  # also for a module built by the caller: the run's dropout masks
     if not isinstance(model, L.LightningModule):
         model = model()
