@@ -107,10 +107,10 @@ def test_split_backward_bf16_mixed_matches_plain_lightning(tmp_path):
 @pytest.mark.parametrize("case", ["lora_gpt", "part_of_block", "lower_half"])
 def test_split_backward_with_frozen_parameters_and_lora(case, tmp_path):
     """Frozen weights are not deferred (they need no gradient); LoRA's adapters are nn.Linear: deferred."""
-    finetune = pytest.importorskip("tests.hf.test_finetune")  # skipped without peft/transformers
+    finetune = pytest.importorskip("tests.hf.finetune_cases")  # skipped without peft/transformers
     stats = Stats()
     got, _, _ = finetune.run_snake(case, tmp_path / "ssd", schedule={"split_backward": True}, callbacks=[stats])
-    finetune.assert_matches(got, finetune.reference(case))
+    assert_steps_close(got, finetune.reference(case), "64-true")
     assert all(s["weight_grad_products"] > 0 for s in stats.steps)
 
 

@@ -18,7 +18,7 @@ peft = pytest.importorskip("peft")
 pytest.importorskip("transformers")
 
 from snake_strategy.hf import HFCausalLM  # noqa: E402
-from tests.hf.test_hf_models import Samples, batches, hf_model  # noqa: E402
+from tests.hf.models import Samples, batches, hf_model  # noqa: E402
 
 MICRO, MICRO_SIZE, STEPS = 2, 2, 2
 LORA = dict(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)

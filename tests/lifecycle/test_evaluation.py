@@ -32,7 +32,7 @@ class Model:
         self.kind = kind
         if kind == "llama":
             pytest.importorskip("transformers")
-            from tests.hf.test_hf_models import hf_model
+            from tests.hf.models import hf_model
 
             hf_model("llama").save_pretrained(tmp_path / "start")
             self.start = tmp_path / "start"
@@ -48,7 +48,7 @@ class Model:
     def dataset(self, num: int, seed: int):
         if self.kind == "gpt":
             return TensorDataset(*token_data(num, SMALL_GPT.context_len, SMALL_GPT.vocab_size, seed=seed))
-        from tests.hf.test_hf_models import Samples, batches
+        from tests.hf.models import Samples, batches
 
         return Samples(batches(num, 1, seed=seed))
 
