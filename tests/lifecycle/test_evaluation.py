@@ -13,7 +13,7 @@ import snake_strategy
 from snake_strategy.checkpoint.consolidate import CheckpointWeights
 from snake_strategy.engine.evaluation import EvalEngine
 from snake_strategy.gpt import GPTModule
-from tests.helpers import SMALL_GPT, token_data, trainer_kwargs
+from tests.helpers import SMALL_GPT, fit_with, token_data, trainer_kwargs
 
 MICRO, MICRO_SIZE, STEPS = 2, 2, 2
 NUM_EVAL = 10  # eval batches of 4, 4 and 2 samples: a short last batch
@@ -293,10 +293,9 @@ def test_validation_inside_fit_is_micro_batched_and_equals_plain_lightning(kind,
     model = Model(kind, tmp_path)
 
     def fit(strategy, batch_size, accumulate, recorder):
-        trainer = L.Trainer(strategy=strategy, precision="64-true", max_steps=STEPS, accumulate_grad_batches=accumulate,
-                            callbacks=[recorder], **trainer_kwargs(limit_val_batches=None))
-        loader = DataLoader(model.dataset(STEPS * MICRO * MICRO_SIZE, 1), batch_size=batch_size)
-        trainer.fit(model.module(), loader, model.eval_loader())
+        fit_with(strategy, model.module, DataLoader(model.dataset(STEPS * MICRO * MICRO_SIZE, 1), batch_size=batch_size),
+                 steps=STEPS, precision="64-true", accumulate=accumulate, callbacks=[recorder], record=None,
+                 val_loader=model.eval_loader(), trainer_extra={"limit_val_batches": None})
         return recorder.outputs["validate"]
 
     expected = fit("auto", MICRO_SIZE, MICRO, StepOutputs())
