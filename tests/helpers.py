@@ -144,7 +144,7 @@ def token_loader(num_samples: int, batch_size: int, seq_len: int = 16, vocab: in
 
 def fit_snake(model, loader, *, steps: int, storage=None, schedule=None, precision: str | None = None,
               callbacks=(), record: str | None = "step", ckpt_dir=None, ckpt_every: int = 3, ckpt_path=None,
-              val_loader=None, trainer_extra: dict | None = None, seed: int = 0, **strategy_kw) -> Fit:
+              val_loader=None, trainer_extra: dict | None = None, seed: int | None = 0, **strategy_kw) -> Fit:
     """Train ``model`` (a module, or a callable that builds it) with greedysnake, from ``torch.manual_seed(seed)``.
 
     ``record``: "step" keeps the parameters after every optimizer step, "last" only after the final one (the
@@ -159,7 +159,7 @@ def fit_snake(model, loader, *, steps: int, storage=None, schedule=None, precisi
 
 def fit_lightning(model, loader, *, steps: int, precision: str | None = None, accumulate: int = 1, callbacks=(),
                   record: str | None = "step", ckpt_dir=None, ckpt_every: int = 3, ckpt_path=None, val_loader=None,
-                  trainer_extra: dict | None = None, seed: int = 0) -> Fit:
+                  trainer_extra: dict | None = None, seed: int | None = 0) -> Fit:
     """The reference: plain Lightning (strategy="auto"), the loader's batches accumulated ``accumulate`` at a
     time into one optimizer step, the module's own optimizer. Arguments as ``fit_snake``'s."""
     return fit_with("auto", model, loader, steps=steps, precision=precision, accumulate=accumulate, callbacks=callbacks,
@@ -169,10 +169,11 @@ def fit_lightning(model, loader, *, steps: int, precision: str | None = None, ac
 
 def fit_with(strategy, model, loader, *, steps: int, precision: str | None = None, accumulate: int = 1, callbacks=(),
              record: str | None = "step", ckpt_dir=None, ckpt_every: int = 3, ckpt_path=None, val_loader=None,
-             trainer_extra: dict | None = None, seed: int = 0) -> Fit:
+             trainer_extra: dict | None = None, seed: int | None = 0) -> Fit:
     """``trainer.fit`` with a given ``strategy`` (an instance or a registered name): what ``fit_snake`` and
     ``fit_lightning`` run, for tests whose strategy is itself the subject."""
-    torch.manual_seed(seed)  # also for a module built by the caller: the run's dropout masks
+    if seed is not None:  # also for a module built by the caller: the run's dropout masks (None: the RNG as it is)
+        torch.manual_seed(seed)
     if not isinstance(model, L.LightningModule):
         model = model()
     assert record in ("step", "last", None), record

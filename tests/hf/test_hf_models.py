@@ -21,7 +21,7 @@ from snake_strategy import checkpoint as snake_checkpoint  # noqa: E402
 from snake_strategy.hf import HFCausalLM, export_hf  # noqa: E402
 from snake_strategy.sources.pretrained import PretrainedSource  # noqa: E402
 from snake_strategy.units import build_layouts  # noqa: E402
-from tests.helpers import ParamRecorder, trainer_kwargs  # noqa: E402
+from tests.helpers import ParamRecorder, fit_lightning, fit_with, trainer_kwargs  # noqa: E402
 from tests.hf.models import FAMILIES, Samples, batches, built, hf_model, tiny_config  # noqa: E402
 
 MICRO, MICRO_SIZE, STEPS = 2, 2, 2
@@ -80,11 +80,8 @@ def test_plain_lightning_accumulation_equals_hf_loop(family, tmp_path):
     micro_batches = batches(STEPS * MICRO, MICRO_SIZE)
     expected = reference_training(hf, micro_batches, lr=1e-2)
     module = HFCausalLM(tmp_path / "start", learning_rate=1e-2, weight_decay=0.01)
-    rec = ParamRecorder(only_last=True)
-    trainer = L.Trainer(strategy="auto", precision="64-true", max_steps=STEPS, accumulate_grad_batches=MICRO,
-                        callbacks=[rec], **trainer_kwargs())
-    trainer.fit(module, DataLoader(Samples(micro_batches), batch_size=MICRO_SIZE, shuffle=False))
-    got = rec.states[-1]
+    got = fit_lightning(module, DataLoader(Samples(micro_batches), batch_size=MICRO_SIZE, shuffle=False), steps=STEPS,
+                        precision="64-true", accumulate=MICRO, record="last").last
     assert got.keys() == expected.keys()
     moved = max((got[n] - hf_model(family).state_dict()[n]).abs().max().item() for n in got)
     assert moved > 1e-3
@@ -182,12 +179,9 @@ def test_checkpoint_with_more_layers_than_the_config_is_refused(tmp_path):
         assert torch.equal(p, hf.state_dict()[name]), name
 
     def fit(strategy, batch_size, accumulate):
-        rec = ParamRecorder(only_last=True)
-        trainer = L.Trainer(strategy=strategy, precision="64-true", max_steps=STEPS, accumulate_grad_batches=accumulate,
-                            callbacks=[rec], **trainer_kwargs())
-        trainer.fit(HFCausalLM(tmp_path / "two", learning_rate=1e-2, ignore_unexpected_keys=True),
-                    DataLoader(Samples(batches(STEPS * MICRO, MICRO_SIZE)), batch_size=batch_size))
-        return rec.states[-1]
+        return fit_with(strategy, lambda: HFCausalLM(tmp_path / "two", learning_rate=1e-2, ignore_unexpected_keys=True),
+                        DataLoader(Samples(batches(STEPS * MICRO, MICRO_SIZE)), batch_size=batch_size), steps=STEPS,
+                        precision="64-true", accumulate=accumulate, record="last").last
 
     expected = fit("auto", MICRO_SIZE, MICRO)
     got = fit(snake_strategy.GreedySnakeStrategy(storage={"weights": "host"},
@@ -248,12 +242,9 @@ def test_greedysnake_equals_plain_lightning(family, kind, tmp_path):
     micro_batches = batches(STEPS * MICRO, MICRO_SIZE)
 
     def fit(strategy, batch_size, accumulate):
-        rec = ParamRecorder(only_last=True)
-        trainer = L.Trainer(strategy=strategy, precision="64-true", max_steps=STEPS,
-                            accumulate_grad_batches=accumulate, callbacks=[rec], **trainer_kwargs())
-        module = HFCausalLM(tmp_path / "start", learning_rate=1e-2, weight_decay=0.01)
-        trainer.fit(module, DataLoader(Samples(micro_batches), batch_size=batch_size, shuffle=False))
-        return rec.states[-1]
+        return fit_with(strategy, lambda: HFCausalLM(tmp_path / "start", learning_rate=1e-2, weight_decay=0.01),
+                        DataLoader(Samples(micro_batches), batch_size=batch_size, shuffle=False), steps=STEPS,
+                        precision="64-true", accumulate=accumulate, record="last").last
 
     expected = fit("auto", MICRO_SIZE, MICRO)
     strategy = snake_strategy.GreedySnakeStrategy(
