@@ -145,10 +145,11 @@ def token_loader(num_samples: int, batch_size: int, seq_len: int = 16, vocab: in
 def fit_snake(model, loader, *, steps: int, storage=None, schedule=None, precision: str | None = None,
               callbacks=(), record: str | None = "step", ckpt_dir=None, ckpt_every: int = 3, ckpt_path=None,
               val_loader=None, trainer_extra: dict | None = None, seed: int | None = 0, **strategy_kw) -> Fit:
-    """Train ``model`` (a module, or a callable that builds it) with greedysnake, from ``torch.manual_seed(seed)``.
+    """Train ``model`` (a module, or a callable that builds it) with greedysnake, from ``torch.manual_seed(seed)``,
+    for ``steps`` optimizer steps (-1: as many as ``trainer_extra``'s ``max_epochs`` give).
 
-    ``record``: "step" keeps the parameters after every optimizer step, "last" only after the final one (the
-    optimizer overlap runs undisturbed until then), None records nothing. ``ckpt_dir``: a ModelCheckpoint
+    ``record``: "step" keeps the parameters after every optimizer step, "batch" after every loader batch,
+    "last" only after the final step (the optimizer overlap runs undisturbed until then), None records nothing. ``ckpt_dir``: a ModelCheckpoint
     there every ``ckpt_every`` steps, all kept. ``strategy_kw`` go to ``GreedySnakeStrategy`` (hooks,
     precision_plugin, progress, ...)."""
     strategy = snake_strategy.GreedySnakeStrategy(storage=storage, schedule=schedule, **strategy_kw)
@@ -176,8 +177,9 @@ def fit_with(strategy, model, loader, *, steps: int, precision: str | None = Non
         torch.manual_seed(seed)
     if not isinstance(model, L.LightningModule):
         model = model()
-    assert record in ("step", "last", None), record
-    recorder = None if record is None else ParamRecorder(every_n_batches=accumulate, only_last=record == "last")
+    assert record in ("step", "batch", "last", None), record
+    every = 1 if record == "batch" else accumulate
+    recorder = None if record is None else ParamRecorder(every_n_batches=every, only_last=record == "last")
     callbacks = ([recorder] if recorder is not None else []) + list(callbacks)
     if ckpt_dir is not None:
         callbacks.append(ModelCheckpoint(dirpath=str(ckpt_dir), every_n_train_steps=ckpt_every, save_top_k=-1))
