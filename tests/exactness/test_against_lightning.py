@@ -17,16 +17,10 @@ STORAGES = {
 }
 
 
-@pytest.fixture(scope="module")
-def references():
-    cache = {}
-
-    def get(precision):
-        if precision not in cache:
-            cache[precision] = run_reference(SMALL_GPT, STEPS, MICRO, MICRO_SIZE, precision)
-        return cache[precision]
-
-    return get
+@pytest.fixture
+def references(lightning_reference):
+    """Plain Lightning on the small GPT, STEPS steps of MICRO micro-batches, by precision."""
+    return lambda precision: lightning_reference(SMALL_GPT, STEPS, MICRO, MICRO_SIZE, precision)
 
 
 @pytest.mark.parametrize("blocks_per_unit", [1, 2])

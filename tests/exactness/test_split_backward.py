@@ -143,5 +143,5 @@ def test_split_backward_is_exact_for_any_block():
     got = fit_snake(model, token_loader(samples, MICRO * MICRO_SIZE, seq_len=8), steps=STEPS, precision="64-true",
                     schedule={"kind": "vertical", "num_micro_batches": MICRO, "split_backward": True},
                     callbacks=[stats], record=None)
-    assert_stepsassert_steps_close([params(got)], [params(ref)], "64-true")
+    assert_steps_close([params(got)], [params(ref)], "64-true")
     assert stats.steps[-1]["weight_grad_products"] == 2 * 3  # fc's two call sites per block; raw is autograd's

@@ -9,7 +9,7 @@ from torch.utils.data import DataLoader, TensorDataset
 import snake_strategy
 from snake_strategy.gpt import GPTModule
 from snake_strategy.precision import GreedySnakePrecision
-from tests.helpers import SMALL_GPT, token_data, trainer_kwargs
+from tests.helpers import SMALL_GPT, fit_snake, token_data, token_loader, trainer_kwargs
 
 MICRO, MICRO_SIZE = 2, 2
 STORED = ("weights", "master", "optimizer_moments")
