@@ -19,7 +19,7 @@ SSD = {"weights": "ssd", "optimizer": "ssd", "master": "ssd"}
 # Measured max |snake - reference| over 3 steps: tied head 6.0e-8 (the strategy adds the head's and
 # the embedding's fp32 gradient of the tied weight in another order than autograd); untied head 0.0 in
 # a fresh process but 6.0e-8 (one fp32 ulp of a LayerNorm gain near 1) when another greedysnake run
-# (tests/clipping/test_fp16_loss_scaling.py::test_overflow_skips_exactly_that_step) ran earlier in the same process. 3e-7
+# (tests/clipping/test_fp16_gradscaler.py::test_overflow_skips_exactly_that_step) ran earlier in the same process. 3e-7
 # covers both with a 5x margin; the weights move about 1e-3 per step (3000x the tolerance).
 BF16_MIXED_ATOL = {False: 3e-7, True: 3e-7}
 # bf16-true: measured bitwise equal (0.0) for both heads, in every test order tried; the same 3e-7
