@@ -128,7 +128,8 @@ def test_fp16_matches_gradscaler_reference(tmp_path, overflow_step):
     fit_snake(lambda: ScaledLossGPT(FP16_GPT, learning_rate=LR),
               token_loader(STEPS * MICRO * MICRO_SIZE, MICRO * MICRO_SIZE, FP16_GPT.context_len, FP16_GPT.vocab_size),
               steps=STEPS, storage={"ssd_dir": str(tmp_path), "weights": "ssd", "optimizer": "ssd"},
-              schedule={"kind": "vertical", "num_micro_batches": MICRO, "alpha": 0.25},  # the reference's micro-batching
+              # the reference's micro-batching:
+              schedule={"kind": "vertical", "num_micro_batches": MICRO, "alpha": 0.25},
               precision_plugin=GreedySnakePrecision("16-mixed"), callbacks=[log], record=None)
     assert len(log.states) == len(log.stats) == STEPS
     # The same scale for every step, and the same step skipped.
@@ -209,7 +210,8 @@ def _reference(x, y, algorithm: str | None, value: float, norm_in_float64: bool 
 
 
 def _snake(x, y, algorithm: str, value: float) -> list[dict[str, torch.Tensor]]:
-    return fit_snake(lambda: GPTModule(FP16_GPT, learning_rate=LR), DataLoader(TensorDataset(x, y), batch_size=MICRO * MICRO_SIZE),
+    return fit_snake(lambda: GPTModule(FP16_GPT, learning_rate=LR),
+                     DataLoader(TensorDataset(x, y), batch_size=MICRO * MICRO_SIZE),
                      steps=STEPS, schedule={"kind": "vertical", "num_micro_batches": MICRO},
                      precision_plugin=GreedySnakePrecision("16-mixed"),
                      trainer_extra={"gradient_clip_val": value, "gradient_clip_algorithm": algorithm}).states

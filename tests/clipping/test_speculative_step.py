@@ -209,7 +209,8 @@ def test_fp16_overflow_and_clipping_roll_back_exactly(tiers, rollback, tmp_path)
     fit_snake(lambda: AlternatingFp16GPT(FP16_GPT, learning_rate=FP16_LR),
               token_loader(FP16_STEPS * FP16_MICRO * MICRO_SIZE, FP16_MICRO * MICRO_SIZE, FP16_GPT.context_len,
                            FP16_GPT.vocab_size),
-              steps=FP16_STEPS, storage=storage, schedule={"kind": "vertical", "num_micro_batches": FP16_MICRO, "alpha": 0.25},
+              steps=FP16_STEPS, storage=storage,
+              schedule={"kind": "vertical", "num_micro_batches": FP16_MICRO, "alpha": 0.25},
               precision_plugin=GreedySnakePrecision("16-mixed"), callbacks=[log], record=None,
               trainer_extra={"gradient_clip_val": FP16_MAX_NORM})
     assert log.skipped == ref_skipped

@@ -123,7 +123,8 @@ def test_get_peft_model_directly_on_hf_causal_lm(tmp_path):
     def snake_fit(module):
         initial = InitialAdapters()
         run = fit_snake(module, DataLoader(Samples(micro_batches), batch_size=MICRO * MICRO_SIZE), steps=STEPS,
-                        precision="64-true", storage={"weights": "ssd", "optimizer": "ssd", "ssd_dir": str(tmp_path / "ssd")},
+                        precision="64-true",
+                        storage={"weights": "ssd", "optimizer": "ssd", "ssd_dir": str(tmp_path / "ssd")},
                         schedule={"kind": "vertical", "num_micro_batches": MICRO, "alpha": 0.25}, callbacks=[initial],
                         record="last", seed=11)
         return initial.values, run.last

@@ -293,7 +293,8 @@ def test_validation_inside_fit_is_micro_batched_and_equals_plain_lightning(kind,
     model = Model(kind, tmp_path)
 
     def fit(strategy, batch_size, accumulate, recorder):
-        fit_with(strategy, model.module, DataLoader(model.dataset(STEPS * MICRO * MICRO_SIZE, 1), batch_size=batch_size),
+        loader = DataLoader(model.dataset(STEPS * MICRO * MICRO_SIZE, 1), batch_size=batch_size)
+        fit_with(strategy, model.module, loader,
                  steps=STEPS, precision="64-true", accumulate=accumulate, callbacks=[recorder], record=None,
                  val_loader=model.eval_loader(), trainer_extra={"limit_val_batches": None})
         return recorder.outputs["validate"]
