@@ -120,10 +120,12 @@ TOLERANCES = {"64-true": dict(rtol=0, atol=1e-10), "32-true": dict(rtol=1e-5, at
 
 @dataclasses.dataclass
 class Fit:
-    """One finished ``trainer.fit``: the recorded parameters (see ``record`` of ``fit_snake``) and the trainer."""
+    """One finished ``trainer.fit``: the recorded parameters (see ``record`` of ``fit_snake``), the trainer and
+    the module it trained (after fit it holds the trained weights, as under plain Lightning)."""
 
     states: list[dict[str, torch.Tensor]]
     trainer: L.Trainer
+    module: L.LightningModule
     record: str | None = "step"
 
     @property
@@ -195,7 +197,7 @@ def fit_with(strategy, model, loader, *, steps: int, precision: str | None = Non
     trainer = L.Trainer(strategy=strategy, max_steps=steps, callbacks=callbacks, **kw)
     fit_kw = {} if val_loader is None else {"val_dataloaders": val_loader}
     trainer.fit(model, train_dataloaders=loader, ckpt_path=ckpt_path, **fit_kw)
-    return Fit(recorder.states if recorder is not None else [], trainer, record)
+    return Fit(recorder.states if recorder is not None else [], trainer, model, record)
 
 
 def assert_params_close(got: dict[str, torch.Tensor], ref: dict[str, torch.Tensor], precision: str,

@@ -243,7 +243,7 @@ def _fit_alternating(max_steps, ssd_dir, ckpt_dir=None, ckpt_path=None, kill_mar
                     schedule={"kind": "vertical", "num_micro_batches": MICRO, "alpha": 0.25}, precision="32-true",
                     hooks=snake_strategy.EngineHooks(before_optimizer_chunk=kill), record=None, ckpt_dir=ckpt_dir,
                     ckpt_path=ckpt_path, trainer_extra={"gradient_clip_val": MAX_NORM})
-    return {k: v.detach().clone() for k, v in run.trainer.lightning_module.state_dict().items()}
+    return {k: v.detach().clone() for k, v in run.module.state_dict().items()}
 
 
 class KillInRedo:

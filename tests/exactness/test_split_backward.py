@@ -134,7 +134,7 @@ def test_split_backward_is_exact_for_any_block():
         return StackModule(lambda i: OddBlock(16), width=16, depth=3).double()
 
     def params(run):
-        return {n: p.detach() for n, p in run.trainer.lightning_module.named_parameters()}
+        return {n: p.detach() for n, p in run.module.named_parameters()}
 
     samples = STEPS * MICRO * MICRO_SIZE
     ref = fit_lightning(model, token_loader(samples, MICRO_SIZE, seq_len=8), steps=STEPS, precision="64-true",

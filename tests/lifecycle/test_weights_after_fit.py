@@ -66,7 +66,7 @@ def _fit(root, steps: int = 2, module: GPTModule | None = None, budget: int | No
                     storage={"ssd_dir": str(root / "ssd"), **SSD_STATES, "host_budget_bytes": budget, **storage},
                     schedule={"num_micro_batches": 2}, hooks=hooks, progress=progress, callbacks=callbacks,
                     record=None, trainer_extra={"default_root_dir": str(root)})
-    return run.trainer.lightning_module, run.strategy
+    return run.module, run.strategy
 
 
 def _values(module) -> dict[str, torch.Tensor]:
@@ -217,7 +217,7 @@ from tests.lifecycle.test_weights_after_fit import BUDGET_BYTES, CFG, SSD_STATES
 logging.basicConfig(level=logging.INFO)
 run = fit_snake(lambda: GPTModule(CFG), _loader(), steps=2, storage={**SSD_STATES, "host_budget_bytes": BUDGET_BYTES},
                 schedule={"num_micro_batches": 2}, record="last", trainer_extra={"default_root_dir": sys.argv[1]})
-module, strategy, trained = run.trainer.lightning_module, run.strategy, run.last
+module, strategy, trained = run.module, run.strategy, run.last
 state = module.state_dict()
 print(json.dumps({
     "weights_file": strategy.weights_file, "exists": os.path.exists(strategy.weights_file),

@@ -41,7 +41,7 @@ def test_readme_example_matches_plain_lightning():
             captured.update(trainer.strategy.engine.state_dict())
 
     ref = fit_lightning(_model, _loader(batch_size=2), steps=3, precision="64-true", accumulate=4, record=None)
-    reference = {n: p.detach() for n, p in ref.trainer.lightning_module.named_parameters()}
+    reference = {n: p.detach() for n, p in ref.module.named_parameters()}
     fit_snake(_model, _loader(batch_size=8), steps=3, precision="64-true", schedule={"num_micro_batches": 4},
               callbacks=[Capture()], record=None)
     assert captured.keys() == reference.keys()
