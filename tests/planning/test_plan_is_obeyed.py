@@ -3,7 +3,6 @@ the engine allocates for them, in every precision (half-precision weight storage
 mode, prefetch depth and kept-activation policy the plan reports are the ones the engine runs."""
 import lightning as L
 import pytest
-import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 import snake_strategy

@@ -11,12 +11,9 @@ from collections import Counter
 
 import lightning as L
 import pytest
-import torch
-from torch.utils.data import DataLoader, TensorDataset
 
-import snake_strategy
 from snake_strategy.gpt import GPTModule
-from tests.helpers import SMALL_GPT, token_data, trainer_kwargs
+from tests.helpers import SMALL_GPT, fit_snake, token_loader
 
 MICRO, STEPS, CONTEXT = 6, 4, 16  # 6 micro-batches: 2 per unit are off the turning points (SSD checkpoints)
 LAYOUTS = {
@@ -36,13 +33,11 @@ class _Window(L.Callback):
 
 
 def _measure(module, kind, layout, precision, ssd_dir):
-    x, y = token_data(STEPS * MICRO, CONTEXT, 64)
-    torch.manual_seed(0)
-    strategy = snake_strategy.GreedySnakeStrategy(storage=dict(LAYOUTS[layout], ssd_dir=str(ssd_dir)),
-                                                  schedule={"kind": kind, "num_micro_batches": MICRO, "alpha": 0.25})
     window = _Window()
-    trainer = L.Trainer(strategy=strategy, precision=precision, max_steps=STEPS, callbacks=[window], **trainer_kwargs())
-    trainer.fit(module, train_dataloaders=DataLoader(TensorDataset(x, y), batch_size=MICRO))
+    strategy = fit_snake(module, token_loader(STEPS * MICRO, MICRO, CONTEXT, 64), steps=STEPS,
+                         storage=dict(LAYOUTS[layout], ssd_dir=str(ssd_dir)),
+                         schedule={"kind": kind, "num_micro_batches": MICRO, "alpha": 0.25}, precision=precision,
+                         callbacks=[window], record=None).strategy
     assert len(window.snapshots) == STEPS
     before, after = window.snapshots[2], window.snapshots[3]
     delta = Counter({k: v - before.get(k, 0) for k, v in after.items() if v != before.get(k, 0)})
