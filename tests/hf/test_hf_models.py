@@ -21,7 +21,7 @@ from snake_strategy import checkpoint as snake_checkpoint  # noqa: E402
 from snake_strategy.hf import HFCausalLM, export_hf  # noqa: E402
 from snake_strategy.sources.pretrained import PretrainedSource  # noqa: E402
 from snake_strategy.units import build_layouts  # noqa: E402
-from tests.helpers import ParamRecorder, fit_lightning, fit_with, trainer_kwargs  # noqa: E402
+from tests.helpers import fit_lightning, fit_snake, fit_with, trainer_kwargs  # noqa: E402
 from tests.hf.models import FAMILIES, Samples, batches, built, hf_model, tiny_config  # noqa: E402
 
 MICRO, MICRO_SIZE, STEPS = 2, 2, 2
@@ -313,23 +313,20 @@ def test_checkpoint_cli_exports_hf_directory(tmp_path):
     import sys
 
     hf_model("llama").save_pretrained(tmp_path / "start")
-    rec = ParamRecorder(only_last=True)
 
     class ExportInsideFit(L.Callback):
         def on_train_end(self, trainer, pl_module):
             assert trainer.strategy.engine is not None  # export_hf reads the units from their tiers
             export_hf(pl_module, tmp_path / "in_run", dtype=torch.float64)
 
-    strategy = snake_strategy.GreedySnakeStrategy(
-        storage={"weights": "ssd", "optimizer": "ssd", "ssd_dir": str(tmp_path / "ssd")},
-        schedule={"num_micro_batches": MICRO, "alpha": 0.25})
     checkpoints = L.pytorch.callbacks.ModelCheckpoint(dirpath=str(tmp_path / "ckpts"), every_n_train_steps=STEPS)
-    trainer = L.Trainer(strategy=strategy, precision="64-true", max_steps=STEPS, callbacks=[rec, checkpoints, ExportInsideFit()],
-                        **trainer_kwargs(enable_checkpointing=True))
-    trainer.fit(HFCausalLM(tmp_path / "start", learning_rate=1e-2),
-                DataLoader(Samples(batches(STEPS * MICRO, MICRO_SIZE)), batch_size=MICRO * MICRO_SIZE))
+    engine_state = fit_snake(HFCausalLM(tmp_path / "start", learning_rate=1e-2),
+                             DataLoader(Samples(batches(STEPS * MICRO, MICRO_SIZE)), batch_size=MICRO * MICRO_SIZE),
+                             steps=STEPS, precision="64-true",
+                             storage={"weights": "ssd", "optimizer": "ssd", "ssd_dir": str(tmp_path / "ssd")},
+                             schedule={"num_micro_batches": MICRO, "alpha": 0.25},
+                             callbacks=[checkpoints, ExportInsideFit()], record="last", seed=None).last
     (ckpt,) = (tmp_path / "ckpts").iterdir()
-    engine_state = rec.states[-1]
 
     out = tmp_path / "hf_out"
     cmd = [sys.executable, "-m", "snake_strategy.checkpoint", str(ckpt), str(out), "--format", "hf"]
@@ -363,19 +360,16 @@ def test_export_defaults_to_the_master_dtype(tmp_path):
     """An fp64 run exported without dtype= (inside fit, after it, from a state dict, from a stream) loads
     back with from_pretrained as the identical fp64 tensors, as the checkpoint CLI's default does."""
     hf_model("llama").save_pretrained(tmp_path / "start")
-    rec = ParamRecorder(only_last=True)
 
     class ExportInsideFit(L.Callback):
         def on_train_end(self, trainer, pl_module):
             export_hf(pl_module, tmp_path / "in_run")
 
-    strategy = snake_strategy.GreedySnakeStrategy(storage={"weights": "ssd", "ssd_dir": str(tmp_path / "ssd")},
-                                                  schedule={"num_micro_batches": MICRO})
-    trainer = L.Trainer(strategy=strategy, precision="64-true", max_steps=STEPS, callbacks=[rec, ExportInsideFit()],
-                        **trainer_kwargs())
     module = HFCausalLM(tmp_path / "start", learning_rate=1e-2)
-    trainer.fit(module, DataLoader(Samples(batches(STEPS * MICRO, MICRO_SIZE)), batch_size=MICRO * MICRO_SIZE))
-    trained = rec.states[-1]
+    trained = fit_snake(module, DataLoader(Samples(batches(STEPS * MICRO, MICRO_SIZE)), batch_size=MICRO * MICRO_SIZE),
+                        steps=STEPS, precision="64-true", storage={"weights": "ssd", "ssd_dir": str(tmp_path / "ssd")},
+                        schedule={"num_micro_batches": MICRO}, callbacks=[ExportInsideFit()], record="last",
+                        seed=None).last
     export_hf(module, tmp_path / "after")
     export_hf(dict(trained), tmp_path / "state", config=module.hf_config)
     export_hf(iter(list(trained.items())), tmp_path / "stream", config=module.hf_config)
