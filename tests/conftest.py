@@ -23,3 +23,20 @@ def float64_default():
     torch.set_default_dtype(torch.float64)
     yield
     torch.set_default_dtype(previous)
+
+
+@pytest.fixture(scope="session")
+def lightning_reference():
+    """``tests.helpers.run_reference``, trained once a session per set of arguments: the plain-Lightning runs
+    that several tests compare greedysnake against. Callers read the returned states, never modify them."""
+    from tests.helpers import run_reference
+
+    cache = {}
+
+    def get(*args, **kwargs):
+        key = repr((args, sorted(kwargs.items())))
+        if key not in cache:
+            cache[key] = run_reference(*args, **kwargs)
+        return cache[key]
+
+    return get

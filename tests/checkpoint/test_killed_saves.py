@@ -18,7 +18,7 @@ import warnings
 import lightning as L
 import pytest
 
-from tests.checkpoint.test_checkpoint_lifecycle import ResumableLoader, _assert_equal, _fit, _loader
+from tests.helpers import TWO_EPOCHS, ResumableLoader, assert_bitwise, fit_resumable, resume_loader
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -27,8 +27,7 @@ import os, signal, sys, types
 sys.path.insert(0, sys.argv[1])
 import lightning as L
 from snake_strategy.checkpoint import store
-from tests.checkpoint.test_killed_saves import resumable_loader
-from tests.checkpoint.test_checkpoint_lifecycle import _fit
+from tests.helpers import TWO_EPOCHS, ResumableLoader, fit_resumable, resume_loader
 
 mode, ckpts, ssd, marker = sys.argv[2:6]
 
@@ -48,7 +47,8 @@ if mode == "partial":
     store.commit = commit
     callback = L.pytorch.callbacks.ModelCheckpoint(dirpath=ckpts, every_n_train_steps=1, save_top_k=-1,
                                                    save_last=True)
-    _fit(60, ssd, callbacks=[callback], loader=resumable_loader())
+    fit_resumable(60, ssd, callbacks=[callback],
+                  loader=resume_loader(TWO_EPOCHS["steps_per_epoch"], loader_cls=ResumableLoader), **TWO_EPOCHS)
 else:
     # A filesystem without renameat2(RENAME_EXCHANGE): the old last.ckpt is renamed aside, then the new
     # one in; the kill lands between the two.
@@ -60,19 +60,14 @@ else:
     store.os = types.SimpleNamespace(**{**vars(os), "rename": rename})
     callback = L.pytorch.callbacks.ModelCheckpoint(dirpath=ckpts, every_n_train_steps=3, save_top_k=0,
                                                    save_last=True)
-    _fit(60, ssd, callbacks=[callback])
+    fit_resumable(60, ssd, callbacks=[callback], **TWO_EPOCHS)
 """
 
 
 @pytest.fixture(scope="module")
 def straight(tmp_path_factory):
     """8 uninterrupted steps (the second epoch starts at step 6)."""
-    return _fit(8, tmp_path_factory.mktemp("straight") / "ssd")[0]
-
-
-def resumable_loader():
-    plain = _loader()
-    return ResumableLoader(plain.dataset, batch_size=plain.batch_size, shuffle=False)
+    return fit_resumable(8, tmp_path_factory.mktemp("straight") / "ssd", **TWO_EPOCHS).last
 
 
 def _killed_run(tmp_path, mode) -> list[str]:
@@ -112,8 +107,10 @@ def test_a_killed_saves_partial_directory_is_removed_by_the_next_run(tmp_path, s
     theirs.mkdir()
     seen = AtStart(ckpts)
     with caplog.at_level(logging.INFO, logger="snake_strategy"):
-        resumed, trainer = _fit(8, tmp_path / "ssd2", callbacks=[seen], ckpt_path=str(ckpts / "last.ckpt"),
-                                loader=resumable_loader())
+        run = fit_resumable(8, tmp_path / "ssd2", callbacks=[seen], ckpt_path=str(ckpts / "last.ckpt"),
+                            loader=resume_loader(TWO_EPOCHS["steps_per_epoch"], loader_cls=ResumableLoader),
+                            **TWO_EPOCHS)
+    resumed, trainer = run.last, run.trainer
     assert seen.step == 1  # last.ckpt was saved at step 1; step 2's save was the one killed
     assert partial[0] not in seen.listing and theirs.name in seen.listing, seen.listing
     assert partial[0] not in os.listdir(ckpts) and theirs.is_dir()
@@ -121,7 +118,7 @@ def test_a_killed_saves_partial_directory_is_removed_by_the_next_run(tmp_path, s
     assert len(said) == 1, said  # once
     assert "removed" in said[0] and "KiB" in said[0], said[0]  # what, and the disk space it held
     assert trainer.global_step == 8
-    _assert_equal(resumed, straight)
+    assert_bitwise(resumed, straight)
 
 
 def test_kill_between_the_two_renames_then_fit_last_resumes_from_the_new_checkpoint(tmp_path, straight, caplog):
@@ -137,9 +134,10 @@ def test_kill_between_the_two_renames_then_fit_last_resumes_from_the_new_checkpo
     seen = AtStart(ckpts)
     with caplog.at_level(logging.INFO), warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        resumed, trainer = _fit(8, tmp_path / "ssd2", callbacks=[callback, seen], ckpt_path="last")
+        run = fit_resumable(8, tmp_path / "ssd2", callbacks=[callback, seen], ckpt_path="last", **TWO_EPOCHS)
+        resumed, trainer = run.last, run.trainer
     assert not [w for w in caught if "no last checkpoint" in str(w.message)]
     assert seen.step == 6 and seen.listing == ["last.ckpt"], (seen.step, seen.listing)
     assert "restored" in caplog.text and "(step 6)" in caplog.text
     assert trainer.global_step == 8
-    _assert_equal(resumed, straight)  # step 6 ends the first epoch: the resume is bitwise
+    assert_bitwise(resumed, straight)  # step 6 ends the first epoch: the resume is bitwise

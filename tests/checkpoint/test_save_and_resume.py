@@ -12,53 +12,27 @@ import zlib
 import lightning as L
 import pytest
 import torch
-from torch.utils.data import DataLoader, TensorDataset
 
 import snake_strategy
 from snake_strategy import checkpoint as snake_checkpoint
 from snake_strategy.checkpoint import format as checkpoint_format, store as checkpoint_store
 from snake_strategy.gpt import GPTModule
-from tests.helpers import SMALL_GPT, ParamRecorder, token_data, trainer_kwargs
-
-MICRO, MICRO_SIZE = 4, 2
-
-
-def _loader():
-    # One epoch = 3 optimizer steps, so a resume after step 3 starts a fresh epoch (same data order).
-    x, y = token_data(3 * MICRO * MICRO_SIZE, SMALL_GPT.context_len, SMALL_GPT.vocab_size)
-    return DataLoader(TensorDataset(x, y), batch_size=MICRO * MICRO_SIZE, shuffle=False)
-
-
-def _fit(max_steps, ssd_dir, ckpt_dir=None, ckpt_path=None, record=True, callbacks=()):
-    torch.manual_seed(0)
-    module = GPTModule(SMALL_GPT, learning_rate=1e-2, warmup_steps=1, max_steps=6)
-    strategy = snake_strategy.GreedySnakeStrategy(
-        storage={"ssd_dir": str(ssd_dir), "weights": "ssd", "optimizer": "ssd"},
-        schedule={"kind": "vertical", "num_micro_batches": MICRO, "alpha": 0.25})
-    rec = ParamRecorder(only_last=True)
-    callbacks = [rec] + list(callbacks)
-    if ckpt_dir is not None:
-        callbacks.append(L.pytorch.callbacks.ModelCheckpoint(dirpath=str(ckpt_dir), every_n_train_steps=3,
-                                                             save_top_k=-1))
-    kw = trainer_kwargs(enable_checkpointing=ckpt_dir is not None)
-    trainer = L.Trainer(strategy=strategy, precision="32-true", max_steps=max_steps, callbacks=callbacks, **kw)
-    trainer.fit(module, train_dataloaders=_loader(), ckpt_path=ckpt_path)
-    return rec.states[-1], trainer
-
+from tests.helpers import assert_bitwise, fit_resumable
 
 def test_resume_is_bitwise_identical(tmp_path):
-    straight, _ = _fit(6, tmp_path / "ssd_a")
-    _, trainer = _fit(3, tmp_path / "ssd_b", ckpt_dir=tmp_path / "ckpts")
+    straight = fit_resumable(6, tmp_path / "ssd_a").last
+    trainer = fit_resumable(3, tmp_path / "ssd_b", ckpt_dir=tmp_path / "ckpts").trainer
     saved = sorted(p for p in os.listdir(tmp_path / "ckpts"))
     assert saved == ["epoch=0-step=3.ckpt"] and os.path.isdir(tmp_path / "ckpts" / saved[0])
-    resumed, trainer = _fit(6, tmp_path / "ssd_c", ckpt_path=str(tmp_path / "ckpts" / saved[0]))
+    run = fit_resumable(6, tmp_path / "ssd_c", ckpt_path=str(tmp_path / "ckpts" / saved[0]))
+    resumed, trainer = run.last, run.trainer
     assert trainer.global_step == 6
-    for name in straight:
-        assert torch.equal(straight[name], resumed[name]), name
+    assert_bitwise(resumed, straight)
 
 
 def test_consolidated_file_equals_live_model(tmp_path):
-    live, trainer = _fit(3, tmp_path / "ssd", ckpt_dir=tmp_path / "ckpts")
+    run = fit_resumable(3, tmp_path / "ssd", ckpt_dir=tmp_path / "ckpts")
+    live, trainer = run.last, run.trainer
     path = tmp_path / "ckpts" / "epoch=0-step=3.ckpt"
     # meta.pt does not repeat the non-layer weights nonlayer.pt holds (one copy per save); readers put
     # them back, bitwise, in Lightning's key order.
@@ -83,7 +57,7 @@ def test_consolidated_file_equals_live_model(tmp_path):
 
 @pytest.mark.parametrize("damage", ["truncate", "flip", "remove_manifest"])
 def test_corrupt_checkpoint_is_refused_with_the_file_named(tmp_path, damage):
-    _fit(3, tmp_path / "ssd", ckpt_dir=tmp_path / "ckpts")
+    fit_resumable(3, tmp_path / "ssd", ckpt_dir=tmp_path / "ckpts")
     ckpt = tmp_path / "ckpts" / "epoch=0-step=3.ckpt"
     victim = ckpt / "units" / "unit00001.exp_avg.bin"
     if damage == "truncate":
@@ -95,7 +69,7 @@ def test_corrupt_checkpoint_is_refused_with_the_file_named(tmp_path, damage):
     else:
         (ckpt / "manifest.json").unlink()
     with pytest.raises(ValueError, match="unit00001.exp_avg.bin" if damage != "remove_manifest" else "manifest"):
-        _fit(6, tmp_path / "ssd2", ckpt_path=str(ckpt))
+        fit_resumable(6, tmp_path / "ssd2", ckpt_path=str(ckpt))
 
 
 def _tree(root):
@@ -136,19 +110,18 @@ class _SaveAgainAt(L.Callback):
 def test_failed_save_leaves_previous_checkpoint_intact(tmp_path):
     """A save that fails half-way while overwriting the SAME path leaves the previous checkpoint
     byte-for-byte intact (and loadable) and nothing else in the directory."""
-    _fit(3, tmp_path / "ssd", ckpt_dir=tmp_path / "ckpts")
+    fit_resumable(3, tmp_path / "ssd", ckpt_dir=tmp_path / "ckpts")
     ckpt = tmp_path / "ckpts" / "epoch=0-step=3.ckpt"
     before = _tree(ckpt)
     assert before and snake_checkpoint.read_manifest(ckpt)["step_count"] == 3
     with pytest.raises(OSError, match="No space left"):
         # A different state (step 2 of another run) saved over the step-3 checkpoint.
-        _fit(6, tmp_path / "ssd2", callbacks=[_SaveAgainAt(2, ckpt, _NoSpaceWhenPickled())])
+        fit_resumable(6, tmp_path / "ssd2", callbacks=[_SaveAgainAt(2, ckpt, _NoSpaceWhenPickled())])
     assert os.listdir(tmp_path / "ckpts") == [ckpt.name]  # no partial or temporary leftovers at all
     assert _tree(ckpt) == before
-    straight, _ = _fit(6, tmp_path / "ssd_a")
-    resumed, _ = _fit(6, tmp_path / "ssd_b", ckpt_path=str(ckpt))
-    for name in straight:
-        assert torch.equal(straight[name], resumed[name]), name
+    straight = fit_resumable(6, tmp_path / "ssd_a").last
+    resumed = fit_resumable(6, tmp_path / "ssd_b", ckpt_path=str(ckpt)).last
+    assert_bitwise(resumed, straight)
 
 
 class _PauseWhenPickled:
@@ -214,14 +187,15 @@ class _OverwriteAndPause(L.Callback):
 KILL_SCRIPT = r"""
 import sys
 sys.path.insert(0, sys.argv[5])
-from tests.checkpoint.test_save_and_resume import _OverwriteAndPause, _fit
-_fit(60, sys.argv[1], callbacks=[_OverwriteAndPause(sys.argv[2], sys.argv[3], sys.argv[4])])
+from tests.checkpoint.test_save_and_resume import _OverwriteAndPause
+from tests.helpers import fit_resumable
+fit_resumable(60, sys.argv[1], callbacks=[_OverwriteAndPause(sys.argv[2], sys.argv[3], sys.argv[4])])
 """
 
 
 @pytest.fixture(scope="module")
 def straight_six(tmp_path_factory):
-    return _fit(6, tmp_path_factory.mktemp("straight") / "ssd")[0]
+    return fit_resumable(6, tmp_path_factory.mktemp("straight") / "ssd").last
 
 
 @pytest.mark.parametrize("mode", [
@@ -261,11 +235,11 @@ def test_sigkill_inside_an_overwriting_save(tmp_path, straight_six, mode):
         # ... the previous one, or the new one when the kill landed right after an atomic swap
         assert manifest["step_count"] in (3, 4), manifest["step_count"]
     assert [e for e in os.listdir(ckpt_dir) if not e.startswith(".")] == [ckpt.name]
-    resumed, trainer = _fit(6, ssd, ckpt_path=str(ckpt))
+    run = fit_resumable(6, ssd, ckpt_path=str(ckpt))
+    resumed, trainer = run.last, run.trainer
     assert trainer.global_step == 6
     if manifest["step_count"] == 3:  # an epoch boundary: bitwise (mid-epoch, Lightning replays the epoch)
-        for name in straight_six:
-            assert torch.equal(straight_six[name], resumed[name]), name
+        assert_bitwise(resumed, straight_six)
 
 
 def test_enospc_during_a_step_is_clear_and_keeps_the_last_checkpoint(tmp_path, monkeypatch):
@@ -284,29 +258,21 @@ def test_enospc_during_a_step_is_clear_and_keeps_the_last_checkpoint(tmp_path, m
                     raise OSError(errno_mod.ENOSPC, os.strerror(errno_mod.ENOSPC))
                 monkeypatch.setattr(io_engine.os, "pwritev", full)
 
-    torch.manual_seed(0)
-    strategy = snake_strategy.GreedySnakeStrategy(
-        storage={"ssd_dir": str(tmp_path / "ssd"), "weights": "ssd", "optimizer": "ssd"},
-        schedule={"kind": "vertical", "num_micro_batches": MICRO, "alpha": 0.25})  # _fit's, which resumes it
-    ckpt = L.pytorch.callbacks.ModelCheckpoint(dirpath=str(tmp_path / "ckpts"), every_n_train_steps=3, save_top_k=-1)
-    trainer = L.Trainer(strategy=strategy, max_steps=6, callbacks=[ckpt, FailLater()],
-                        **trainer_kwargs(enable_checkpointing=True))
     with pytest.raises(OSError, match=r"SSD tier write .* No space left on device; the SSD tier is full") as err:
-        trainer.fit(GPTModule(SMALL_GPT, learning_rate=1e-2, warmup_steps=1, max_steps=6), train_dataloaders=_loader())
+        fit_resumable(6, tmp_path / "ssd", ckpt_dir=tmp_path / "ckpts", callbacks=[FailLater()], record=None)
     assert str(tmp_path / "ssd") in str(err.value)
     monkeypatch.setattr(io_engine.os, "pwritev", real_pwritev)
     saved = tmp_path / "ckpts" / "epoch=0-step=3.ckpt"
     snake_checkpoint.read_manifest(saved)  # intact and verified
-    straight, _ = _fit(6, tmp_path / "ssd_a")
-    resumed, _ = _fit(6, tmp_path / "ssd_b", ckpt_path=str(saved))
-    for name in straight:
-        assert torch.equal(straight[name], resumed[name]), name
+    straight = fit_resumable(6, tmp_path / "ssd_a").last
+    resumed = fit_resumable(6, tmp_path / "ssd_b", ckpt_path=str(saved)).last
+    assert_bitwise(resumed, straight)
 
 
 def test_a_checkpoint_with_the_older_nonlayer_file_still_resumes(tmp_path):
     """Checkpoints written before the non-layer vectors became raw files hold them inside nonlayer.pt:
     resuming one gives the same parameters as resuming the same state in today's layout."""
-    _, _ = _fit(3, tmp_path / "ssd", ckpt_dir=tmp_path / "ckpts")
+    _ = fit_resumable(3, tmp_path / "ssd", ckpt_dir=tmp_path / "ckpts").last
     new = tmp_path / "ckpts" / "epoch=0-step=3.ckpt"
     old = tmp_path / "old.ckpt"
     shutil.copytree(new, old)
@@ -321,7 +287,6 @@ def test_a_checkpoint_with_the_older_nonlayer_file_still_resumes(tmp_path):
     manifest["files"]["nonlayer.pt"] = {"bytes": (old / "nonlayer.pt").stat().st_size,
                                         "crc32": zlib.crc32((old / "nonlayer.pt").read_bytes())}
     (old / "manifest.json").write_text(json.dumps(manifest))
-    from_new, _ = _fit(4, tmp_path / "ssd_new", ckpt_path=str(new))
-    from_old, _ = _fit(4, tmp_path / "ssd_old", ckpt_path=str(old))
-    for name in from_new:
-        assert torch.equal(from_new[name], from_old[name]), name
+    from_new = fit_resumable(4, tmp_path / "ssd_new", ckpt_path=str(new)).last
+    from_old = fit_resumable(4, tmp_path / "ssd_old", ckpt_path=str(old)).last
+    assert_bitwise(from_old, from_new)

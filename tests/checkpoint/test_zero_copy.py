@@ -25,15 +25,14 @@ from snake_strategy.checkpoint.pins import Checksums
 from snake_strategy.storage import IOEngine, aligned_empty, versions
 from snake_strategy.storage.aligned import padded_bytes
 from snake_strategy.storage.leftovers import REGISTRY_DIR
-from tests.helpers import Killed, KillAt, checkpoint_tag
-from tests.checkpoint.test_save_and_resume import _fit
+from tests.helpers import Killed, KillAt, assert_bitwise, checkpoint_tag, fit_resumable
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 @pytest.fixture(scope="module")
 def straight_six(tmp_path_factory):
-    return _fit(6, tmp_path_factory.mktemp("straight") / "ssd")[0]
+    return fit_resumable(6, tmp_path_factory.mktemp("straight") / "ssd").last
 
 
 def _dead_pid() -> int:
@@ -63,7 +62,7 @@ def test_save_links_the_ssd_files_and_training_past_it_leaves_it_intact(tmp_path
                 saves.append({"versions_after_update": saves[1]["tier"].ssd_file.versions})
 
     ckpts = tmp_path / "ckpts"
-    _fit(6, tmp_path / "ssd", ckpt_dir=ckpts, callbacks=[Spy()])
+    fit_resumable(6, tmp_path / "ssd", ckpt_dir=ckpts, callbacks=[Spy()])
     save = saves[0]
     n_units = len(snake_checkpoint.read_manifest(ckpts / "epoch=0-step=3.ckpt")["units"])
     assert save["methods"] == {"link": 3 * n_units}, save
@@ -75,10 +74,10 @@ def test_save_links_the_ssd_files_and_training_past_it_leaves_it_intact(tmp_path
     assert save["written_bytes"] < unit_bytes / 4  # meta.pt, nonlayer.pt: no unit byte
     # The first update after the save started a new version; the pinned one was never written again.
     assert saves[2]["versions_after_update"] == saves[1]["versions_at_save"] + 1
-    resumed, trainer = _fit(6, tmp_path / "ssd2", ckpt_path=str(ckpts / "epoch=0-step=3.ckpt"))
+    run = fit_resumable(6, tmp_path / "ssd2", ckpt_path=str(ckpts / "epoch=0-step=3.ckpt"))
+    resumed, trainer = run.last, run.trainer
     assert trainer.global_step == 6
-    for name in straight_six:
-        assert torch.equal(straight_six[name], resumed[name]), name
+    assert_bitwise(resumed, straight_six)
 
 
 def test_background_checksums_read_only_while_the_engines_io_is_idle(tmp_path):
@@ -194,7 +193,7 @@ def test_kill_at_every_point_of_a_zero_copy_save(tmp_path, monkeypatch, exchange
             assert sorted(os.listdir(final.parent)) == ["last.ckpt"], (n, os.listdir(final.parent))
         raise AssertionError("the save never completed")
 
-    _fit(1, tmp_path / "ssd", callbacks=[AtStep(1, kill_everywhere)])
+    fit_resumable(1, tmp_path / "ssd", callbacks=[AtStep(1, kill_everywhere)])
     assert len(seen) > 10 and set(seen) <= {"old", "new"} and "old" in seen and "new" in seen
 
 
@@ -202,12 +201,8 @@ COW_KILL_SCRIPT = r"""
 import os, sys, time
 sys.path.insert(0, sys.argv[3])
 import lightning as L
-import torch
-import snake_strategy
 from snake_strategy.engine import EngineHooks
-from snake_strategy.gpt import GPTModule
-from tests.helpers import SMALL_GPT, trainer_kwargs
-from tests.checkpoint.test_save_and_resume import MICRO, _loader
+from tests.helpers import fit_resumable
 
 marker = sys.argv[1]
 
@@ -222,15 +217,9 @@ def before_transfer(direction, num_bytes):
             f.write("first write after the save")
         time.sleep(600)
 
-torch.manual_seed(0)
-module = GPTModule(SMALL_GPT, learning_rate=1e-2, warmup_steps=1, max_steps=6)
-strategy = snake_strategy.GreedySnakeStrategy(  # no ssd_dir: a temporary one
-    storage={"weights": "ssd", "optimizer": "ssd", "gradients": "ssd"}, hooks=EngineHooks(before_ssd_transfer=before_transfer),
-    schedule={"kind": "vertical", "num_micro_batches": MICRO, "alpha": 0.25})
-callbacks = [Arm(), L.pytorch.callbacks.ModelCheckpoint(dirpath=sys.argv[2], every_n_train_steps=3, save_top_k=-1)]
-trainer = L.Trainer(strategy=strategy, precision="32-true", max_steps=60, callbacks=callbacks,
-                    **trainer_kwargs(enable_checkpointing=True))
-trainer.fit(module, train_dataloaders=_loader())
+fit_resumable(60, None, storage={"gradients": "ssd"},  # no ssd_dir: a temporary one
+              hooks=EngineHooks(before_ssd_transfer=before_transfer), precision="32-true", callbacks=[Arm()],
+              ckpt_dir=sys.argv[2], record=None)
 """
 
 
@@ -278,9 +267,9 @@ def test_sigkill_at_the_first_copy_on_write_update_after_a_save(tmp_path, tmpfs,
                for p in left), left
     manifest = snake_checkpoint.read_manifest(ckpts / "epoch=0-step=3.ckpt")
     assert manifest["step_count"] == 3 and manifest["format"] == "greedysnake-checkpoint/3"
-    resumed, trainer = _fit(6, tmp_path / "ssd", ckpt_path=str(ckpts / "epoch=0-step=3.ckpt"))
-    for name in straight_six:
-        assert torch.equal(straight_six[name], resumed[name]), name
+    run = fit_resumable(6, tmp_path / "ssd", ckpt_path=str(ckpts / "epoch=0-step=3.ckpt"))
+    resumed, trainer = run.last, run.trainer
+    assert_bitwise(resumed, straight_six)
 
 
 RELEASE_KILL_SCRIPT = r"""
@@ -300,7 +289,7 @@ def test_sigkill_during_release_leaves_nothing_after_the_sweep(tmp_path):
     """A checkpoint being released (top-k rotation) is renamed aside first: a SIGKILL in the middle of
     unlinking it leaves a hidden directory, which the next start's sweep removes (and logs)."""
     ckpts = tmp_path / "ckpts"
-    _fit(3, tmp_path / "ssd", ckpt_dir=ckpts)
+    fit_resumable(3, tmp_path / "ssd", ckpt_dir=ckpts)
     victim = ckpts / "epoch=0-step=3.ckpt"
     proc = subprocess.run([sys.executable, "-c", RELEASE_KILL_SCRIPT, str(victim), REPO], cwd=REPO)
     assert proc.returncode == -signal.SIGKILL
@@ -315,7 +304,7 @@ SIGTERM_SCRIPT = r"""
 import os, sys, time
 sys.path.insert(0, sys.argv[3])
 import lightning as L
-from tests.checkpoint.test_save_and_resume import _fit
+from tests.helpers import fit_resumable
 
 class MidStep(L.Callback):
     def on_before_backward(self, trainer, pl_module, loss):
@@ -324,7 +313,7 @@ class MidStep(L.Callback):
                 f.write("mid-step")
             time.sleep(1.0)
 
-_fit(60, sys.argv[1], ckpt_dir=sys.argv[4], callbacks=[MidStep()])
+fit_resumable(60, sys.argv[1], ckpt_dir=sys.argv[4], callbacks=[MidStep()])
 """
 
 
@@ -343,10 +332,10 @@ def test_sigterm_mid_step_saves_the_last_step_and_exits_zero(tmp_path, straight_
     assert exit_s < 10, exit_s
     assert snake_checkpoint.read_manifest(ckpts / "last.ckpt")["step_count"] == 3
     assert b"SIGTERM: saved the last completed step" in err
-    resumed, trainer = _fit(6, tmp_path / "ssd", ckpt_dir=ckpts, ckpt_path="last")
+    run = fit_resumable(6, tmp_path / "ssd", ckpt_dir=ckpts, ckpt_path="last")
+    resumed, trainer = run.last, run.trainer
     assert trainer.global_step == 6
-    for name in straight_six:
-        assert torch.equal(straight_six[name], resumed[name]), name
+    assert_bitwise(resumed, straight_six)
 
 
 # ------------------------------------------------------------------------------ other filesystems, space
@@ -368,13 +357,12 @@ def tmpfs(tmp_path):
 def test_checkpoint_dir_on_another_filesystem_is_copied_and_says_so(tmp_path, tmpfs, straight_six, caplog):
     ckpts = tmpfs("256m") / "ckpts"
     with caplog.at_level(logging.INFO, logger="snake_strategy.checkpoint"):
-        _, trainer = _fit(3, tmp_path / "ssd", ckpt_dir=ckpts)
+        trainer = fit_resumable(3, tmp_path / "ssd", ckpt_dir=ckpts).trainer
     methods = trainer.strategy.last_save["methods"]
     assert set(methods) <= {"copy", "reflink"} and methods, methods
     assert "pipelined copy" in caplog.text or "reflink" in caplog.text
-    resumed, _ = _fit(6, tmp_path / "ssd2", ckpt_path=str(ckpts / "epoch=0-step=3.ckpt"))
-    for name in straight_six:
-        assert torch.equal(straight_six[name], resumed[name]), name
+    resumed = fit_resumable(6, tmp_path / "ssd2", ckpt_path=str(ckpts / "epoch=0-step=3.ckpt")).last
+    assert_bitwise(resumed, straight_six)
 
 
 def test_checkpoints_that_cannot_fit_are_refused_at_setup_with_the_numbers(tmp_path, tmpfs):
@@ -383,7 +371,7 @@ def test_checkpoints_that_cannot_fit_are_refused_at_setup_with_the_numbers(tmp_p
     ckpts = tmpfs("64k") / "ckpts"
     with pytest.raises(ValueError, match=r"need up to \d+ bytes .* has \d+ bytes .* free.*another disk.*fewer"
                                          r".*host tier") as info:
-        _fit(3, tmp_path / "ssd", ckpt_dir=ckpts)
+        fit_resumable(3, tmp_path / "ssd", ckpt_dir=ckpts)
     assert "save_top_k=-1" in str(info.value)
     assert not ckpts.exists() or os.listdir(ckpts) == []
 
@@ -393,7 +381,7 @@ def test_checkpoints_that_cannot_fit_are_refused_at_setup_with_the_numbers(tmp_p
 def two_steps(tmp_path_factory):
     """Complete checkpoints of step 3 and step 6 of one run."""
     root = tmp_path_factory.mktemp("two")
-    _fit(6, root / "ssd", ckpt_dir=root / "ckpts")
+    fit_resumable(6, root / "ssd", ckpt_dir=root / "ckpts")
     return root / "ckpts" / "epoch=0-step=3.ckpt", root / "ckpts" / "epoch=1-step=6.ckpt"
 
 
@@ -431,7 +419,7 @@ def test_setup_sweeps_dead_runs_leftovers_and_logs_them(tmp_path, two_steps, cap
     alive = ckpts / f".epoch=0-step=8.ckpt.tmp-{os.getppid()}"  # a live process's save: left alone
     alive.mkdir()
     with caplog.at_level(logging.WARNING, logger="snake_strategy.checkpoint.pins"):
-        _fit(1, tmp_path / "ssd", ckpt_dir=ckpts)
+        fit_resumable(1, tmp_path / "ssd", ckpt_dir=ckpts)
     assert not partial.exists() and alive.is_dir()
     assert f"removed {partial}" in caplog.text
 
@@ -462,7 +450,7 @@ def test_every_checkpoint_file_is_fsynced_before_the_commit_rename(tmp_path, mon
         trainer.save_checkpoint(str(final))
         monkeypatch.undo()
 
-    _fit(1, tmp_path / "ssd", callbacks=[AtStep(1, save)])
+    fit_resumable(1, tmp_path / "ssd", callbacks=[AtStep(1, save)])
     manifest = snake_checkpoint.read_manifest(final)
     names = list(manifest["files"]) + ["manifest.json"]
     assert "synced" in at_rename

@@ -3,10 +3,8 @@ really triggers (float64: atol 1e-10; float32: rtol/atol 1e-5)."""
 import lightning as L
 import pytest
 import torch
-from torch.utils.data import DataLoader, TensorDataset
 
-from snake_strategy.gpt import GPTModule
-from tests.helpers import SMALL_GPT, run_reference, run_snake, token_data, trainer_kwargs
+from tests.helpers import SMALL_GPT, assert_params_close, assert_steps_close, run_reference, run_snake
 
 STEPS, MICRO, MICRO_SIZE = 4, 4, 2
 
@@ -19,20 +17,6 @@ class NormLog(L.Callback):
         stats = trainer.strategy.engine.last_step.as_dict()
         self.norms.append(stats["grad_norm"])
         self.factors.append(stats["clip_factor"])
-
-
-def _close(a, b, precision):
-    assert a and a.keys() == b.keys(), (sorted(a), sorted(b))
-    for name in a:
-        if precision == "64-true":
-            torch.testing.assert_close(a[name], b[name], rtol=0, atol=1e-10, msg=name)
-        else:
-            torch.testing.assert_close(a[name], b[name], rtol=1e-5, atol=1e-5, msg=name)
-
-
-def _assert_same_steps(got, ref):
-    """Both runs recorded every step (an empty recording would make the comparison vacuous)."""
-    assert len(got) == len(ref) == STEPS, (len(got), len(ref))
 
 
 # Under norm clipping the overlap's alpha has no effect (every unit's whole update is deferred until
@@ -51,9 +35,7 @@ def test_norm_clipping_is_exact_with_overlap(precision, kind, tmp_path):
     assert len(log.norms) == len(log.factors) == STEPS, (log.norms, log.factors)
     assert all(n > 0.3 for n in log.norms), log.norms
     assert all(f < 0.999 for f in log.factors), log.factors
-    _assert_same_steps(got, ref)
-    for a, b in zip(got, ref):
-        _close(a, b, precision)
+    assert_steps_close(got, ref, precision, steps=STEPS)
 
 
 def test_norm_clipping_without_intermediate_reads(tmp_path):
@@ -64,7 +46,7 @@ def test_norm_clipping_without_intermediate_reads(tmp_path):
                        storage={"weights": "ssd", "optimizer": "ssd", "ssd_dir": str(tmp_path)},
                        schedule_extra={"alpha": 0.25}, trainer_extra=clip)
     assert len(got) == 1 and len(ref) == STEPS, (len(got), len(ref))
-    _close(got[0], ref[-1], "64-true")
+    assert_params_close(got[0], ref[-1], "64-true")
 
 
 @pytest.mark.parametrize("precision", ["64-true", "32-true"])
@@ -75,12 +57,10 @@ def test_value_clipping_is_exact(precision, tmp_path):
                        storage={"weights": "ssd", "optimizer": "ssd", "ssd_dir": str(tmp_path)},
                        schedule_extra={"alpha": 0.25}, trainer_extra=clip)
     unclipped = run_reference(SMALL_GPT, STEPS, MICRO, MICRO_SIZE, precision)
-    _assert_same_steps(got, ref)
     assert len(unclipped) == STEPS and ref[-1].keys() == unclipped[-1].keys()
     # The clip changed the result (it triggered), and greedysnake matches the clipped reference.
     assert max((a - b).abs().max().item() for a, b in zip(ref[-1].values(), unclipped[-1].values())) > 1e-4
-    for a, b in zip(got, ref):
-        _close(a, b, precision)
+    assert_steps_close(got, ref, precision, steps=STEPS)
 
 
 class TorchNorm(L.Callback):
@@ -101,13 +81,9 @@ class TorchNorm(L.Callback):
 def test_the_global_norm_is_torchs(precision, tmp_path):
     """The engine's global norm (per-parameter norms in the gradients' dtype, engine/step/gradients.py) is the
     one ``clip_grad_norm_`` computes on the same step-1 gradients, up to how the norms are combined."""
-    x, y = token_data(MICRO * MICRO_SIZE, SMALL_GPT.context_len, SMALL_GPT.vocab_size)
-    torch.manual_seed(0)
-    module = GPTModule(SMALL_GPT, learning_rate=1e-2)
     torch_norm = TorchNorm()
-    L.Trainer(precision=precision, max_steps=1, accumulate_grad_batches=MICRO, callbacks=[torch_norm],
-              **trainer_kwargs(gradient_clip_val=0.3)).fit(
-        module, train_dataloaders=DataLoader(TensorDataset(x, y), batch_size=MICRO_SIZE))
+    run_reference(SMALL_GPT, 1, MICRO, MICRO_SIZE, precision, lr=1e-2, callbacks=[torch_norm],
+                  trainer_extra={"gradient_clip_val": 0.3})
     log = NormLog()
     run_snake(SMALL_GPT, 1, MICRO, MICRO_SIZE, precision, lr=1e-2, callbacks=[log],
               storage={"optimizer": "ssd", "ssd_dir": str(tmp_path)}, schedule_extra={"alpha": 0.25},
@@ -123,12 +99,9 @@ def test_the_fp32_global_norm_combines_the_per_parameter_norms_in_float64(tmp_pa
     squares in fp32 and casting the sum moves it by 2.8e-8 here (the rtol 1e-6 against torch's own fp32
     combination cannot tell the two apart)."""
     micro, micro_size = 1, MICRO * MICRO_SIZE
-    x, y = token_data(micro * micro_size, SMALL_GPT.context_len, SMALL_GPT.vocab_size)
-    torch.manual_seed(0)
     torch_norm = TorchNorm()
-    L.Trainer(precision="32-true", max_steps=1, callbacks=[torch_norm], **trainer_kwargs(gradient_clip_val=0.3)).fit(
-        GPTModule(SMALL_GPT, learning_rate=1e-2),
-        train_dataloaders=DataLoader(TensorDataset(x, y), batch_size=micro_size))
+    run_reference(SMALL_GPT, 1, micro, micro_size, "32-true", lr=1e-2, callbacks=[torch_norm],
+                  trainer_extra={"gradient_clip_val": 0.3})
     log = NormLog()
     run_snake(SMALL_GPT, 1, micro, micro_size, "32-true", lr=1e-2, callbacks=[log],
               storage={"optimizer": "ssd", "ssd_dir": str(tmp_path)}, trainer_extra={"gradient_clip_val": 0.3})

@@ -17,13 +17,13 @@ import sys
 import lightning as L
 import pytest
 import torch
-from torch.utils.data import DataLoader, TensorDataset
 
 import snake_strategy
 from snake_strategy.gpt import GPTModule
 from snake_strategy.precision import GreedySnakePrecision
-from tests.helpers import SMALL_GPT, fp16_scaled_backward, run_reference, run_snake, token_data, trainer_kwargs
-from tests.clipping.test_fp16_loss_scaling import FP16_ATOL, FP16_GPT, OVERFLOW_FACTOR, ScaledLossGPT
+from tests.helpers import (FP16_ATOL, FP16_GPT, OVERFLOW_FACTOR, SMALL_GPT, ScaledLossGPT, assert_bitwise,
+                           assert_steps_close, fit_snake, fp16_scaled_backward, run_reference, run_snake, token_data,
+                           token_loader)
 
 STEPS, MICRO, MICRO_SIZE = 6, 4, 2
 # fp32 runs at lr 1e-3: at 1e-2 the deferred step of today's main already differs from Lightning by 5.7e-5
@@ -54,17 +54,6 @@ class SpeculationLog(L.Callback):
         self.factors.append(stats.clip_factor)
         self.norms.append(stats.grad_norm)
         self.rollback_bytes.append(sum(v for k, v in stats.step_traffic().items() if "/rollback/" in k))
-
-
-def _close(got, ref, precision):
-    assert len(got) == len(ref) == STEPS, (len(got), len(ref))
-    for a, b in zip(got, ref):
-        assert a and a.keys() == b.keys()
-        for name in a:
-            if precision == "64-true":
-                torch.testing.assert_close(a[name], b[name], rtol=0, atol=1e-10, msg=name)
-            else:
-                torch.testing.assert_close(a[name], b[name], rtol=1e-5, atol=1e-5, msg=name)
 
 
 def _snake(precision, tmp_path, kind="vertical", batched=False, tiers="ssd", rollback="ssd", speculation=None,
@@ -100,7 +89,7 @@ def test_alternating_clipping_rolls_back_and_stays_exact(precision, kind, batche
     assert f"alpha {log.alpha}" in strategy.plan.describe() and "speculative" in strategy.plan.describe()
     if rollback == "ssd":
         assert all(b > 0 for b in log.rollback_bytes)  # every step writes (or reads) rollback files
-    _close(got, ref, precision)
+    assert_steps_close(got, ref, precision, steps=STEPS)
 
 
 @pytest.mark.slow
@@ -125,9 +114,8 @@ def test_never_clipping_is_bitwise_the_deferred_step(tmp_path):
     assert off_log.alpha == 1.0 and off.plan.step_mode == "deferred" and "alpha 1.0" in off.plan.describe()
     assert log.alpha == 0.25 and "alpha 0.25" in strategy.plan.describe()
     for a, b in zip(spec, deferred):
-        for name in a:
-            assert torch.equal(a[name], b[name]), name
-    _close(spec, ref, "64-true")
+        assert_bitwise(b, a)
+    assert_steps_close(spec, ref, "64-true", steps=STEPS)
 
 
 @pytest.mark.slow
@@ -137,7 +125,7 @@ def test_always_clipping_falls_back_to_the_deferred_mode(tmp_path):
     got, log, _ = _snake("64-true", tmp_path, module_cls=GPTModule, max_norm=0.1)
     assert all(f < 1.0 for f in log.factors), log.factors
     assert log.modes == [True] + [False] * (STEPS - 1) and log.rollbacks == [1] * STEPS
-    _close(got, ref, "64-true")
+    assert_steps_close(got, ref, "64-true", steps=STEPS)
 
 
 def test_a_clip_factor_just_below_one_rolls_back(tmp_path):
@@ -154,7 +142,7 @@ def test_a_clip_factor_just_below_one_rolls_back(tmp_path):
     got, log, _ = _snake("64-true", tmp_path / "clip", module_cls=GPTModule, max_norm=max_norm)
     assert 0.99 < log.factors[0] < 0.999, log.factors
     assert log.modes[0] and log.rollbacks[0] == 1, (log.modes, log.rollbacks)
-    _close(got, ref, "64-true")
+    assert_steps_close(got, ref, "64-true", steps=STEPS)
 
 
 # ---------------------------------------------------------------------------------------------- fp16
@@ -217,25 +205,21 @@ def test_fp16_overflow_and_clipping_roll_back_exactly(tiers, rollback, tmp_path)
     storage = {"ssd_dir": str(tmp_path), "rollback": rollback}
     if tiers == "ssd":
         storage.update(weights="ssd", optimizer="ssd")
-    torch.manual_seed(0)
-    strategy = snake_strategy.GreedySnakeStrategy(
-        storage=storage, schedule={"kind": "vertical", "num_micro_batches": FP16_MICRO, "alpha": 0.25},
-        precision_plugin=GreedySnakePrecision("16-mixed"))
     log = _Fp16Steer(overflow_step)
-    trainer = L.Trainer(strategy=strategy, max_steps=FP16_STEPS, callbacks=[log], gradient_clip_val=FP16_MAX_NORM,
-                        **trainer_kwargs())
-    trainer.fit(AlternatingFp16GPT(FP16_GPT, learning_rate=FP16_LR),
-                train_dataloaders=DataLoader(TensorDataset(x, y), batch_size=FP16_MICRO * MICRO_SIZE))
+    fit_snake(lambda: AlternatingFp16GPT(FP16_GPT, learning_rate=FP16_LR),
+              token_loader(FP16_STEPS * FP16_MICRO * MICRO_SIZE, FP16_MICRO * MICRO_SIZE, FP16_GPT.context_len,
+                           FP16_GPT.vocab_size),
+              steps=FP16_STEPS, storage=storage,
+              schedule={"kind": "vertical", "num_micro_batches": FP16_MICRO, "alpha": 0.25},
+              precision_plugin=GreedySnakePrecision("16-mixed"), callbacks=[log], record=None,
+              trainer_extra={"gradient_clip_val": FP16_MAX_NORM})
     assert log.skipped == ref_skipped
     # Step 1 (speculative) overflowed: restored. Step 2 deferred (clean, within max_norm); step 3 speculative
     # and clipped: rolled back; step 4 deferred.
     assert log.modes == [True, True, False, True, False], log.modes
     assert log.rollbacks == [0, 1, 1, 2, 2], log.rollbacks
     assert [f is not None and f < 1.0 for f in log.factors] == [False, False, False, True, False], log.factors
-    assert len(log.states) == len(ref) == FP16_STEPS
-    for step, (got, want) in enumerate(zip(log.states, ref)):
-        for name in want:
-            torch.testing.assert_close(got[name], want[name], rtol=0, atol=FP16_ATOL, msg=f"step {step} {name}")
+    assert_steps_close(log.states, ref, "16-mixed", steps=FP16_STEPS, atol=FP16_ATOL)
     assert all(torch.equal(log.states[0][k], log.states[1][k]) for k in log.states[0])  # the skipped step
 
 
@@ -244,25 +228,22 @@ def _fit_alternating(max_steps, ssd_dir, ckpt_dir=None, ckpt_path=None, kill_mar
     """AlternatingGPT, state and rollback slots in SSD files, 3 steps per epoch (a resume after step 3
     starts a fresh epoch: bitwise), checkpoints every 3 steps when ``ckpt_dir`` is given; ``kill_marker``:
     the process SIGKILLs itself inside a redo (``KillInRedo``)."""
-    torch.manual_seed(0)
     kill = KillInRedo(kill_marker) if kill_marker else None
-    hooks = snake_strategy.EngineHooks(before_optimizer_chunk=kill)
-    x, y = token_data(3 * MICRO * MICRO_SIZE, SMALL_GPT.context_len, SMALL_GPT.vocab_size)
-    strategy = snake_strategy.GreedySnakeStrategy(
-        storage={"ssd_dir": str(ssd_dir), "weights": "ssd", "optimizer": "ssd", "rollback": "ssd"},
-        schedule={"kind": "vertical", "num_micro_batches": MICRO, "alpha": 0.25}, hooks=hooks)
-    if kill is not None:
-        kill.strategy = strategy
-    callbacks = []
-    if ckpt_dir is not None:
-        callbacks.append(L.pytorch.callbacks.ModelCheckpoint(dirpath=str(ckpt_dir), every_n_train_steps=3,
-                                                             save_top_k=-1))
-    trainer = L.Trainer(strategy=strategy, precision="32-true", max_steps=max_steps, callbacks=callbacks,
-                        gradient_clip_val=MAX_NORM, **trainer_kwargs(enable_checkpointing=ckpt_dir is not None))
-    module = AlternatingGPT(SMALL_GPT, learning_rate=LR["64-true"])
-    trainer.fit(module, train_dataloaders=DataLoader(TensorDataset(x, y), batch_size=MICRO * MICRO_SIZE),
-                ckpt_path=ckpt_path)
-    return {k: v.detach().clone() for k, v in module.state_dict().items()}
+
+    def model():
+        module = AlternatingGPT(SMALL_GPT, learning_rate=LR["64-true"])
+        if kill is not None:
+            kill.module = module
+        return module
+
+    run = fit_snake(model, token_loader(3 * MICRO * MICRO_SIZE, MICRO * MICRO_SIZE, SMALL_GPT.context_len,
+                                        SMALL_GPT.vocab_size),
+                    steps=max_steps, storage={"ssd_dir": str(ssd_dir), "weights": "ssd", "optimizer": "ssd",
+                                              "rollback": "ssd"},
+                    schedule={"kind": "vertical", "num_micro_batches": MICRO, "alpha": 0.25}, precision="32-true",
+                    hooks=snake_strategy.EngineHooks(before_optimizer_chunk=kill), record=None, ckpt_dir=ckpt_dir,
+                    ckpt_path=ckpt_path, trainer_extra={"gradient_clip_val": MAX_NORM})
+    return {k: v.detach().clone() for k, v in run.module.state_dict().items()}
 
 
 class KillInRedo:
@@ -271,10 +252,10 @@ class KillInRedo:
     its forward part), so the SSD files hold a mix of redone and speculated units."""
 
     def __init__(self, marker):
-        self.marker, self.strategy, self.calls = marker, None, 0
+        self.marker, self.module, self.calls = marker, None, 0
 
     def __call__(self, unit):
-        engine = self.strategy.engine
+        engine = self.module.trainer.strategy.engine
         if engine.step_count == 4 and engine.last_step.rolled_back and unit == 2:
             self.calls += 1
             if self.calls == 2:
@@ -304,5 +285,4 @@ def test_sigkill_during_a_rollback_resumes_bitwise_from_the_last_checkpoint(tmp_
     straight = _fit_alternating(6, tmp_path / "ssd_a")
     resumed = _fit_alternating(6, tmp_path / "ssd_b", ckpt_path=str(ckpts / "epoch=0-step=3.ckpt"))
     assert straight.keys() == resumed.keys()
-    for name in straight:
-        assert torch.equal(straight[name], resumed[name]), name
+    assert_bitwise(resumed, straight)

@@ -27,7 +27,7 @@ from snake_strategy.engine.parallel.partition import shard_bounds
 from snake_strategy.engine.parallel.reduce import ring_all_reduce_sent_bytes
 from snake_strategy.schedule import BACKWARD
 
-from tests.helpers import max_abs_diff
+from tests.helpers import SMALL_GPT, fit_snake, max_abs_diff, token_loader
 
 WORKER = Path(__file__).with_name("dp_worker.py")
 REPO = Path(__file__).resolve().parents[2]
@@ -406,21 +406,15 @@ def _resume_in_process(ckpt: Path, ssd_dir: Path, steps: int = 4) -> tuple[dict,
     import lightning as L
 
     from snake_strategy.gpt import GPTModule
-    import snake_strategy
 
-    from tests.helpers import SMALL_GPT, ParamRecorder, token_data, trainer_kwargs
-
-    x, y = token_data(16, SMALL_GPT.context_len, SMALL_GPT.vocab_size)
-    strategy = snake_strategy.GreedySnakeStrategy(storage={**SSD, "ssd_dir": str(ssd_dir)},
-                                                  schedule={"kind": "vertical", "num_micro_batches": 4, "alpha": 0.25})
-    rec, out = ParamRecorder(only_last=True), ssd_dir.parent / "ckpts_one"
-    save = L.pytorch.callbacks.ModelCheckpoint(dirpath=str(out), every_n_train_steps=2, save_top_k=-1)
-    trainer = L.Trainer(strategy=strategy, precision="64-true", max_steps=steps, callbacks=[rec, save],
-                        **trainer_kwargs(enable_checkpointing=True))
-    L.seed_everything(0, verbose=False)
-    trainer.fit(GPTModule(SMALL_GPT, learning_rate=1e-3), ckpt_path=str(ckpt),
-                train_dataloaders=DataLoader(TensorDataset(x, y), batch_size=8, shuffle=False))
-    return rec.states[-1], out
+    out = ssd_dir.parent / "ckpts_one"
+    L.seed_everything(0, verbose=False)  # the module's init, as the ranks drew it
+    run = fit_snake(lambda: GPTModule(SMALL_GPT, learning_rate=1e-3),
+                    token_loader(16, 8, SMALL_GPT.context_len, SMALL_GPT.vocab_size), steps=steps, precision="64-true",
+                    storage={**SSD, "ssd_dir": str(ssd_dir)},
+                    schedule={"kind": "vertical", "num_micro_batches": 4, "alpha": 0.25}, record="last",
+                    ckpt_dir=out, ckpt_every=2, ckpt_path=str(ckpt), seed=None)
+    return run.last, out
 
 
 def test_sharded_checkpoint_each_rank_writes_its_shard(tmp_path):

@@ -7,10 +7,8 @@ import lightning as L
 import pytest
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
 
-from snake_strategy import GreedySnakeStrategy
-from tests.helpers import SMALL_GPT, StackModule, max_abs_diff, run_reference, run_snake, token_data, trainer_kwargs
+from tests.helpers import SMALL_GPT, StackModule, fit_snake, max_abs_diff, run_reference, run_snake, token_loader
 
 
 class MixingBlock(nn.Module):
@@ -42,11 +40,9 @@ class Steps(L.Callback):
 
 
 def _fit(module: L.LightningModule, schedule: dict, steps: int = 2) -> Steps:
-    x, y = token_data(8 * steps, 16, 64)
     counter = Steps()
-    trainer = L.Trainer(strategy=GreedySnakeStrategy(schedule={"num_micro_batches": 4, **schedule}),
-                        precision="64-true", max_steps=steps, callbacks=[counter], **trainer_kwargs())
-    trainer.fit(module, DataLoader(TensorDataset(x, y), batch_size=8))
+    fit_snake(module, token_loader(8 * steps, 8), steps=steps, schedule={"num_micro_batches": 4, **schedule},
+              precision="64-true", callbacks=[counter], record=None)
     return counter
 
 

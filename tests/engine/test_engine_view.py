@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import lightning as L
 import torch
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader
 
 import snake_strategy
 from snake_strategy.engine import EngineView, EvalEngine, SnakeEngine, StepStats, running_engine
 from snake_strategy.gpt import GPTModule
-from tests.helpers import SMALL_GPT, run_reference, token_data, trainer_kwargs
+from tests.helpers import SMALL_GPT, assert_params_close, fit_snake, run_reference, token_loader, trainer_kwargs
 
 
 class _Look(L.Callback):
@@ -37,19 +37,15 @@ def test_both_engines_are_the_typed_view_and_yield_the_trained_model():
     steps, micro, size = 2, 2, 2
     reference = run_reference(SMALL_GPT, steps, micro, size, "64-true")[-1]
     look = _Look()
-    x, y = token_data(steps * micro * size, SMALL_GPT.context_len, SMALL_GPT.vocab_size)
-    loader = DataLoader(TensorDataset(x, y), batch_size=micro * size)
-    torch.manual_seed(0)
-    module = GPTModule(SMALL_GPT, learning_rate=1e-3)
-    strategy = snake_strategy.GreedySnakeStrategy(schedule={"kind": "vertical", "num_micro_batches": micro},
-                                                  storage={"placement": "manual", "weights": "host"})
-    trainer = L.Trainer(strategy=strategy, precision="64-true", max_steps=steps, callbacks=[look], **trainer_kwargs())
-    trainer.fit(module, train_dataloaders=loader)
+    loader = token_loader(steps * micro * size, micro * size, SMALL_GPT.context_len, SMALL_GPT.vocab_size)
+    run = fit_snake(lambda: GPTModule(SMALL_GPT, learning_rate=1e-3), loader, steps=steps, precision="64-true",
+                    schedule={"kind": "vertical", "num_micro_batches": micro},
+                    storage={"placement": "manual", "weights": "host"}, callbacks=[look], record=None)
+    trainer, module = run.trainer, run.module
     assert look.seen["same_door"] and look.seen["is_view"] and look.seen["kind"] is SnakeEngine
     named = look.seen["named"]
     assert named.keys() == reference.keys()  # every parameter once, by its module name
-    for name, value in reference.items():
-        torch.testing.assert_close(named[name], value, rtol=0, atol=1e-10, msg=name)
+    assert_params_close(named, reference, "64-true")
     assert look.seen["trainable"].keys() == {n for n, p in module.named_parameters() if p.requires_grad}
     stats = look.seen["last_step"]
     assert isinstance(stats, StepStats) and stats.train_s > 0 and stats.step_traffic() == {
@@ -61,7 +57,7 @@ def test_both_engines_are_the_typed_view_and_yield_the_trained_model():
     trainer = L.Trainer(strategy=snake_strategy.GreedySnakeStrategy(
         schedule={"kind": "vertical", "num_micro_batches": micro}), precision="64-true", callbacks=[look],
         **trainer_kwargs(limit_val_batches=1))
-    trainer.validate(module, dataloaders=DataLoader(TensorDataset(x, y), batch_size=micro * size))
+    trainer.validate(module, dataloaders=DataLoader(loader.dataset, batch_size=micro * size))
     assert look.seen["eval_kind"] is EvalEngine
     for name, value in reference.items():
         torch.testing.assert_close(look.seen["eval_named"][name], value, rtol=0, atol=1e-10, msg=name)

@@ -9,8 +9,8 @@ import lightning as L
 import torch
 from torch import nn
 
-from snake_strategy import EngineHooks, GreedySnakeStrategy
-from tests.helpers import StackModule, token_data, trainer_kwargs
+from snake_strategy import EngineHooks
+from tests.helpers import StackModule, fit_snake, token_loader
 
 COMPUTE_S = 0.04  # per block call
 SSD_DELAY_S = 0.002  # per 4 MiB I/O chunk (a unit here is one chunk)
@@ -40,14 +40,12 @@ class Fetches(L.Callback):
 
 
 def _run(tmp_path, prefetch_depth):
-    x, y = token_data(2 * 2, 8, 32)
     rec = Fetches()
-    strategy = GreedySnakeStrategy(
-        storage={"ssd_dir": str(tmp_path / f"ssd{prefetch_depth}"), "weights": "ssd", "optimizer": "ssd"},
-        schedule={"kind": "vertical", "num_micro_batches": 2, "prefetch_depth": prefetch_depth},
-        hooks=EngineHooks(before_ssd_transfer=lambda direction, n: time.sleep(SSD_DELAY_S)))
-    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=2)
-    L.Trainer(strategy=strategy, max_steps=2, callbacks=[rec], **trainer_kwargs()).fit(SleepyStack(), loader)
+    fit_snake(SleepyStack(), token_loader(2 * 2, 2, seq_len=8, vocab=32), steps=2,
+              storage={"ssd_dir": str(tmp_path / f"ssd{prefetch_depth}"), "weights": "ssd", "optimizer": "ssd"},
+              schedule={"kind": "vertical", "num_micro_batches": 2, "prefetch_depth": prefetch_depth},
+              hooks=EngineHooks(before_ssd_transfer=lambda direction, n: time.sleep(SSD_DELAY_S)), callbacks=[rec],
+              record=None, seed=None)
     return rec
 
 

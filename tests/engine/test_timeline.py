@@ -13,7 +13,7 @@ from torch import nn
 
 from snake_strategy import GreedySnakeStrategy
 from snake_strategy.timeline import check_trace_path, lanes, read_trace, step_breakdown
-from tests.helpers import StackModule, token_data, trainer_kwargs
+from tests.helpers import StackModule, fit_snake, token_loader
 
 STEPS, MICRO = 3, 4
 
@@ -35,16 +35,14 @@ class KeepEngine(L.Callback):
 
 
 def _run(tmp_path, trace_path=None) -> KeepEngine:
-    x, y = token_data(STEPS * MICRO, 8, 32)
     keep = KeepEngine()
     # Everything on the SSD and two middle micro-batches' checkpoints too: every lane has work.
-    strategy = GreedySnakeStrategy(
-        storage={"ssd_dir": str(tmp_path / "ssd"), "weights": "ssd", "optimizer": "ssd", "checkpoints": "ssd",
-                 "checkpoint_host_ends": 1},
-        schedule={"num_micro_batches": MICRO, "alpha": 0.5}, trace_path=trace_path)
-    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=MICRO)
-    module = StackModule(lambda i: Block(1024), width=1024, depth=4, vocab=32)  # 4 MiB units: 2 SSD chunks
-    L.Trainer(strategy=strategy, max_steps=STEPS, callbacks=[keep], **trainer_kwargs()).fit(module, loader)
+    fit_snake(StackModule(lambda i: Block(1024), width=1024, depth=4, vocab=32),  # 4 MiB units: 2 SSD chunks
+              token_loader(STEPS * MICRO, MICRO, seq_len=8, vocab=32), steps=STEPS,
+              storage={"ssd_dir": str(tmp_path / "ssd"), "weights": "ssd", "optimizer": "ssd", "checkpoints": "ssd",
+                       "checkpoint_host_ends": 1},
+              schedule={"num_micro_batches": MICRO, "alpha": 0.5}, trace_path=trace_path, callbacks=[keep],
+              record=None, seed=None)
     return keep
 
 

@@ -6,9 +6,9 @@ float32: rtol 1e-5, atol 1e-5 (AdamW divides near-zero gradients' rounding noise
 """
 import lightning as L
 import pytest
-import torch
 
-from tests.helpers import SMALL_GPT, max_abs_diff, run_reference, run_snake
+from tests.helpers import (SMALL_GPT, assert_bitwise, assert_params_close, assert_steps_close, max_abs_diff,
+                           run_reference, run_snake)
 
 STEPS, MICRO, MICRO_SIZE = 5, 4, 2
 STORAGES = {
@@ -17,16 +17,10 @@ STORAGES = {
 }
 
 
-@pytest.fixture(scope="module")
-def references():
-    cache = {}
-
-    def get(precision):
-        if precision not in cache:
-            cache[precision] = run_reference(SMALL_GPT, STEPS, MICRO, MICRO_SIZE, precision)
-        return cache[precision]
-
-    return get
+@pytest.fixture
+def references(lightning_reference):
+    """Plain Lightning on the small GPT, STEPS steps of MICRO micro-batches, by precision."""
+    return lambda precision: lightning_reference(SMALL_GPT, STEPS, MICRO, MICRO_SIZE, precision)
 
 
 @pytest.mark.parametrize("blocks_per_unit", [1, 2])
@@ -38,29 +32,13 @@ def test_matches_plain_lightning(references, precision, kind, storage, blocks_pe
     storage_cfg = dict(STORAGES[storage], ssd_dir=str(tmp_path / "ssd"))
     got, _ = run_snake(SMALL_GPT, STEPS, MICRO, MICRO_SIZE, precision, storage=storage_cfg,
                        schedule_kind=kind, blocks_per_unit=blocks_per_unit)
-    assert len(got) == len(ref) == STEPS
-    for step, (a, b) in enumerate(zip(got, ref)):
-        assert a.keys() == b.keys()
-        for name in a:
-            assert a[name].dtype == b[name].dtype, name
-            if precision == "64-true":
-                torch.testing.assert_close(a[name], b[name], rtol=0, atol=1e-10, msg=f"step {step} {name}")
-            else:
-                torch.testing.assert_close(a[name], b[name], rtol=1e-5, atol=1e-5, msg=f"step {step} {name}")
+    assert all(a[name].dtype == b[name].dtype for a, b in zip(got, ref) for name in a)
+    assert_steps_close(got, ref, precision, steps=STEPS)
 
 
 def test_parameters_really_move(references):
     ref = references("64-true")
     assert max_abs_diff(ref[0], ref[-1]) > 1e-3
-
-
-def _assert_close(a, b, precision, what):
-    assert a.keys() == b.keys()
-    for name in a:
-        if precision == "64-true":
-            torch.testing.assert_close(a[name], b[name], rtol=0, atol=1e-10, msg=f"{what} {name}")
-        else:
-            torch.testing.assert_close(a[name], b[name], rtol=1e-5, atol=1e-5, msg=f"{what} {name}")
 
 
 @pytest.mark.parametrize("batched_backward,batched_forward", [(False, False), (True, False), (False, True), (True, True)])
@@ -77,7 +55,7 @@ def test_optimizer_overlap_is_exact(precision, alpha, batched_backward, batched_
                                               "batched_forward": batched_forward},
                               only_last=True, **module_kw)
     assert len(got) == 1
-    _assert_close(got[0], ref[-1], precision, f"alpha={alpha} batched_backward={batched_backward}")
+    assert_params_close(got[0], ref[-1], precision, f"alpha={alpha} batched_backward={batched_backward}")
 
 
 class _Trace(L.Callback):
@@ -124,7 +102,7 @@ def test_validation_between_steps_flushes_and_stays_exact(kind, tmp_path):
     got, _ = run_snake(SMALL_GPT, STEPS, MICRO, MICRO_SIZE, "64-true", storage=storage, schedule_kind=kind,
                        schedule_extra={"alpha": 0.5}, only_last=True, validate_every_step=True,
                        warmup_steps=1, max_steps=STEPS)
-    _assert_close(got[0], ref[-1], "64-true", "with validation")
+    assert_params_close(got[0], ref[-1], "64-true", "with validation")
 
 
 def test_offloading_is_bitwise_identical_to_device_storage(tmp_path):
@@ -135,8 +113,7 @@ def test_offloading_is_bitwise_identical_to_device_storage(tmp_path):
     assert len(on_device) == len(on_ssd) == 3  # a run that recorded nothing would compare nothing
     for a, b in zip(on_device, on_ssd):
         assert a.keys() == b.keys()
-        for name in a:
-            assert torch.equal(a[name], b[name]), name
+        assert_bitwise(a, b)
 
 
 def test_chunked_optimizer_steps_are_exact(tmp_path):
@@ -148,7 +125,7 @@ def test_chunked_optimizer_steps_are_exact(tmp_path):
     storage = dict(STORAGES["ssd"], ssd_dir=str(tmp_path / "ssd"), optimizer_chunk_elems=4096)
     got, _ = run_snake(SMALL_GPT, STEPS, MICRO, MICRO_SIZE, "64-true", storage=storage,
                        schedule_extra={"alpha": 0.25}, only_last=True)
-    _assert_close(got[0], ref[-1], "64-true", "chunked")
+    assert_params_close(got[0], ref[-1], "64-true", "chunked")
 
 
 # fp32 on the default schedule (kind auto: the GPT declares independent samples, so batched passes) at a
@@ -166,13 +143,5 @@ def test_default_auto_schedule_at_a_high_learning_rate(precision):
     ref = run_reference(SMALL_GPT, STEPS, MICRO, MICRO_SIZE, precision, lr=lr)
     got, strategy = run_snake(SMALL_GPT, STEPS, MICRO, MICRO_SIZE, precision, lr=lr, schedule_kind="auto")
     assert strategy.schedule.batched_forward and strategy.schedule.batched_backward  # the auto choice
-    assert len(got) == len(ref) == STEPS
     assert max_abs_diff(ref[0], ref[-1]) > 100 * FP32_ATOL_PER_LR * lr  # the weights really move
-    for step, (a, b) in enumerate(zip(got, ref)):
-        assert a.keys() == b.keys()
-        for name in a:
-            if precision == "64-true":
-                torch.testing.assert_close(a[name], b[name], rtol=0, atol=1e-10, msg=f"step {step} {name}")
-            else:
-                torch.testing.assert_close(a[name], b[name], rtol=1e-5, atol=FP32_ATOL_PER_LR * lr,
-                                           msg=f"step {step} {name}")
+    assert_steps_close(got, ref, precision, steps=STEPS, atol=None if precision == "64-true" else FP32_ATOL_PER_LR * lr)

@@ -25,9 +25,9 @@ class StepStats(L.Callback):
         self.steps.append(trainer.strategy.engine.last_step.as_dict())
 
 
-@pytest.fixture(scope="module")
-def reference():
-    return run_reference(CFG, STEPS, MICRO, MICRO_SIZE, "64-true")
+@pytest.fixture
+def reference(lightning_reference):
+    return lightning_reference(CFG, STEPS, MICRO, MICRO_SIZE, "64-true")
 
 
 def _ssd(tmp_path):

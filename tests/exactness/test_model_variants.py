@@ -2,15 +2,12 @@
 and the RNG replay of dropout masks during the recompute."""
 import dataclasses
 
-import lightning as L
 import pytest
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
 
-import snake_strategy
 from snake_strategy.gpt import GPTModule
-from tests.helpers import SMALL_GPT, StackModule, run_reference, run_snake, token_data, trainer_kwargs
+from tests.helpers import SMALL_GPT, StackModule, assert_steps_close, fit_snake, run_reference, run_snake, token_loader
 
 STEPS, MICRO, MICRO_SIZE, LR = 3, 4, 2, 1e-2
 
@@ -41,11 +38,7 @@ def test_variant_matches_plain_lightning(tmp_path, variant):
     got, _ = run_snake(config, STEPS, MICRO, MICRO_SIZE, "64-true", lr=LR, module_cls=module_cls,
                        storage={"weights": "ssd", "optimizer": "ssd", "ssd_dir": str(tmp_path)},
                        schedule_extra={"alpha": 0.25})
-    assert len(got) == len(ref) == STEPS
-    for step, (a, b) in enumerate(zip(got, ref)):
-        assert a and a.keys() == b.keys()
-        for name in a:
-            torch.testing.assert_close(a[name], b[name], rtol=0, atol=1e-10, msg=f"step {step} {name}")
+    assert_steps_close(got, ref, "64-true", steps=STEPS)
     moved = max((got[-1][k] - got[0][k]).abs().max().item() for k in got[0])
     assert moved > 1e-3
     names = set(got[0])
@@ -96,13 +89,10 @@ def test_recompute_replays_the_forward_dropout_masks(kind):
     """Every recomputed forward (and the embedding's re-run for its backward) draws exactly the
     dropout masks its original forward drew, micro-batch by micro-batch."""
     depth = 4
-    x, y = token_data(2 * MICRO * MICRO_SIZE, 16, 64)
-    torch.manual_seed(0)
-    strategy = snake_strategy.GreedySnakeStrategy(schedule={"kind": kind, "num_micro_batches": MICRO})
-    trainer = L.Trainer(strategy=strategy, max_steps=2, **trainer_kwargs())
     MASKS.clear()
     try:
-        trainer.fit(DropoutStack(depth=depth), train_dataloaders=DataLoader(TensorDataset(x, y), batch_size=MICRO * MICRO_SIZE))
+        fit_snake(lambda: DropoutStack(depth=depth), token_loader(2 * MICRO * MICRO_SIZE, MICRO * MICRO_SIZE), steps=2,
+                  schedule={"kind": kind, "num_micro_batches": MICRO}, record=None)
         records = list(MASKS)
     finally:
         MASKS.clear()

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from snake_strategy.gpt import GPTModule
-from tests.helpers import SMALL_GPT, run_reference, run_snake, token_data
+from tests.helpers import SMALL_GPT, assert_steps_close, run_reference, run_snake, token_data
 
 STEPS, MICRO, MICRO_SIZE, LR = 3, 4, 2, 1e-3
 SSD = {"weights": "ssd", "optimizer": "ssd", "master": "ssd"}
@@ -19,7 +19,7 @@ SSD = {"weights": "ssd", "optimizer": "ssd", "master": "ssd"}
 # Measured max |snake - reference| over 3 steps: tied head 6.0e-8 (the strategy adds the head's and
 # the embedding's fp32 gradient of the tied weight in another order than autograd); untied head 0.0 in
 # a fresh process but 6.0e-8 (one fp32 ulp of a LayerNorm gain near 1) when another greedysnake run
-# (tests/clipping/test_fp16_loss_scaling.py::test_overflow_skips_exactly_that_step) ran earlier in the same process. 3e-7
+# (tests/clipping/test_fp16_gradscaler.py::test_overflow_skips_exactly_that_step) ran earlier in the same process. 3e-7
 # covers both with a 5x margin; the weights move about 1e-3 per step (3000x the tolerance).
 BF16_MIXED_ATOL = {False: 3e-7, True: 3e-7}
 # bf16-true: measured bitwise equal (0.0) for both heads, in every test order tried; the same 3e-7
@@ -43,12 +43,8 @@ def test_bf16_mixed_matches_plain_lightning(tmp_path, tied):
     ref = run_reference(config, STEPS, MICRO, MICRO_SIZE, "bf16-mixed", lr=LR)
     got, _ = run_snake(config, STEPS, MICRO, MICRO_SIZE, "bf16-mixed", lr=LR,
                        storage=dict(SSD, ssd_dir=str(tmp_path)), schedule_extra={"alpha": 0.25})
-    assert len(got) == len(ref) == STEPS
-    for step, (a, b) in enumerate(zip(got, ref)):
-        assert a.keys() == b.keys()
-        for name in a:
-            assert a[name].dtype == torch.float32, name  # bf16-mixed keeps fp32 weights
-            torch.testing.assert_close(a[name], b[name], rtol=0, atol=BF16_MIXED_ATOL[tied], msg=f"step {step} {name}")
+    assert all(a[name].dtype == torch.float32 for a in got for name in a)  # bf16-mixed keeps fp32 weights
+    assert_steps_close(got, ref, "bf16-mixed", steps=STEPS, atol=BF16_MIXED_ATOL[tied])
     _movement_guard(got)
 
 
@@ -106,10 +102,6 @@ def test_bf16_true_matches_fp32_master_reference(tmp_path, tied):
     ref = bf16_true_reference(config)
     got, _ = run_snake(config, STEPS, MICRO, MICRO_SIZE, "bf16-true", lr=LR,
                        storage=dict(SSD, ssd_dir=str(tmp_path)), schedule_extra={"alpha": 0.25})
-    assert len(got) == len(ref) == STEPS
-    for step, (a, b) in enumerate(zip(got, ref)):
-        assert a.keys() == b.keys()
-        for name in a:
-            assert a[name].dtype == torch.float32, name  # the master copy
-            torch.testing.assert_close(a[name], b[name], rtol=0, atol=BF16_TRUE_ATOL, msg=f"step {step} {name}")
+    assert all(a[name].dtype == torch.float32 for a in got for name in a)  # the master copy
+    assert_steps_close(got, ref, "bf16-true", steps=STEPS, atol=BF16_TRUE_ATOL)
     _movement_guard(got)

@@ -9,7 +9,8 @@ import torch
 
 from snake_strategy.config import ScheduleConfig
 from snake_strategy.schedule import BACKWARD_INPUT, WEIGHT_GRAD, build_tasks, unit_run_ahead, weight_fetches
-from tests.helpers import SMALL_GPT, max_abs_diff, run_reference, run_snake
+from tests.helpers import (SMALL_GPT, StackModule, assert_steps_close, fit_lightning, fit_snake, max_abs_diff,
+                           run_reference, run_snake, token_loader)
 
 STEPS, MICRO, MICRO_SIZE = 3, 4, 2
 SSD = {"weights": "ssd", "optimizer": "ssd", "gradients": "host", "checkpoints": {"ssd": 1.0},
@@ -25,17 +26,6 @@ class Stats(L.Callback):
     def on_train_batch_end(self, trainer, *args):
         self.steps.append(trainer.strategy.engine.last_step.as_dict())
         self.tasks.append(list(trainer.strategy.engine.trace.last.tasks))
-
-
-def _close(got, ref, precision):
-    assert len(got) == len(ref) and got
-    for step, (a, b) in enumerate(zip(got, ref)):
-        assert a.keys() == b.keys()
-        for name in a:
-            if precision == "64-true":
-                torch.testing.assert_close(a[name], b[name], rtol=0, atol=1e-10, msg=f"step {step} {name}")
-            else:
-                torch.testing.assert_close(a[name], b[name], rtol=1e-5, atol=1e-5, msg=f"step {step} {name}")
 
 
 def test_split_tasks_are_explicit():
@@ -71,7 +61,7 @@ def test_split_backward_matches_plain_lightning(precision, alpha, storage, tmp_p
     got, _ = run_snake(SMALL_GPT, STEPS, MICRO, MICRO_SIZE, precision, storage=place, callbacks=[stats],
                        schedule_extra={"split_backward": True, "alpha": alpha}, only_last=True,
                        warmup_steps=1, max_steps=STEPS)
-    _close(got, ref[-1:], precision)
+    assert_steps_close(got, ref[-1:], precision)
     # The split really ran: its tasks, and every Linear weight gradient deferred to one product.
     expected = build_tasks("vertical", SMALL_GPT.num_layers, MICRO, split_backward=True)
     assert stats.tasks == [expected] * STEPS
@@ -89,7 +79,7 @@ def test_split_backward_with_norm_clipping(tmp_path):
     ref = run_reference(SMALL_GPT, STEPS, MICRO, MICRO_SIZE, "64-true", lr=1e-2, trainer_extra=clip)
     got, _ = run_snake(SMALL_GPT, STEPS, MICRO, MICRO_SIZE, "64-true", lr=1e-2, trainer_extra=clip,
                        storage=dict(SSD, ssd_dir=str(tmp_path)), schedule_extra={"split_backward": True})
-    _close(got, ref, "64-true")
+    assert_steps_close(got, ref, "64-true")
 
 
 def test_split_backward_replays_dropout_like_the_unsplit_schedule(tmp_path):
@@ -98,7 +88,7 @@ def test_split_backward_replays_dropout_like_the_unsplit_schedule(tmp_path):
     config = dataclasses.replace(SMALL_GPT, dropout=0.1)
     plain, _ = run_snake(config, STEPS, MICRO, MICRO_SIZE, "64-true")
     split, _ = run_snake(config, STEPS, MICRO, MICRO_SIZE, "64-true", schedule_extra={"split_backward": True})
-    _close(split, plain, "64-true")
+    assert_steps_close(split, plain, "64-true")
     assert max_abs_diff(split[0], split[-1]) > 1e-3
 
 
@@ -117,10 +107,10 @@ def test_split_backward_bf16_mixed_matches_plain_lightning(tmp_path):
 @pytest.mark.parametrize("case", ["lora_gpt", "part_of_block", "lower_half"])
 def test_split_backward_with_frozen_parameters_and_lora(case, tmp_path):
     """Frozen weights are not deferred (they need no gradient); LoRA's adapters are nn.Linear: deferred."""
-    finetune = pytest.importorskip("tests.hf.test_finetune")  # skipped without peft/transformers
+    finetune = pytest.importorskip("tests.hf.finetune_cases")  # skipped without peft/transformers
     stats = Stats()
     got, _, _ = finetune.run_snake(case, tmp_path / "ssd", schedule={"split_backward": True}, callbacks=[stats])
-    finetune.assert_matches(got, finetune.reference(case))
+    assert_steps_close(got, finetune.reference(case), "64-true")
     assert all(s["weight_grad_products"] > 0 for s in stats.steps)
 
 
@@ -140,25 +130,18 @@ class OddBlock(torch.nn.Module):
 
 
 def test_split_backward_is_exact_for_any_block():
-    from torch.utils.data import DataLoader, TensorDataset
+    def model():
+        return StackModule(lambda i: OddBlock(16), width=16, depth=3).double()
 
-    import snake_strategy
-    from tests.helpers import StackModule, token_data, trainer_kwargs
+    def params(run):
+        return {n: p.detach() for n, p in run.module.named_parameters()}
 
-    x, y = token_data(STEPS * MICRO * MICRO_SIZE, 8, 64)
-
-    def fit(strategy, batch_size, accumulate):
-        torch.manual_seed(0)
-        module = StackModule(lambda i: OddBlock(16), width=16, depth=3).double()
-        stats = Stats() if strategy != "auto" else None
-        trainer = L.Trainer(strategy=strategy, precision="64-true", max_steps=STEPS, accumulate_grad_batches=accumulate,
-                            callbacks=[stats] if stats else [], **trainer_kwargs())
-        trainer.fit(module, train_dataloaders=DataLoader(TensorDataset(x, y), batch_size=batch_size))
-        return {n: p.detach() for n, p in module.named_parameters()}, stats
-
-    ref, _ = fit("auto", MICRO_SIZE, MICRO)
-    strategy = snake_strategy.GreedySnakeStrategy(schedule={"kind": "vertical", "num_micro_batches": MICRO,
-                                                            "split_backward": True})
-    got, stats = fit(strategy, MICRO * MICRO_SIZE, 1)
-    _close([got], [ref], "64-true")
+    samples = STEPS * MICRO * MICRO_SIZE
+    ref = fit_lightning(model, token_loader(samples, MICRO_SIZE, seq_len=8), steps=STEPS, precision="64-true",
+                        accumulate=MICRO, record=None)
+    stats = Stats()
+    got = fit_snake(model, token_loader(samples, MICRO * MICRO_SIZE, seq_len=8), steps=STEPS, precision="64-true",
+                    schedule={"kind": "vertical", "num_micro_batches": MICRO, "split_backward": True},
+                    callbacks=[stats], record=None)
+    assert_steps_close([params(got)], [params(ref)], "64-true")
     assert stats.steps[-1]["weight_grad_products"] == 2 * 3  # fc's two call sites per block; raw is autograd's

@@ -9,119 +9,17 @@ from collections import Counter
 import lightning as L
 import pytest
 import torch
-from torch.utils.data import DataLoader, TensorDataset
 
 import snake_strategy
-from snake_strategy.gpt import GPTConfig, GPTModule
 from snake_strategy.storage.aligned import round_up
-from tests.helpers import SMALL_GPT, ParamRecorder, token_data, trainer_kwargs
+from tests.helpers import SMALL_GPT, assert_steps_close
 
 peft = pytest.importorskip("peft")
 pytest.importorskip("transformers")
 
-from transformers import LlamaConfig  # noqa: E402
-
 from snake_strategy.hf import save_adapter  # noqa: E402
 from snake_strategy.hf import HFCausalLM  # noqa: E402
-
-STEPS, MICRO, MICRO_SIZE, SEQ, VOCAB = 4, 4, 2, 16, 64
-UNTIED = GPTConfig(vocab_size=VOCAB, d_model=32, num_layers=4, num_heads=4, context_len=SEQ, tied_head=False)
-LLAMA = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
-                    num_key_value_heads=2, max_position_embeddings=SEQ, bos_token_id=1, eos_token_id=2, pad_token_id=0)
-LORA_GPT = dict(r=8, lora_alpha=16, target_modules=["qkv", "attn_out"], lora_dropout=0.0)
-LORA_LLAMA = dict(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
-
-
-def _freeze(module, names):
-    for name, p in module.named_parameters():
-        if any(name.startswith(prefix) or f".{prefix}" in name for prefix in names):
-            p.requires_grad_(False)
-    return module
-
-
-def _lora(module, config):
-    peft_model = peft.get_peft_model(module, peft.LoraConfig(**config))
-    # B starts at zero: make it non-zero so every adapter parameter gets a gradient from step 1.
-    with torch.no_grad():
-        for name, p in module.named_parameters():
-            if "lora_B" in name:
-                p.normal_(0, 0.02)
-    module.peft_model = [peft_model]  # a list: not registered as a submodule
-    return module
-
-
-def build(case, dtype=torch.float64):
-    """The model of ``case``, built for real (seeded), cast to ``dtype`` and frozen as the case says."""
-    torch.manual_seed(0)
-    if case == "lora_llama":
-        module = HFCausalLM(LLAMA, learning_rate=1e-2)
-    else:
-        module = GPTModule(UNTIED if case == "embed_head" else SMALL_GPT, learning_rate=1e-2, warmup_steps=1,
-                           max_steps=STEPS)
-    module.configure_model()
-    module.to(dtype)
-    if case == "embed_head":  # embedding, position embedding and an untied head
-        return _freeze(module, ["wte.", "wpe.", "lm_head."])
-    if case == "lower_half":  # embeddings (tied head) and blocks 0-1: units 0-1 need no backward at all
-        return _freeze(module, ["wte.", "wpe.", "blocks.0.", "blocks.1."])
-    if case == "middle":  # blocks 1-2 only: they pass the input gradient through, no weight gradient
-        return _freeze(module, ["blocks.1.", "blocks.2."])
-    if case == "part_of_block":  # the first LayerNorm and the MLP input bias of every block
-        return _freeze(module, ["ln_1.", "mlp_in.bias"])
-    if case == "lora_gpt":
-        return _lora(module, LORA_GPT)
-    if case == "lora_llama":
-        return _lora(module, LORA_LLAMA)
-    raise AssertionError(case)
-
-
-def _data(steps=STEPS):
-    x, y = token_data(steps * MICRO * MICRO_SIZE, SEQ, VOCAB)
-    return TensorDataset(x, y)
-
-
-def run_reference(case, precision="64-true", clip=None):
-    module = build(case, torch.float64 if precision == "64-true" else torch.float32)
-    rec = ParamRecorder(every_n_batches=MICRO)
-    trainer = L.Trainer(strategy="auto", precision=precision, max_steps=STEPS, accumulate_grad_batches=MICRO,
-                        callbacks=[rec], gradient_clip_val=clip, **trainer_kwargs())
-    trainer.fit(module, train_dataloaders=DataLoader(_data(), batch_size=MICRO_SIZE))
-    return rec.states
-
-
-def run_snake(case, ssd_dir, kind="vertical", precision="64-true", clip=None, storage=None, schedule=None,
-              steps=STEPS, callbacks=(), only_last=False, module=None, ckpt_path=None, enable_checkpointing=False,
-              epoch_steps=STEPS):
-    module = module or build(case, torch.float64 if precision == "64-true" else torch.float32)
-    storage = dict(storage or {"weights": "ssd", "optimizer": "ssd", "gradients": "host"}, ssd_dir=str(ssd_dir))
-    strategy = snake_strategy.GreedySnakeStrategy(
-        storage=storage, schedule=dict({"kind": kind, "num_micro_batches": MICRO, "alpha": 0.25}, **(schedule or {})))
-    rec = ParamRecorder(only_last=only_last)
-    trainer = L.Trainer(strategy=strategy, precision=precision, max_steps=steps, callbacks=[rec, *callbacks],
-                        gradient_clip_val=clip, **trainer_kwargs(enable_checkpointing=enable_checkpointing))
-    trainer.fit(module, train_dataloaders=DataLoader(_data(epoch_steps), batch_size=MICRO * MICRO_SIZE),
-                ckpt_path=ckpt_path)
-    return rec.states, strategy, module
-
-
-_REFERENCES = {}
-
-
-def reference(case, clip=None):
-    if (case, clip) not in _REFERENCES:
-        _REFERENCES[(case, clip)] = run_reference(case, clip=clip)
-    return _REFERENCES[(case, clip)]
-
-
-def assert_matches(got, ref, frozen_equal=None):
-    assert len(got) == len(ref)
-    for step, (a, b) in enumerate(zip(got, ref)):
-        assert a.keys() == b.keys(), sorted(set(a) ^ set(b))
-        for name in a:
-            torch.testing.assert_close(a[name], b[name], rtol=0, atol=1e-10, msg=f"step {step} {name}")
-
-
-CASES = ["embed_head", "lower_half", "middle", "part_of_block", "lora_gpt", "lora_llama"]
+from tests.hf.finetune_cases import CASES, LLAMA, LORA_LLAMA, MICRO, build, reference, run_snake  # noqa: E402
 
 
 @pytest.mark.parametrize("kind", ["vertical", "horizontal"])
@@ -129,7 +27,7 @@ CASES = ["embed_head", "lower_half", "middle", "part_of_block", "lora_gpt", "lor
 def test_matches_plain_lightning_with_the_same_frozen_model(case, kind, tmp_path):
     ref = reference(case)
     got, strategy, _ = run_snake(case, tmp_path / "ssd", kind)
-    assert_matches(got, ref)
+    assert_steps_close(got, ref, "64-true")
     first = build(case)
     frozen = [n for n, p in first.named_parameters() if not p.requires_grad]
     assert frozen and all(torch.equal(got[-1][n], dict(first.named_parameters())[n].detach()) for n in frozen)
@@ -140,7 +38,7 @@ def test_matches_plain_lightning_with_the_same_frozen_model(case, kind, tmp_path
 def test_norm_clipping_with_lora(tmp_path):
     ref = reference("lora_gpt", clip=0.05)
     got, strategy, _ = run_snake("lora_gpt", tmp_path / "ssd", clip=0.05)
-    assert_matches(got, ref)
+    assert_steps_close(got, ref, "64-true")
 
 
 @pytest.mark.parametrize("case", ["lora_gpt", "lower_half"])
@@ -255,7 +153,7 @@ def test_lora_resume_is_bitwise_and_needs_the_same_base(tmp_path):
     straight, _, _ = run_snake("lora_gpt", tmp_path / "a", precision="32-true", steps=4, only_last=True, epoch_steps=2)
     ckpts = tmp_path / "ckpts"
     saver = L.pytorch.callbacks.ModelCheckpoint(dirpath=str(ckpts), every_n_train_steps=2, save_top_k=-1)
-    run_snake("lora_gpt", tmp_path / "b", precision="32-true", steps=2, callbacks=[saver], enable_checkpointing=True,
+    run_snake("lora_gpt", tmp_path / "b", precision="32-true", steps=2, callbacks=[saver],
               epoch_steps=2)
     path = ckpts / "epoch=0-step=2.ckpt"
     units = sorted(p.name for p in (path / "units").iterdir())

@@ -15,7 +15,6 @@ from snake_strategy import checkpoint as snake_checkpoint
 from snake_strategy.checkpoint.consolidate import CheckpointWeights
 from snake_strategy.gpt import GPTModule
 from tests.helpers import SMALL_GPT, trainer_kwargs
-from tests.hf.test_finetune import MICRO, MICRO_SIZE, STEPS, _data, build, run_snake
 
 pytest.importorskip("peft")
 pytest.importorskip("transformers")
@@ -23,14 +22,15 @@ pytest.importorskip("transformers")
 from transformers import AutoModelForCausalLM  # noqa: E402
 
 from snake_strategy.hf import HFCausalLM  # noqa: E402
-from tests.hf.test_hf_models import Samples, batches, hf_model  # noqa: E402
+from tests.hf.finetune_cases import MICRO, MICRO_SIZE, STEPS, build, data, run_snake  # noqa: E402
+from tests.hf.models import Samples, batches, hf_model  # noqa: E402
 
 
 def _fit_with_checkpoint(case, tmp_path, module=None):
     """Fit ``case`` with greedysnake, checkpointing at the last step: (checkpoint dir, trained parameters)."""
     ckpts = tmp_path / "ckpts"
     saver = L.pytorch.callbacks.ModelCheckpoint(dirpath=str(ckpts), every_n_train_steps=STEPS)
-    states, _, _ = run_snake(case, tmp_path / "ssd", callbacks=[saver], enable_checkpointing=True, only_last=True,
+    states, _, _ = run_snake(case, tmp_path / "ssd", callbacks=[saver], only_last=True,
                              module=module)
     (ckpt,) = ckpts.iterdir()
     return ckpt, states[-1]
@@ -65,7 +65,7 @@ def _plain_gpt_base():
 
 def test_lora_checkpoint_evaluates_with_the_module_as_base_and_refuses_another(tmp_path):
     ckpt, trained = _fit_with_checkpoint("lora_gpt", tmp_path)
-    loader = DataLoader(_data(1), batch_size=MICRO * MICRO_SIZE)
+    loader = DataLoader(data(1), batch_size=MICRO * MICRO_SIZE)
     reference = build("lora_gpt")
     reference.load_state_dict(trained, strict=False)
     expected = _evaluate("auto", reference, loader)

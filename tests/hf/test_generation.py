@@ -13,7 +13,7 @@ from torch.utils.data import DataLoader, Dataset  # noqa: E402
 import snake_strategy  # noqa: E402
 from snake_strategy.hf import HFCausalLM  # noqa: E402
 from tests.helpers import trainer_kwargs  # noqa: E402
-from tests.hf.test_hf_models import VOCAB, built, hf_model, tiny_config  # noqa: E402
+from tests.hf.models import VOCAB, built, hf_model, tiny_config  # noqa: E402
 
 PROMPT, NEW = 7, 8
 

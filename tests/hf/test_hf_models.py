@@ -13,76 +13,18 @@ pytest.importorskip("safetensors")
 import lightning as L  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-from torch.utils.data import DataLoader, Dataset  # noqa: E402
+from torch.utils.data import DataLoader  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
-from transformers import GPT2Config, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config  # noqa: E402
 
 import snake_strategy  # noqa: E402
 from snake_strategy import checkpoint as snake_checkpoint  # noqa: E402
 from snake_strategy.hf import HFCausalLM, export_hf  # noqa: E402
 from snake_strategy.sources.pretrained import PretrainedSource  # noqa: E402
 from snake_strategy.units import build_layouts  # noqa: E402
-from tests.helpers import ParamRecorder, trainer_kwargs  # noqa: E402
+from tests.helpers import fit_lightning, fit_snake, fit_with, trainer_kwargs  # noqa: E402
+from tests.hf.models import FAMILIES, Samples, batches, built, hf_model, tiny_config  # noqa: E402
 
-VOCAB, SEQ, MICRO, MICRO_SIZE, STEPS = 128, 12, 2, 2, 2
-
-
-def tiny_config(family: str):
-    common = dict(vocab_size=VOCAB, bos_token_id=1, eos_token_id=2, pad_token_id=0)
-    if family == "gpt2":
-        return GPT2Config(n_embd=32, n_layer=3, n_head=4, n_positions=64, resid_pdrop=0.0, embd_pdrop=0.0,
-                          attn_pdrop=0.0, **common)
-    llama_like = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
-                      num_key_value_heads=2, max_position_embeddings=64, **common)
-    if family == "llama":
-        return LlamaConfig(**llama_like)
-    if family == "mistral":  # a window shorter than the sequence, so the sliding mask matters
-        return MistralConfig(sliding_window=5, **llama_like)
-    if family == "qwen2":  # mixed layers: the first full, the others sliding
-        return Qwen2Config(use_sliding_window=True, sliding_window=5, max_window_layers=1, **llama_like)
-    if family == "qwen3":  # tied embeddings, q/k norms
-        return Qwen3Config(head_dim=8, tie_word_embeddings=True, **llama_like)
-    raise AssertionError(family)
-
-
-FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "gpt2"]
-
-
-def hf_model(family: str, seed: int = 0) -> torch.nn.Module:
-    torch.manual_seed(seed)
-    return AutoModelForCausalLM.from_config(tiny_config(family)).double()
-
-
-def batches(num: int, size: int, seed: int = 7) -> list[dict[str, torch.Tensor]]:
-    """Right-padded samples of different lengths; labels ignore the padding and each sample's first two tokens."""
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for _ in range(num):
-        ids = torch.randint(3, VOCAB, (size, SEQ), generator=g)
-        lengths = torch.randint(SEQ // 2, SEQ + 1, (size,), generator=g)
-        mask = (torch.arange(SEQ)[None, :] < lengths[:, None]).long()
-        ids = ids.masked_fill(mask == 0, 0)
-        labels = ids.masked_fill(mask == 0, -100)
-        labels[:, :2] = -100
-        out.append({"input_ids": ids, "attention_mask": mask, "labels": labels})
-    return out
-
-
-class Samples(Dataset):
-    def __init__(self, micro_batches):
-        self.rows = [{k: v[i] for k, v in b.items()} for b in micro_batches for i in range(len(b["input_ids"]))]
-
-    def __len__(self):
-        return len(self.rows)
-
-    def __getitem__(self, i):
-        return self.rows[i]
-
-
-def built(config_or_dir) -> HFCausalLM:
-    module = HFCausalLM(config_or_dir)
-    module.configure_model()
-    return module
+MICRO, MICRO_SIZE, STEPS = 2, 2, 2
 
 
 @pytest.fixture(autouse=True)
@@ -138,11 +80,8 @@ def test_plain_lightning_accumulation_equals_hf_loop(family, tmp_path):
     micro_batches = batches(STEPS * MICRO, MICRO_SIZE)
     expected = reference_training(hf, micro_batches, lr=1e-2)
     module = HFCausalLM(tmp_path / "start", learning_rate=1e-2, weight_decay=0.01)
-    rec = ParamRecorder(only_last=True)
-    trainer = L.Trainer(strategy="auto", precision="64-true", max_steps=STEPS, accumulate_grad_batches=MICRO,
-                        callbacks=[rec], **trainer_kwargs())
-    trainer.fit(module, DataLoader(Samples(micro_batches), batch_size=MICRO_SIZE, shuffle=False))
-    got = rec.states[-1]
+    got = fit_lightning(module, DataLoader(Samples(micro_batches), batch_size=MICRO_SIZE, shuffle=False), steps=STEPS,
+                        precision="64-true", accumulate=MICRO, record="last").last
     assert got.keys() == expected.keys()
     moved = max((got[n] - hf_model(family).state_dict()[n]).abs().max().item() for n in got)
     assert moved > 1e-3
@@ -240,12 +179,9 @@ def test_checkpoint_with_more_layers_than_the_config_is_refused(tmp_path):
         assert torch.equal(p, hf.state_dict()[name]), name
 
     def fit(strategy, batch_size, accumulate):
-        rec = ParamRecorder(only_last=True)
-        trainer = L.Trainer(strategy=strategy, precision="64-true", max_steps=STEPS, accumulate_grad_batches=accumulate,
-                            callbacks=[rec], **trainer_kwargs())
-        trainer.fit(HFCausalLM(tmp_path / "two", learning_rate=1e-2, ignore_unexpected_keys=True),
-                    DataLoader(Samples(batches(STEPS * MICRO, MICRO_SIZE)), batch_size=batch_size))
-        return rec.states[-1]
+        return fit_with(strategy, lambda: HFCausalLM(tmp_path / "two", learning_rate=1e-2, ignore_unexpected_keys=True),
+                        DataLoader(Samples(batches(STEPS * MICRO, MICRO_SIZE)), batch_size=batch_size), steps=STEPS,
+                        precision="64-true", accumulate=accumulate, record="last").last
 
     expected = fit("auto", MICRO_SIZE, MICRO)
     got = fit(snake_strategy.GreedySnakeStrategy(storage={"weights": "host"},
@@ -306,12 +242,9 @@ def test_greedysnake_equals_plain_lightning(family, kind, tmp_path):
     micro_batches = batches(STEPS * MICRO, MICRO_SIZE)
 
     def fit(strategy, batch_size, accumulate):
-        rec = ParamRecorder(only_last=True)
-        trainer = L.Trainer(strategy=strategy, precision="64-true", max_steps=STEPS,
-                            accumulate_grad_batches=accumulate, callbacks=[rec], **trainer_kwargs())
-        module = HFCausalLM(tmp_path / "start", learning_rate=1e-2, weight_decay=0.01)
-        trainer.fit(module, DataLoader(Samples(micro_batches), batch_size=batch_size, shuffle=False))
-        return rec.states[-1]
+        return fit_with(strategy, lambda: HFCausalLM(tmp_path / "start", learning_rate=1e-2, weight_decay=0.01),
+                        DataLoader(Samples(micro_batches), batch_size=batch_size, shuffle=False), steps=STEPS,
+                        precision="64-true", accumulate=accumulate, record="last").last
 
     expected = fit("auto", MICRO_SIZE, MICRO)
     strategy = snake_strategy.GreedySnakeStrategy(
@@ -380,23 +313,20 @@ def test_checkpoint_cli_exports_hf_directory(tmp_path):
     import sys
 
     hf_model("llama").save_pretrained(tmp_path / "start")
-    rec = ParamRecorder(only_last=True)
 
     class ExportInsideFit(L.Callback):
         def on_train_end(self, trainer, pl_module):
             assert trainer.strategy.engine is not None  # export_hf reads the units from their tiers
             export_hf(pl_module, tmp_path / "in_run", dtype=torch.float64)
 
-    strategy = snake_strategy.GreedySnakeStrategy(
-        storage={"weights": "ssd", "optimizer": "ssd", "ssd_dir": str(tmp_path / "ssd")},
-        schedule={"num_micro_batches": MICRO, "alpha": 0.25})
     checkpoints = L.pytorch.callbacks.ModelCheckpoint(dirpath=str(tmp_path / "ckpts"), every_n_train_steps=STEPS)
-    trainer = L.Trainer(strategy=strategy, precision="64-true", max_steps=STEPS, callbacks=[rec, checkpoints, ExportInsideFit()],
-                        **trainer_kwargs(enable_checkpointing=True))
-    trainer.fit(HFCausalLM(tmp_path / "start", learning_rate=1e-2),
-                DataLoader(Samples(batches(STEPS * MICRO, MICRO_SIZE)), batch_size=MICRO * MICRO_SIZE))
+    engine_state = fit_snake(HFCausalLM(tmp_path / "start", learning_rate=1e-2),
+                             DataLoader(Samples(batches(STEPS * MICRO, MICRO_SIZE)), batch_size=MICRO * MICRO_SIZE),
+                             steps=STEPS, precision="64-true",
+                             storage={"weights": "ssd", "optimizer": "ssd", "ssd_dir": str(tmp_path / "ssd")},
+                             schedule={"num_micro_batches": MICRO, "alpha": 0.25},
+                             callbacks=[checkpoints, ExportInsideFit()], record="last", seed=None).last
     (ckpt,) = (tmp_path / "ckpts").iterdir()
-    engine_state = rec.states[-1]
 
     out = tmp_path / "hf_out"
     cmd = [sys.executable, "-m", "snake_strategy.checkpoint", str(ckpt), str(out), "--format", "hf"]
@@ -430,19 +360,16 @@ def test_export_defaults_to_the_master_dtype(tmp_path):
     """An fp64 run exported without dtype= (inside fit, after it, from a state dict, from a stream) loads
     back with from_pretrained as the identical fp64 tensors, as the checkpoint CLI's default does."""
     hf_model("llama").save_pretrained(tmp_path / "start")
-    rec = ParamRecorder(only_last=True)
 
     class ExportInsideFit(L.Callback):
         def on_train_end(self, trainer, pl_module):
             export_hf(pl_module, tmp_path / "in_run")
 
-    strategy = snake_strategy.GreedySnakeStrategy(storage={"weights": "ssd", "ssd_dir": str(tmp_path / "ssd")},
-                                                  schedule={"num_micro_batches": MICRO})
-    trainer = L.Trainer(strategy=strategy, precision="64-true", max_steps=STEPS, callbacks=[rec, ExportInsideFit()],
-                        **trainer_kwargs())
     module = HFCausalLM(tmp_path / "start", learning_rate=1e-2)
-    trainer.fit(module, DataLoader(Samples(batches(STEPS * MICRO, MICRO_SIZE)), batch_size=MICRO * MICRO_SIZE))
-    trained = rec.states[-1]
+    trained = fit_snake(module, DataLoader(Samples(batches(STEPS * MICRO, MICRO_SIZE)), batch_size=MICRO * MICRO_SIZE),
+                        steps=STEPS, precision="64-true", storage={"weights": "ssd", "ssd_dir": str(tmp_path / "ssd")},
+                        schedule={"num_micro_batches": MICRO}, callbacks=[ExportInsideFit()], record="last",
+                        seed=None).last
     export_hf(module, tmp_path / "after")
     export_hf(dict(trained), tmp_path / "state", config=module.hf_config)
     export_hf(iter(list(trained.items())), tmp_path / "stream", config=module.hf_config)

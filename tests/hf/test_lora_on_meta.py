@@ -12,13 +12,13 @@ from torch.utils.data import DataLoader
 import snake_strategy
 from snake_strategy.hf.lora import trained_parameters
 from snake_strategy.gpt import GPTModule
-from tests.helpers import SMALL_GPT, ParamRecorder, trainer_kwargs
+from tests.helpers import SMALL_GPT, assert_params_close, fit_lightning, fit_snake, trainer_kwargs
 
 peft = pytest.importorskip("peft")
 pytest.importorskip("transformers")
 
 from snake_strategy.hf import HFCausalLM  # noqa: E402
-from tests.hf.test_hf_models import Samples, batches, hf_model  # noqa: E402
+from tests.hf.models import Samples, batches, hf_model  # noqa: E402
 
 MICRO, MICRO_SIZE, STEPS = 2, 2, 2
 LORA = dict(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
@@ -59,15 +59,13 @@ def test_lora_on_meta_hf_model_streams_the_base_from_its_directory(targets, tmp_
     lora = {**LORA, "target_modules": targets}
     hf_model("llama").save_pretrained(tmp_path / "start")
     micro_batches = batches(STEPS * MICRO, MICRO_SIZE)
-    initial, rec = InitialAdapters(), ParamRecorder(only_last=True)
-    strategy = snake_strategy.GreedySnakeStrategy(
-        storage={"weights": "ssd", "optimizer": "ssd", "ssd_dir": str(tmp_path / "ssd")},
-        schedule={"kind": "vertical", "num_micro_batches": MICRO, "alpha": 0.25})
-    trainer = L.Trainer(strategy=strategy, precision="64-true", max_steps=STEPS, callbacks=[initial, rec],
-                        **trainer_kwargs())
-    module = lora_on_meta(HFCausalLM(tmp_path / "start", learning_rate=1e-2), lora)
-    trainer.fit(module, DataLoader(Samples(micro_batches), batch_size=MICRO * MICRO_SIZE))
-    assert strategy.pretrained == str(tmp_path / "start")  # handed over by the meta-built module
+    initial = InitialAdapters()
+    run = fit_snake(lora_on_meta(HFCausalLM(tmp_path / "start", learning_rate=1e-2), lora),
+                    DataLoader(Samples(micro_batches), batch_size=MICRO * MICRO_SIZE), steps=STEPS, precision="64-true",
+                    storage={"weights": "ssd", "optimizer": "ssd", "ssd_dir": str(tmp_path / "ssd")},
+                    schedule={"kind": "vertical", "num_micro_batches": MICRO, "alpha": 0.25}, callbacks=[initial],
+                    record="last", seed=None)
+    assert run.strategy.pretrained == str(tmp_path / "start")  # handed over by the meta-built module
     assert_peft_init(initial.values)
     assert any(n.startswith("lm_head") for n in initial.values) == ("lm_head" in targets)
 
@@ -76,14 +74,10 @@ def test_lora_on_meta_hf_model_streams_the_base_from_its_directory(targets, tmp_
     reference.configure_model()
     peft.get_peft_model(reference, peft.LoraConfig(**lora))
     reference.load_state_dict(initial.values, strict=False)
-    expected = ParamRecorder(only_last=True)
-    L.Trainer(strategy="auto", precision="64-true", max_steps=STEPS, accumulate_grad_batches=MICRO,
-              callbacks=[expected], **trainer_kwargs()).fit(reference, DataLoader(Samples(micro_batches),
-                                                                                  batch_size=MICRO_SIZE))
-    got, want = rec.states[-1], expected.states[-1]
-    assert got.keys() == want.keys()
-    for name in got:
-        torch.testing.assert_close(got[name], want[name], rtol=0, atol=1e-10, msg=name)
+    want = fit_lightning(reference, DataLoader(Samples(micro_batches), batch_size=MICRO_SIZE), steps=STEPS,
+                         precision="64-true", accumulate=MICRO, record="last", seed=None).last
+    got = run.last
+    assert_params_close(got, want, "64-true")
     assert any(not torch.equal(got[n], initial.values[n]) for n in initial.values)  # the adapters trained
 
 
@@ -127,21 +121,19 @@ def test_get_peft_model_directly_on_hf_causal_lm(tmp_path):
     micro_batches = batches(STEPS * MICRO, MICRO_SIZE)
 
     def snake_fit(module):
-        torch.manual_seed(11)
-        rec, initial = ParamRecorder(only_last=True), InitialAdapters()
-        strategy = snake_strategy.GreedySnakeStrategy(
-            storage={"weights": "ssd", "optimizer": "ssd", "ssd_dir": str(tmp_path / "ssd")},
-            schedule={"kind": "vertical", "num_micro_batches": MICRO, "alpha": 0.25})
-        L.Trainer(strategy=strategy, precision="64-true", max_steps=STEPS, callbacks=[initial, rec],
-                  **trainer_kwargs()).fit(module, DataLoader(Samples(micro_batches), batch_size=MICRO * MICRO_SIZE))
-        return initial.values, rec.states[-1]
+        initial = InitialAdapters()
+        run = fit_snake(module, DataLoader(Samples(micro_batches), batch_size=MICRO * MICRO_SIZE), steps=STEPS,
+                        precision="64-true",
+                        storage={"weights": "ssd", "optimizer": "ssd", "ssd_dir": str(tmp_path / "ssd")},
+                        schedule={"kind": "vertical", "num_micro_batches": MICRO, "alpha": 0.25}, callbacks=[initial],
+                        record="last", seed=11)
+        return initial.values, run.last
 
     def plain_fit(module):
-        rec, initial = ParamRecorder(only_last=True), InitialAdapters()
-        L.Trainer(strategy="auto", precision="64-true", max_steps=STEPS, accumulate_grad_batches=MICRO,
-                  callbacks=[initial, rec], **trainer_kwargs()).fit(module, DataLoader(Samples(micro_batches),
-                                                                                       batch_size=MICRO_SIZE))
-        return initial.values, rec.states[-1]
+        initial = InitialAdapters()
+        run = fit_lightning(module, DataLoader(Samples(micro_batches), batch_size=MICRO_SIZE), steps=STEPS,
+                            precision="64-true", accumulate=MICRO, callbacks=[initial], record="last", seed=None)
+        return initial.values, run.last
 
     direct = HFCausalLM(tmp_path / "start", learning_rate=1e-2)
     assert all(p.is_meta for p in direct.parameters())  # like from_pretrained's structure, nothing allocated

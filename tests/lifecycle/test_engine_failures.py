@@ -16,7 +16,7 @@ import snake_strategy
 from snake_strategy import EngineHooks, GreedySnakeStrategy
 from snake_strategy.gpt import GPTModule
 from snake_strategy.precision import GreedySnakePrecision
-from tests.helpers import SMALL_GPT, StackModule, max_abs_diff, token_data, trainer_kwargs
+from tests.helpers import SMALL_GPT, StackModule, fit_lightning, fit_with, max_abs_diff, token_data, trainer_kwargs
 
 
 def _loader(num_samples: int, batch_size: int, seed: int = 1234) -> DataLoader:
@@ -62,9 +62,8 @@ def test_second_fit_continues_from_the_trained_weights_like_plain_lightning():
     def twice(strategy_factory, loader_batch, accumulate):
         module = _model()
         for _ in range(2):
-            trainer = L.Trainer(strategy=strategy_factory(), precision="64-true", max_steps=2,
-                                accumulate_grad_batches=accumulate, **trainer_kwargs())
-            trainer.fit(module, _loader(16, loader_batch))
+            fit_with(strategy_factory(), module, _loader(16, loader_batch), steps=2, precision="64-true",
+                     accumulate=accumulate, record=None, seed=None)
         return _params(module)
 
     plain = twice(lambda: "auto", 2, 2)
@@ -104,14 +103,14 @@ def test_weights_that_exceed_the_budget_say_how_to_get_them(tmp_path):
 @pytest.mark.parametrize("num_samples,micro,micro_size", [(10, 2, 2), (10, 3, 2), (11, 3, 2)])
 def test_short_last_batch_trains_like_plain_accumulation(tmp_path, num_samples, micro, micro_size):
     plain_module = _model()
-    L.Trainer(strategy="auto", precision="64-true", max_epochs=1, accumulate_grad_batches=micro,
-              **trainer_kwargs()).fit(plain_module, _loader(num_samples, micro_size))
+    fit_lightning(plain_module, _loader(num_samples, micro_size), steps=-1, precision="64-true", accumulate=micro,
+                  record=None, seed=None, trainer_extra={"max_epochs": 1})
     snake_module = _model()
     storage = {"ssd_dir": str(tmp_path / "ssd"), "weights": "ssd", "optimizer": "ssd",
                "checkpoints": {"ssd": 1.0}, "checkpoint_host_ends": 0}
-    trainer = L.Trainer(strategy=_snake(micro, storage=storage), precision="64-true", max_epochs=1, **trainer_kwargs())
-    trainer.fit(snake_module, _loader(num_samples, micro * micro_size))
-    assert trainer.global_step == -(-num_samples // (micro * micro_size))
+    run = fit_with(_snake(micro, storage=storage), snake_module, _loader(num_samples, micro * micro_size), steps=-1,
+                   precision="64-true", record=None, seed=None, trainer_extra={"max_epochs": 1})
+    assert run.trainer.global_step == -(-num_samples // (micro * micro_size))
     assert max_abs_diff(_params(plain_module), _params(snake_module)) < 1e-10
 
 

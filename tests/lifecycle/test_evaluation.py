@@ -13,7 +13,7 @@ import snake_strategy
 from snake_strategy.checkpoint.consolidate import CheckpointWeights
 from snake_strategy.engine.evaluation import EvalEngine
 from snake_strategy.gpt import GPTModule
-from tests.helpers import SMALL_GPT, token_data, trainer_kwargs
+from tests.helpers import SMALL_GPT, fit_with, token_data, trainer_kwargs
 
 MICRO, MICRO_SIZE, STEPS = 2, 2, 2
 NUM_EVAL = 10  # eval batches of 4, 4 and 2 samples: a short last batch
@@ -32,7 +32,7 @@ class Model:
         self.kind = kind
         if kind == "llama":
             pytest.importorskip("transformers")
-            from tests.hf.test_hf_models import hf_model
+            from tests.hf.models import hf_model
 
             hf_model("llama").save_pretrained(tmp_path / "start")
             self.start = tmp_path / "start"
@@ -48,7 +48,7 @@ class Model:
     def dataset(self, num: int, seed: int):
         if self.kind == "gpt":
             return TensorDataset(*token_data(num, SMALL_GPT.context_len, SMALL_GPT.vocab_size, seed=seed))
-        from tests.hf.test_hf_models import Samples, batches
+        from tests.hf.models import Samples, batches
 
         return Samples(batches(num, 1, seed=seed))
 
@@ -293,10 +293,10 @@ def test_validation_inside_fit_is_micro_batched_and_equals_plain_lightning(kind,
     model = Model(kind, tmp_path)
 
     def fit(strategy, batch_size, accumulate, recorder):
-        trainer = L.Trainer(strategy=strategy, precision="64-true", max_steps=STEPS, accumulate_grad_batches=accumulate,
-                            callbacks=[recorder], **trainer_kwargs(limit_val_batches=None))
         loader = DataLoader(model.dataset(STEPS * MICRO * MICRO_SIZE, 1), batch_size=batch_size)
-        trainer.fit(model.module(), loader, model.eval_loader())
+        fit_with(strategy, model.module, loader,
+                 steps=STEPS, precision="64-true", accumulate=accumulate, callbacks=[recorder], record=None,
+                 val_loader=model.eval_loader(), trainer_extra={"limit_val_batches": None})
         return recorder.outputs["validate"]
 
     expected = fit("auto", MICRO_SIZE, MICRO, StepOutputs())

@@ -3,10 +3,8 @@ a saved state dict equals the original."""
 import lightning as L
 import torch
 
-import snake_strategy
 from snake_strategy.gpt import GPTModule
-from tests.helpers import SMALL_GPT, token_data, trainer_kwargs
-from torch.utils.data import DataLoader, TensorDataset
+from tests.helpers import SMALL_GPT, fit_snake, token_loader
 
 
 def _snake_state_after_setup(module, **strategy_kw):
@@ -17,11 +15,10 @@ def _snake_state_after_setup(module, **strategy_kw):
             captured.update(trainer.strategy.engine.state_dict())
             trainer.should_stop = True  # stop before any step
 
-    x, y = token_data(8, SMALL_GPT.context_len, SMALL_GPT.vocab_size)
-    strategy = snake_strategy.GreedySnakeStrategy(
-        storage={"weights": "ssd", "optimizer": "ssd"}, schedule={"num_micro_batches": 4}, **strategy_kw)
-    trainer = L.Trainer(strategy=strategy, max_steps=1, callbacks=[Capture()], **trainer_kwargs())
-    trainer.fit(module, train_dataloaders=DataLoader(TensorDataset(x, y), batch_size=8))
+    # seed=None: the module's init runs inside fit, from the RNG state its test set.
+    fit_snake(module, token_loader(8, 8, SMALL_GPT.context_len, SMALL_GPT.vocab_size), steps=1,
+              storage={"weights": "ssd", "optimizer": "ssd"}, schedule={"num_micro_batches": 4}, callbacks=[Capture()],
+              record=None, seed=None, **strategy_kw)
     return captured
 
 

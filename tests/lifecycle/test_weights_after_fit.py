@@ -30,7 +30,7 @@ from snake_strategy.planning.host_memory import (CGROUP_HEADROOM_SHARE, SOURCE_A
 from snake_strategy.progress import Progress
 from snake_strategy.sources.safetensors_io import ShardedSafetensorsWriter
 from snake_strategy.storage import SsdDirectory
-from tests.helpers import token_data, trainer_kwargs
+from tests.helpers import fit_snake, token_data, trainer_kwargs
 
 CFG = GPTConfig(vocab_size=64, d_model=64, num_layers=32, num_heads=4, context_len=16)  # 6.4 MB of fp32 weights
 BUDGET_BYTES = 3 * 2**20  # holds a few units, not the weights
@@ -62,17 +62,11 @@ def _fake_cgroup(root, limit_bytes: int, usage_bytes: int) -> None:
 
 def _fit(root, steps: int = 2, module: GPTModule | None = None, budget: int | None = None, hooks=None,
          callbacks=(), progress=None, **storage) -> tuple[GPTModule, snake_strategy.GreedySnakeStrategy]:
-    if module is None:
-        torch.manual_seed(0)
-        module = GPTModule(CFG)
-    strategy = snake_strategy.GreedySnakeStrategy(
-        storage={"ssd_dir": str(root / "ssd"), **SSD_STATES, "host_budget_bytes": budget, **storage},
-        schedule={"num_micro_batches": 2}, hooks=hooks, progress=progress)
-    checkpointing = any(isinstance(c, ModelCheckpoint) for c in callbacks)
-    trainer = L.Trainer(strategy=strategy, max_steps=steps, callbacks=list(callbacks),
-                        **trainer_kwargs(enable_checkpointing=checkpointing, default_root_dir=str(root)))
-    trainer.fit(module, _loader())
-    return module, strategy
+    run = fit_snake(module if module is not None else (lambda: GPTModule(CFG)), _loader(), steps=steps,
+                    storage={"ssd_dir": str(root / "ssd"), **SSD_STATES, "host_budget_bytes": budget, **storage},
+                    schedule={"num_micro_batches": 2}, hooks=hooks, progress=progress, callbacks=callbacks,
+                    record=None, trainer_extra={"default_root_dir": str(root)})
+    return run.module, run.strategy
 
 
 def _values(module) -> dict[str, torch.Tensor]:
@@ -214,22 +208,16 @@ def test_export_dir_that_is_a_file_is_refused(tmp_path):
 # file after fit, reads it after teardown removed the tier's directory, and equals the engine's last state.
 _MAPPED_FIT = """
 import json, logging, os, sys
-import lightning as L, torch
-import snake_strategy
+import torch
 from snake_strategy.engine.state.weights_file import mapped_parameters
 from snake_strategy.gpt import GPTModule
-from tests.helpers import ParamRecorder, trainer_kwargs
+from tests.helpers import fit_snake
 from tests.lifecycle.test_weights_after_fit import BUDGET_BYTES, CFG, SSD_STATES, _loader
 
 logging.basicConfig(level=logging.INFO)
-torch.manual_seed(0)
-module = GPTModule(CFG)
-strategy = snake_strategy.GreedySnakeStrategy(storage={**SSD_STATES, "host_budget_bytes": BUDGET_BYTES},
-                                              schedule={"num_micro_batches": 2})
-recorder = ParamRecorder(only_last=True)
-L.Trainer(strategy=strategy, max_steps=2, callbacks=[recorder],
-          **trainer_kwargs(default_root_dir=sys.argv[1])).fit(module, _loader())
-trained = recorder.states[-1]
+run = fit_snake(lambda: GPTModule(CFG), _loader(), steps=2, storage={**SSD_STATES, "host_budget_bytes": BUDGET_BYTES},
+                schedule={"num_micro_batches": 2}, record="last", trainer_extra={"default_root_dir": sys.argv[1]})
+module, strategy, trained = run.module, run.strategy, run.last
 state = module.state_dict()
 print(json.dumps({
     "weights_file": strategy.weights_file, "exists": os.path.exists(strategy.weights_file),

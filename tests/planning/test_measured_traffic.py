@@ -20,13 +20,11 @@ from collections import Counter
 
 import lightning as L
 import pytest
-from torch.utils.data import DataLoader, TensorDataset
 
-import snake_strategy
 from snake_strategy.gpt import GPTModule
 from snake_strategy.schedule import build_tasks, weight_fetches
 from snake_strategy.storage import round_up
-from tests.helpers import SMALL_GPT, token_data, trainer_kwargs
+from tests.helpers import SMALL_GPT, fit_snake, token_loader
 
 MICRO_SIZE = 1
 STEPS = 2
@@ -86,18 +84,14 @@ def _delta(before: dict, after: dict) -> dict[str, int]:
 
 def run(tmp_path, storage: dict, kind: str, micro: int, precision: str = "32-true", blocks_per_unit: int = 1,
         alpha: float | None = None, steps: int = STEPS, callbacks: tuple = ()) -> StepStats:
-    x, y = token_data(steps * micro * MICRO_SIZE, SMALL_GPT.context_len, SMALL_GPT.vocab_size)
-    loader = DataLoader(TensorDataset(x, y), batch_size=micro * MICRO_SIZE, shuffle=False)
-    module = GPTModule(SMALL_GPT, learning_rate=1e-3)
     schedule = {"kind": kind, "num_micro_batches": micro, "blocks_per_unit": blocks_per_unit}
     if alpha is not None:
         schedule["alpha"] = alpha
-    strategy = snake_strategy.GreedySnakeStrategy(
-        storage=dict(storage, ssd_dir=str(tmp_path / f"ssd-{kind}-{micro}-{alpha}")), schedule=schedule)
     stats = StepStats()
-    trainer = L.Trainer(strategy=strategy, precision=precision, max_steps=steps, callbacks=[stats, *callbacks],
-                        **trainer_kwargs())
-    trainer.fit(module, train_dataloaders=loader)
+    fit_snake(GPTModule(SMALL_GPT, learning_rate=1e-3),
+              token_loader(steps * micro * MICRO_SIZE, micro * MICRO_SIZE, SMALL_GPT.context_len, SMALL_GPT.vocab_size),
+              steps=steps, storage=dict(storage, ssd_dir=str(tmp_path / f"ssd-{kind}-{micro}-{alpha}")),
+              schedule=schedule, precision=precision, callbacks=[stats, *callbacks], record=None, seed=None)
     assert len(stats.traffic) == steps
     return stats
 
@@ -276,12 +270,10 @@ def test_step_stats_account_for_every_byte(tmp_path):
 @pytest.mark.parametrize("prefetch_depth", [0, 2])
 def test_prefetch_depth_does_not_change_weight_bytes(tmp_path, kind, prefetch_depth):
     micro = 3
-    x, y = token_data(micro, SMALL_GPT.context_len, SMALL_GPT.vocab_size)
     stats = StepStats()
-    strategy = snake_strategy.GreedySnakeStrategy(
-        storage=dict(SSD_WEIGHTS, ssd_dir=str(tmp_path / "ssd")),
-        schedule={"kind": kind, "num_micro_batches": micro, "prefetch_depth": prefetch_depth})
-    trainer = L.Trainer(strategy=strategy, precision="bf16-true", max_steps=1, callbacks=[stats], **trainer_kwargs())
-    trainer.fit(GPTModule(SMALL_GPT), train_dataloaders=DataLoader(TensorDataset(x, y), batch_size=micro))
+    fit_snake(GPTModule(SMALL_GPT), token_loader(micro, micro, SMALL_GPT.context_len, SMALL_GPT.vocab_size), steps=1,
+              storage=dict(SSD_WEIGHTS, ssd_dir=str(tmp_path / "ssd")),
+              schedule={"kind": kind, "num_micro_batches": micro, "prefetch_depth": prefetch_depth},
+              precision="bf16-true", callbacks=[stats], record=None, seed=None)
     fetches = weight_fetches(build_tasks(kind, N_LAYERS, micro))
     assert stats.traffic[0]["ssd/weights/read"] == len(fetches) * round_up(P * BF16)

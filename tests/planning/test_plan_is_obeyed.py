@@ -3,13 +3,12 @@ the engine allocates for them, in every precision (half-precision weight storage
 mode, prefetch depth and kept-activation policy the plan reports are the ones the engine runs."""
 import lightning as L
 import pytest
-import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 import snake_strategy
 from snake_strategy.gpt import GPTModule
 from snake_strategy.precision import GreedySnakePrecision
-from tests.helpers import SMALL_GPT, token_data, trainer_kwargs
+from tests.helpers import SMALL_GPT, fit_snake, token_data, token_loader, trainer_kwargs
 
 MICRO, MICRO_SIZE = 2, 2
 STORED = ("weights", "master", "optimizer_moments")
@@ -43,15 +42,12 @@ class _Engine(L.Callback):
 
 
 def _fit(precision, half_weights=True, schedule=None, clip=None):
-    x, y = token_data(MICRO * MICRO_SIZE, SMALL_GPT.context_len, SMALL_GPT.vocab_size)
-    strategy = snake_strategy.GreedySnakeStrategy(
-        schedule={"num_micro_batches": MICRO, **(schedule or {})},
-        precision_plugin=GreedySnakePrecision(precision, half_weights=half_weights))
     seen = _Engine()
-    trainer = L.Trainer(strategy=strategy, max_steps=1, callbacks=[seen],
-                        **trainer_kwargs(**({"gradient_clip_val": clip} if clip else {})))
-    trainer.fit(GPTModule(SMALL_GPT), train_dataloaders=DataLoader(TensorDataset(x, y), batch_size=MICRO * MICRO_SIZE))
-    return strategy.plan, seen
+    run = fit_snake(GPTModule(SMALL_GPT), token_loader(MICRO * MICRO_SIZE, MICRO * MICRO_SIZE), steps=1,
+                    schedule={"num_micro_batches": MICRO, **(schedule or {})}, callbacks=[seen], record=None,
+                    precision_plugin=GreedySnakePrecision(precision, half_weights=half_weights),
+                    trainer_extra={"gradient_clip_val": clip} if clip else None)
+    return run.strategy.plan, seen
 
 
 @pytest.mark.parametrize("precision,half_weights", [("32-true", True), ("bf16-mixed", True), ("bf16-mixed", False),

@@ -11,15 +11,9 @@ from collections import Counter
 
 import lightning as L
 import pytest
-import torch
-import torch.nn.functional as F
-from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
 
-import snake_strategy
-from snake_strategy import LayeredModule
 from snake_strategy.gpt import GPTModule
-from tests.helpers import SMALL_GPT, token_data, trainer_kwargs
+from tests.helpers import SMALL_GPT, fit_snake, token_loader
 
 MICRO, STEPS, CONTEXT = 6, 4, 16  # 6 micro-batches: 2 per unit are off the turning points (SSD checkpoints)
 LAYOUTS = {
@@ -28,29 +22,6 @@ LAYOUTS = {
     "ssd_all": {"weights": "ssd", "master": "ssd", "optimizer": "ssd", "checkpoints": "ssd"},
 }
 HOST_MODELLED = ("weights", "master", "exp_avg", "exp_avg_sq")
-
-
-class AlignedStack(LayeredModule):
-    """Units whose sizes are whole pages in fp32 and bf16 (128 x 128 weights, no bias) and whose forward
-    part at alpha 0.25 is exactly a quarter: no page rounding between the model and the engine."""
-
-    def __init__(self, width=128, depth=4, vocab=64):
-        super().__init__()
-        self.embed = nn.Embedding(vocab, width)
-        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(width, width, bias=False), nn.Tanh()) for _ in range(depth))
-        self.head = nn.Linear(width, vocab)
-
-    def pre_stage(self, batch):
-        return self.embed(batch[0])
-
-    def post_stage(self, hidden):
-        return self.head(hidden)
-
-    def compute_loss(self, outputs, batch):
-        return F.cross_entropy(outputs.float().flatten(0, 1), batch[1].flatten())
-
-    def configure_optimizers(self):
-        return torch.optim.AdamW(self.parameters(), lr=1e-3)
 
 
 class _Window(L.Callback):
@@ -62,13 +33,11 @@ class _Window(L.Callback):
 
 
 def _measure(module, kind, layout, precision, ssd_dir):
-    x, y = token_data(STEPS * MICRO, CONTEXT, 64)
-    torch.manual_seed(0)
-    strategy = snake_strategy.GreedySnakeStrategy(storage=dict(LAYOUTS[layout], ssd_dir=str(ssd_dir)),
-                                                  schedule={"kind": kind, "num_micro_batches": MICRO, "alpha": 0.25})
     window = _Window()
-    trainer = L.Trainer(strategy=strategy, precision=precision, max_steps=STEPS, callbacks=[window], **trainer_kwargs())
-    trainer.fit(module, train_dataloaders=DataLoader(TensorDataset(x, y), batch_size=MICRO))
+    strategy = fit_snake(module, token_loader(STEPS * MICRO, MICRO, CONTEXT, 64), steps=STEPS,
+                         storage=dict(LAYOUTS[layout], ssd_dir=str(ssd_dir)),
+                         schedule={"kind": kind, "num_micro_batches": MICRO, "alpha": 0.25}, precision=precision,
+                         callbacks=[window], record=None).strategy
     assert len(window.snapshots) == STEPS
     before, after = window.snapshots[2], window.snapshots[3]
     delta = Counter({k: v - before.get(k, 0) for k, v in after.items() if v != before.get(k, 0)})
@@ -90,3 +59,10 @@ def _measure(module, kind, layout, precision, ssd_dir):
 def test_predicted_ssd_bytes_equal_measured_for_a_gpt(tmp_path, kind):
     predicted, measured, delta = _measure(GPTModule(SMALL_GPT), kind, "ssd", "32-true", tmp_path / "ssd")
     assert predicted == measured, (predicted, measured, sorted(delta.items()))
+
+
+@pytest.mark.parametrize("layout", ["ssd", "host"])
+def test_planner_bytes_equal_counters_with_half_storage(tmp_path, layout):
+    predicted, measured, delta = _measure(GPTModule(SMALL_GPT), "vertical", layout, "bf16-mixed", tmp_path / layout)
+    assert predicted == measured, (predicted, measured, sorted(delta.items()))
+    assert measured["ssd_read"] > 0 or layout == "host"

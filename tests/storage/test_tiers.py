@@ -9,9 +9,8 @@ import os
 import lightning as L
 import pytest
 import torch
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader
 
-import snake_strategy
 from snake_strategy.activations import ActivationStore
 from snake_strategy.config import StorageConfig, TierSplit
 from snake_strategy.gpt import GPTModule
@@ -19,7 +18,7 @@ from snake_strategy.storage import PAGE_BYTES, IOEngine, SsdDirectory, TieredTen
 from snake_strategy.storage import io_engine
 from snake_strategy.storage.aligned import padded_bytes
 from snake_strategy.storage.tiered import ALIGN_ELEMS
-from tests.helpers import SMALL_GPT, token_data, trainer_kwargs
+from tests.helpers import SMALL_GPT, fit_lightning, fit_snake, token_loader
 
 CPU = torch.device("cpu")
 MIB = 2**20
@@ -388,11 +387,6 @@ class SsdObserver(L.Callback):
 
 def train(storage: dict, steps: int = 2, micro: int = 3, precision: str = "32-true",
           read_final: bool = True) -> tuple[dict, SsdObserver]:
-    x, y = token_data(steps * micro, SMALL_GPT.context_len, SMALL_GPT.vocab_size)
-    loader = DataLoader(TensorDataset(x, y), batch_size=micro, shuffle=False)
-    torch.manual_seed(0)
-    module = GPTModule(SMALL_GPT, learning_rate=1e-3)
-    strategy = snake_strategy.GreedySnakeStrategy(storage=storage, schedule={"num_micro_batches": micro})
     observer = SsdObserver()
     final = {}
 
@@ -400,9 +394,10 @@ def train(storage: dict, steps: int = 2, micro: int = 3, precision: str = "32-tr
         def on_train_end(self, trainer, pl_module):
             final.update(trainer.strategy.engine.state_dict())
 
-    trainer = L.Trainer(strategy=strategy, precision=precision, max_steps=steps, callbacks=[observer] + ([Final()] if read_final else []),
-                        **trainer_kwargs())
-    trainer.fit(module, train_dataloaders=loader)
+    fit_snake(lambda: GPTModule(SMALL_GPT, learning_rate=1e-3),
+              token_loader(steps * micro, micro, SMALL_GPT.context_len, SMALL_GPT.vocab_size), steps=steps,
+              storage=storage, schedule={"num_micro_batches": micro}, precision=precision,
+              callbacks=[observer] + ([Final()] if read_final else []), record=None)
     assert final or not read_final
     return final, observer
 
@@ -492,27 +487,24 @@ def test_smaller_last_batch_with_ssd_checkpoints(tmp_path):
     # 10 samples in batches of 8: the second (last) batch holds 2, one micro-batch of the full micro size
     # (4) holding 2 samples. Reference: plain Lightning in fp64 fed the same micro-batches (4, 4 | 2) with
     # accumulate_grad_batches=2, so every micro-batch loss is weighted 1/2 as in the strategy.
-    from tests.helpers import ParamRecorder, max_abs_diff
+    from tests.helpers import max_abs_diff
 
-    x, y = token_data(10, SMALL_GPT.context_len, SMALL_GPT.vocab_size)
-    dataset = TensorDataset(x, y)
-    torch.manual_seed(0)
-    ref_rec = ParamRecorder()  # after every loader batch: the optimizer steps after batches 2 and 3
-    L.Trainer(strategy="auto", precision="64-true", max_epochs=1, accumulate_grad_batches=2, callbacks=[ref_rec],
-              **trainer_kwargs()).fit(
-        GPTModule(SMALL_GPT, learning_rate=1e-2),
-        train_dataloaders=DataLoader(dataset, batch_sampler=[[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]))
-    torch.manual_seed(0)
-    strategy = snake_strategy.GreedySnakeStrategy(
-        storage={"checkpoints": "ssd", "checkpoint_host_ends": 0, "ssd_dir": str(tmp_path / "ssd")},
-        schedule={"num_micro_batches": 2})
-    rec = ParamRecorder()
-    trainer = L.Trainer(strategy=strategy, precision="64-true", max_epochs=1, callbacks=[rec], **trainer_kwargs())
-    trainer.fit(GPTModule(SMALL_GPT, learning_rate=1e-2), train_dataloaders=DataLoader(dataset, batch_size=8))
-    assert trainer.global_step == 2 and len(rec.states) == 2 and len(ref_rec.states) == 3
-    for got, want in zip(rec.states, ref_rec.states[1:]):
+    dataset = token_loader(10, 8, SMALL_GPT.context_len, SMALL_GPT.vocab_size).dataset
+
+    def model():
+        return GPTModule(SMALL_GPT, learning_rate=1e-2)
+
+    one_epoch = {"max_epochs": 1}
+    # After every loader batch: the optimizer steps after batches 2 and 3.
+    ref = fit_lightning(model, DataLoader(dataset, batch_sampler=[[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]), steps=-1,
+                        precision="64-true", accumulate=2, record="batch", trainer_extra=one_epoch).states
+    run = fit_snake(model, DataLoader(dataset, batch_size=8), steps=-1, precision="64-true",
+                    storage={"checkpoints": "ssd", "checkpoint_host_ends": 0, "ssd_dir": str(tmp_path / "ssd")},
+                    schedule={"num_micro_batches": 2}, trainer_extra=one_epoch)
+    assert run.trainer.global_step == 2 and len(run.states) == 2 and len(ref) == 3
+    for got, want in zip(run.states, ref[1:]):
         assert max_abs_diff(got, want) < 1e-10
-    assert max_abs_diff(rec.states[1], rec.states[0]) > 1e-3  # the small last batch really trained
+    assert max_abs_diff(run.states[1], run.states[0]) > 1e-3  # the small last batch really trained
 
 
 def test_o_direct_refusal_warns_once_per_run(tmp_path, refuse_o_direct, caplog):

@@ -8,7 +8,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 import snake_strategy
-from tests.helpers import trainer_kwargs
+from tests.helpers import fit_lightning, fit_snake, trainer_kwargs
 
 ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
@@ -23,16 +23,14 @@ def _readme_example_class():
     return namespace["TinyMLPStack"]
 
 
-def _train(strategy, batch_size, accumulate, steps=3):
+def _loader(batch_size, steps=3):
     g = torch.Generator().manual_seed(5)
     tokens = torch.randint(0, 256, (steps * 8, 9), generator=g)
-    loader = DataLoader(TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=batch_size)
-    torch.manual_seed(0)
-    module = _readme_example_class()(width=16, depth=3)
-    trainer = L.Trainer(strategy=strategy, precision="64-true", max_steps=steps,
-                        accumulate_grad_batches=accumulate, **trainer_kwargs())
-    trainer.fit(module, train_dataloaders=loader)
-    return trainer
+    return DataLoader(TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=batch_size)
+
+
+def _model():
+    return _readme_example_class()(width=16, depth=3)
 
 
 def test_readme_example_matches_plain_lightning():
@@ -42,17 +40,10 @@ def test_readme_example_matches_plain_lightning():
         def on_train_end(self, trainer, pl_module):
             captured.update(trainer.strategy.engine.state_dict())
 
-    ref = _train("auto", batch_size=2, accumulate=4)
-    reference = {n: p.detach() for n, p in ref.lightning_module.named_parameters()}
-    strategy = snake_strategy.GreedySnakeStrategy(schedule={"num_micro_batches": 4})
-    torch.manual_seed(0)
-    g = torch.Generator().manual_seed(5)
-    tokens = torch.randint(0, 256, (24, 9), generator=g)
-    loader = DataLoader(TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=8)
-    module = _readme_example_class()(width=16, depth=3)
-    trainer = L.Trainer(strategy=strategy, precision="64-true", max_steps=3, callbacks=[Capture()],
-                        **trainer_kwargs())
-    trainer.fit(module, train_dataloaders=loader)
+    ref = fit_lightning(_model, _loader(batch_size=2), steps=3, precision="64-true", accumulate=4, record=None)
+    reference = {n: p.detach() for n, p in ref.module.named_parameters()}
+    fit_snake(_model, _loader(batch_size=8), steps=3, precision="64-true", schedule={"num_micro_batches": 4},
+              callbacks=[Capture()], record=None)
     assert captured.keys() == reference.keys()
     for name in reference:
         torch.testing.assert_close(captured[name], reference[name], rtol=0, atol=1e-10, msg=name)

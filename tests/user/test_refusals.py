@@ -1,4 +1,7 @@
-"""User errors surface as ValueErrors that name the setting to change, before any training step runs."""
+"""User errors are refused before work is done, as ValueErrors that name the setting to change: the model
+contract, storage, the batch and the trainer, precision, configs and their values (before any training step
+runs), an empty batch (by its index), and blocks or pre_stage returning the wrong type (at setup, before
+any weight is materialized)."""
 from __future__ import annotations
 
 import dataclasses
@@ -13,34 +16,51 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import snake_strategy
-from snake_strategy import GreedySnakePrecision, GreedySnakeStrategy, ScheduleConfig, StorageConfig, TierSplit
+from snake_strategy import (GreedySnakePrecision, GreedySnakeStrategy, Progress, ScheduleConfig, StorageConfig,
+                            TierSplit)
 from snake_strategy.gpt import GPTModule
 from snake_strategy.schedule import build_tasks
 from snake_strategy.storage import ssd_directory
-from tests.helpers import SMALL_GPT, token_data, trainer_kwargs
+from tests.helpers import SMALL_GPT, StackModule, fit_with, token_data, token_loader, trainer_kwargs
 
 
-class StepCounter(L.Callback):
+class Seen(L.Callback):
+    """How far a fit got, also when it raised: batches started, steps done, the phases that reported progress."""
+
     def __init__(self) -> None:
-        self.batches = 0
+        self.batches, self.steps, self.phases = 0, 0, set()
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         self.batches += 1
 
+    def on_train_batch_end(self, *args) -> None:
+        self.steps += 1
 
-def fit(module: L.LightningModule, strategy=None, batch_size: int = 4, num_samples: int = 8, **trainer_overrides):
-    """Fit ``module`` for at most 2 steps; returns the step counter (raises what fit raises)."""
-    x, y = token_data(num_samples, SMALL_GPT.context_len, SMALL_GPT.vocab_size)
-    loader = DataLoader(TensorDataset(x, y), batch_size=batch_size, shuffle=False)
-    counter = StepCounter()
-    kw = trainer_kwargs(**trainer_overrides)
-    trainer = L.Trainer(strategy=strategy or GreedySnakeStrategy(schedule={"num_micro_batches": 2}),
-                        max_steps=2, callbacks=[counter], **kw)
+
+def fit(module: L.LightningModule, loader: DataLoader | None = None, *, strategy=None, steps: int = 2,
+        **trainer_extra) -> Seen:
+    """Fit ``module`` for at most ``steps`` steps (raises what fit raises; ``fit.last`` says how far it got).
+    The default strategy: 2 micro-batches and a progress listener."""
+    seen, events = Seen(), []
+    fit.last = seen
+    strategy = strategy or GreedySnakeStrategy(schedule={"num_micro_batches": 2},
+                                               progress=Progress(log=False, listeners=[events.append]))
     try:
-        trainer.fit(module, train_dataloaders=loader)
+        fit_with(strategy, module, loader if loader is not None else _loader(), steps=steps, callbacks=[seen],
+                 record=None, trainer_extra=trainer_extra)
     finally:
-        fit.last_counter = counter
-    return counter
+        seen.phases = {e.phase for e in events}
+    return seen
+
+
+def _loader(num_samples: int = 8, batch_size: int = 4) -> DataLoader:
+    return token_loader(num_samples, batch_size, SMALL_GPT.context_len, SMALL_GPT.vocab_size)
+
+
+def _stack(block=None, depth: int = 2) -> StackModule:
+    torch.manual_seed(0)
+    make = block or (lambda: nn.Sequential(nn.LayerNorm(16), nn.Linear(16, 16), nn.GELU()))
+    return StackModule(lambda i: make(), depth=depth)
 
 
 # ---------------------------------------------------------------------------------------- the model contract
@@ -62,7 +82,7 @@ def test_module_without_contract():
     message = str(err.value)
     for piece in ("PlainModule", "`blocks`", "pre_stage", "post_stage", "compute_loss"):
         assert piece in message, message
-    assert fit.last_counter.batches == 0
+    assert fit.last.batches == 0
 
 
 def test_contract_by_registry_name():
@@ -82,7 +102,7 @@ def test_unwritable_ssd_dir(tmp_path):
         fit(GPTModule(SMALL_GPT), strategy=strategy)
     message = str(err.value)
     assert "storage.ssd_dir" in message and str(bad) in message, message
-    assert fit.last_counter.batches == 0
+    assert fit.last.batches == 0
 
 
 def test_ssd_dir_is_a_file(tmp_path):
@@ -107,7 +127,7 @@ def test_free_space_check_runs_before_training(tmp_path, monkeypatch):
     message = str(err.value)
     assert "storage.ssd_dir" in message and "GiB free" in message, message
     assert "GiB free (1000 bytes)" in message  # the exact numbers, readable for small sizes too
-    assert fit.last_counter.batches == 0
+    assert fit.last.batches == 0
     # Nothing was left behind by the half-built engine.
     assert [p for p in ssd_dir.rglob("*") if p.is_file()] == []
 
@@ -116,7 +136,7 @@ def test_free_space_check_runs_before_training(tmp_path, monkeypatch):
 def test_batch_not_divisible_by_micro_batches():
     strategy = GreedySnakeStrategy(schedule={"num_micro_batches": 2})
     with pytest.raises(ValueError) as err:
-        fit(GPTModule(SMALL_GPT), strategy=strategy, batch_size=5, num_samples=5)
+        fit(GPTModule(SMALL_GPT), _loader(5, 5), strategy=strategy)
     message = str(err.value)
     assert "num_micro_batches=2" in message and "5" in message, message
 
@@ -127,7 +147,7 @@ def test_failed_step_removes_ssd_files(tmp_path):
                                             "ssd_dir": str(ssd_dir)},
                                    schedule={"num_micro_batches": 2})
     with pytest.raises(ValueError, match="num_micro_batches"):
-        fit(GPTModule(SMALL_GPT), strategy=strategy, batch_size=5, num_samples=5)
+        fit(GPTModule(SMALL_GPT), _loader(5, 5), strategy=strategy)
     assert not ssd_dir.exists()  # the run created it: removed with everything in it (issue 9)
 
 
@@ -152,7 +172,7 @@ def test_exception_mid_step_propagates_and_removes_ssd_files(tmp_path):
                                    schedule={"num_micro_batches": 2})
     with pytest.raises(RuntimeError, match="loss exploded"):
         fit(FailingLoss(SMALL_GPT), strategy=strategy)
-    assert fit.last_counter.batches == 2
+    assert fit.last.batches == 2
     assert [p for p in ssd_dir.rglob("*") if p.is_file()] == []
 
 
@@ -165,14 +185,14 @@ class ManualModule(GPTModule):
 def test_manual_optimization():
     with pytest.raises(ValueError, match="automatic optimization"):
         fit(ManualModule(SMALL_GPT))
-    assert fit.last_counter.batches == 0
+    assert fit.last.batches == 0
 
 
 def test_accumulate_grad_batches():
     with pytest.raises(ValueError) as err:
         fit(GPTModule(SMALL_GPT), accumulate_grad_batches=2)
     assert "accumulate_grad_batches" in str(err.value) and "num_micro_batches" in str(err.value)
-    assert fit.last_counter.batches == 0
+    assert fit.last.batches == 0
 
 
 def test_unknown_gradient_clip_algorithm_refused():
@@ -192,7 +212,7 @@ def test_non_adam_optimizer():
     with pytest.raises(ValueError) as err:
         fit(SGDModule(SMALL_GPT))
     assert "AdamW" in str(err.value) and "SGD" in str(err.value)
-    assert fit.last_counter.batches == 0
+    assert fit.last.batches == 0
 
 
 class AmsgradModule(GPTModule):
@@ -312,7 +332,7 @@ def test_mismatched_batching_refuses_dropout_before_any_update():
     strategy = GreedySnakeStrategy(schedule={"kind": "vertical", "num_micro_batches": 2, "batched_backward": True})
     with pytest.raises(ValueError, match="random numbers.*batched_forward / batched_backward"):
         fit(GPTModule(config), strategy=strategy)
-    assert fit.last_counter.batches == 1  # refused inside the first step's backward, before any update
+    assert fit.last.batches == 1  # refused inside the first step's backward, before any update
 
 
 def test_bad_config_type():
@@ -370,3 +390,85 @@ def test_ssd_dir_expands_home_and_variables(tmp_path, monkeypatch):
     strategy = GreedySnakeStrategy(storage={"ssd_dir": "~/ssd", "weights": "ssd"}, schedule={"num_micro_batches": 2})
     fit(GPTModule(SMALL_GPT), strategy=strategy)
     assert not (tmp_path / "~").exists()
+
+
+# ---------------------------------------------------------------------------------------- an empty batch
+def test_an_empty_batch_is_refused_naming_its_index():
+    """A collate_fn that filters every sample out of the second batch: plain Lightning steps on it with a
+    NaN loss; greedysnake refuses it by index instead of an IndexError deep in the runner."""
+    x, y = token_data(12, 16, 64)
+    x[:, 0] = x[:, 0] % 63
+    x[4:8, 0] = 63  # the second batch's samples carry the marker the collate_fn filters out
+
+    def filtering(samples):
+        kept = [s for s in samples if int(s[0][0]) != 63]
+        return (torch.empty(0, 16, dtype=x.dtype), torch.empty(0, 16, dtype=y.dtype)) if not kept \
+            else torch.utils.data.default_collate(kept)
+
+    loader = DataLoader(TensorDataset(x, y), batch_size=4, collate_fn=filtering)
+    with pytest.raises(ValueError, match=r"training batch 1 of epoch 0 holds 0 samples.*drop_last"):
+        fit(_stack(), loader, steps=3)
+    assert fit.last.steps == 1  # the first batch trained; the empty one was refused before the engine ran
+
+
+# ---------------------------------------------------------------------------------------- the output contract at setup
+class TupleBlock(nn.Linear):
+    def __init__(self) -> None:
+        super().__init__(16, 16)
+
+    def forward(self, x):
+        return super().forward(x), None
+
+
+@pytest.mark.parametrize("depth", [1, 3])
+def test_a_tuple_returning_block_is_refused_before_materializing(depth):
+    module = _stack(depth=depth)
+    module.blocks[-1] = TupleBlock()
+    with pytest.raises(ValueError, match=rf"blocks\[{depth - 1}\] returned a tuple.*return the hidden Tensor alone"):
+        fit(module, _loader(), steps=1)
+    assert "materialize" not in fit.last.phases and fit.last.steps == 0
+
+
+def test_a_malformed_pre_stage_is_refused_before_materializing():
+    class ListPre(StackModule):
+        def pre_stage(self, batch):
+            return [self.embed(batch[0])]
+
+    torch.manual_seed(0)
+    with pytest.raises(ValueError, match="pre_stage must return the hidden Tensor or a tuple"):
+        fit(ListPre(lambda i: nn.Linear(16, 16)), _loader(), steps=1)
+    assert "materialize" not in fit.last.phases
+
+
+def test_a_model_built_on_meta_is_checked_without_memory():
+    """The strategy builds configure_model() on meta: the check runs on meta too (no weight exists yet)."""
+
+    class MetaBuilt(StackModule):
+        def __init__(self):
+            L.LightningModule.__init__(self)
+            self.lr = 1e-3
+
+        def configure_model(self):
+            if hasattr(self, "blocks"):
+                return
+            self.embed = nn.Embedding(64, 16)
+            self.blocks = nn.ModuleList([nn.Linear(16, 16), TupleBlock()])
+            self.head = nn.Linear(16, 64)
+
+    with pytest.raises(ValueError, match=r"blocks\[1\] returned a tuple"):
+        fit(MetaBuilt(), _loader(), steps=1)
+    assert "materialize" not in fit.last.phases
+
+
+def test_a_block_that_cannot_run_on_meta_is_left_to_the_first_batch():
+    """Best effort: a block meta cannot run (here: it reads a value with .item()) trains as before."""
+
+    class ItemBlock(nn.Linear):
+        def __init__(self) -> None:
+            super().__init__(16, 16)
+
+        def forward(self, x):
+            return super().forward(x) * (1.0 + 0.0 * float(x.detach().abs().max().item()))
+
+    fit(_stack(ItemBlock), _loader(), steps=1)
+    assert "materialize" in fit.last.phases and fit.last.steps == 1
