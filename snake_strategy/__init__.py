@@ -4,7 +4,8 @@
 """
 from lightning.pytorch.strategies import StrategyRegistry
 
-from snake_strategy.config import ScheduleConfig, StorageConfig, TierSplit
+from snake_strategy.config import ScheduleConfig, StorageConfig, TierShares
+from snake_strategy.moved import renamed
 from snake_strategy.contract import check_contract
 from snake_strategy.engine import EngineHooks
 from snake_strategy.module import LayeredModule
@@ -19,6 +20,8 @@ SUPPORTS_SIDE_INPUTS = True
 
 __all__ = [
     "EngineHooks", "GreedySnakePrecision", "GreedySnakeStrategy", "LayeredModule", "Progress", "ProgressEvent", "ScheduleConfig", "StorageConfig",
-    "TierSplit", "check_contract",
+    "TierShares", "check_contract",
 ]
 __version__ = "0.1.0"
+
+__getattr__ = renamed(__name__)  # TierSplit, the old name of TierShares (snake_strategy/moved.py)

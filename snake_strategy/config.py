@@ -11,6 +11,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
+from snake_strategy.moved import renamed
+
 TIERS = ("device", "host", "ssd")
 # The offloadable training states. "master" only has its own storage when the compute weights are
 # not fp32/fp64 (bf16-true); otherwise the compute weights are the master copy and are stored once.
@@ -21,7 +23,7 @@ ROLLBACK_TIERS = ("host", "ssd")
 
 
 @dataclass(frozen=True)
-class TierSplit:
+class TierShares:
     """Fractions of one state's bytes on each tier; they must add up to 1."""
 
     device: float = 0.0
@@ -40,8 +42,8 @@ class TierSplit:
             )
 
     @classmethod
-    def coerce(cls, value: Any, name: str) -> TierSplit:
-        if isinstance(value, TierSplit):
+    def coerce(cls, value: Any, name: str) -> TierShares:
+        if isinstance(value, TierShares):
             return value
         if isinstance(value, str):
             if value not in TIERS:
@@ -89,11 +91,11 @@ class StorageConfig:
     """
 
     ssd_dir: str | None = None
-    weights: TierSplit | None = None
-    master: TierSplit | None = None
-    optimizer: TierSplit | None = None
-    gradients: TierSplit | None = None
-    checkpoints: TierSplit | None = None
+    weights: TierShares | None = None
+    master: TierShares | None = None
+    optimizer: TierShares | None = None
+    gradients: TierShares | None = None
+    checkpoints: TierShares | None = None
     checkpoint_host_ends: int = 2
     use_o_direct: bool = True
     num_io_threads: int = 2
@@ -128,9 +130,9 @@ class StorageConfig:
         for state in STATES:
             value = getattr(self, state)
             if value is None and self.placement == "manual":
-                value = TierSplit()  # on the host
+                value = TierShares()  # on the host
             if value is not None:
-                setattr(self, state, TierSplit.coerce(value, state))
+                setattr(self, state, TierShares.coerce(value, state))
         if self.rollback is None and self.placement == "manual":
             self.rollback = "host"
         if self.rollback is not None and self.rollback not in ROLLBACK_TIERS:
@@ -293,3 +295,6 @@ def requested_storage(value: Any) -> StorageConfig:
     elif isinstance(value, Mapping) and "placement" not in value and not set(value) & {*STATES, "rollback"}:
         value = {**value, "placement": "auto"}
     return coerce_config(StorageConfig, value, "storage")
+
+
+__getattr__ = renamed(__name__)  # TierSplit, the old name of TierShares (snake_strategy/moved.py)

@@ -20,6 +20,29 @@ MOVED_MODULES: dict[str, tuple[str, dict[str, str]]] = {
 }
 
 
+# renamed public names: old dotted path -> new dotted path (the old name resolves in its module, warning)
+RENAMED: dict[str, str] = {
+    "snake_strategy.TierSplit": "snake_strategy.TierShares",
+    "snake_strategy.config.TierSplit": "snake_strategy.config.TierShares",
+}
+
+
+def renamed(module_name: str) -> Callable[[str], Any]:
+    """The module ``__getattr__`` of a module that keeps an old name of one of its public names for one
+    release: the object under its new name, with a DeprecationWarning naming it."""
+
+    def __getattr__(name: str) -> Any:
+        target = RENAMED.get(f"{module_name}.{name}")
+        if target is None:
+            raise AttributeError(f"module {module_name!r} has no attribute {name!r}")
+        new_module, new_name = target.rsplit(".", 1)
+        warnings.warn(f"{module_name}.{name} is now {target}: the old name works for this release only",
+                      DeprecationWarning, stacklevel=2)
+        return getattr(importlib.import_module(new_module), new_name)
+
+    return __getattr__
+
+
 def new_path(old_module: str, name: str) -> str:
     """Where ``old_module.name`` lives now (the module, dotted, with the name)."""
     default, elsewhere = MOVED_MODULES[old_module]

@@ -330,7 +330,7 @@ class GreedySnakeStrategy(DataParallelMixin, ParallelStrategy):
         """The planner's roofline for this run, from ``batch``'s shapes (at setup, before kept graphs and
         checkpoint sizes are measured; again after the first step)."""
         engine = self.engine
-        self.model_shape = engine.model_shape(engine.split(batch)[0][0])
+        self.model_shape = engine.model_shape(engine.micro_batches(batch)[0][0])
         prediction, self.hardware_profile = first_prediction(
             self.plan, self.model_shape, engine.alpha, self.hardware, self.root_device,
             engine.ssd.path if engine.ssd else None, engine.largest_block_matrix(), self.hardware == "probe")

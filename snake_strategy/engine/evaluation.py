@@ -138,7 +138,7 @@ class EvalEngine(EngineBase):
         weights.close()
 
     # ------------------------------------------------------------------ the forward pass
-    def split(self, batch: Any) -> list[Any]:
+    def micro_batches(self, batch: Any) -> list[Any]:
         """The eval batch as up to ``schedule.num_micro_batches`` micro-batches of equal size (the last
         may be smaller): each unit runs them back to back, so only one micro-batch's temporaries exist."""
         return split_eval_batch(batch, self.schedule.num_micro_batches)

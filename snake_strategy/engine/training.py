@@ -200,7 +200,7 @@ class SnakeEngine(EngineBase):
         return tuple(max(shapes, key=lambda sh: sh[0] * sh[1])) if shapes else (1, 1)
 
     # ------------------------------------------------------------------ one optimizer step
-    def split(self, batch: Any) -> tuple[list[Any], list[int]]:
+    def micro_batches(self, batch: Any) -> tuple[list[Any], list[int]]:
         """The step's micro-batches and their sizes. A short batch (the last one of an epoch when the
         loader keeps it) is cut into micro-batches of the full size, the last one smaller: the same
         micro-batches plain Lightning with ``accumulate_grad_batches`` would see."""
@@ -227,9 +227,9 @@ class SnakeEngine(EngineBase):
 
         Returns the mean micro-batch loss (detached). Call ``optimizer_step`` afterwards.
         """
-        micro_batches, sizes = self.split(batch)
+        micro_batches, sizes = self.micro_batches(batch)
         if not self._backward_planned:
-            self.runner.plan_backward(micro_batches[0])  # which units need a backward (frozen parameters)
+            self.runner.find_backward_floor(micro_batches[0])  # which units need a backward (frozen parameters)
             self._tasks, self._backward_planned = {}, True
         if self.storage.host_budget_bytes is not None and not self.checkpoint_bytes:
             # The checkpoints' size is known only now: check the budget before any block runs. The RNG

@@ -47,7 +47,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from snake_strategy.config import STATES, ScheduleConfig, StorageConfig, TierSplit
+from snake_strategy.config import STATES, ScheduleConfig, StorageConfig, TierShares
 from snake_strategy.contract import check_trainable
 from snake_strategy.planning.hardware import matmul_flops_per_s, probe_hardware
 from snake_strategy.planning.host_memory import SOURCE_AVAILABLE, host_budget
@@ -158,7 +158,7 @@ class RunPlan:
 
     def as_dict(self) -> dict[str, Any]:
         return {"schedule": dataclasses.asdict(self.schedule),
-                "storage": {k: (dataclasses.asdict(v) if isinstance(v, TierSplit) else v)
+                "storage": {k: (dataclasses.asdict(v) if isinstance(v, TierShares) else v)
                             for k, v in dataclasses.asdict(self.storage).items()},
                 "reasons": dict(self.reasons), "host_budget_bytes": self.host_budget_bytes,
                 "host_budget_source": self.host_budget_source, "host_budget_detail": self.host_budget_detail,
@@ -306,7 +306,7 @@ def _place(shape: ModelShape, hw: HardwareProfile, storage: StorageConfig, kind:
     reasons = {state: "given" for state in given}
     if not unset:
         return storage, reasons
-    host = TierSplit()
+    host = TierShares()
     all_host = dataclasses.replace(storage, placement="manual", rollback=storage.rollback or "ssd",
                                    **{s: given.get(s, host) for s in STATES})
 
@@ -323,9 +323,9 @@ def _place(shape: ModelShape, hw: HardwareProfile, storage: StorageConfig, kind:
     if evaluating:  # planner.plan sizes a training step's working set, which evaluation never holds
         weights_bytes = shape.num_units * shape.params_per_unit * shape.weight_bytes
         # What the host keeps besides a share of the weights: the streamed units, the non-layer parameters.
-        free = budget - host_bytes(dataclasses.replace(all_host, weights=TierSplit(host=0.0, ssd=1.0)))
+        free = budget - host_bytes(dataclasses.replace(all_host, weights=TierShares(host=0.0, ssd=1.0)))
         host = max(0.0, min(1.0, int(100 * free / weights_bytes) / 100)) if weights_bytes else 1.0
-        split = TierSplit(host=host, ssd=round(1.0 - host, 2))
+        split = TierShares(host=host, ssd=round(1.0 - host, 2))
         reasons.update({s: f"evaluation: the compute weights ({weights_bytes / 2**30:.2f} GiB), {host:.0%} of them "
                            f"in the {budget / 2**30:.2f} GiB budget" for s in unset})
         return dataclasses.replace(storage, placement="manual", **{s: given.get(s, split) for s in STATES}), reasons
@@ -406,6 +406,6 @@ def first_prediction(plan: RunPlan, shape: ModelShape, alpha: float, hardware: H
     return prediction, hardware
 
 
-def _split_text(split: TierSplit) -> str:
+def _split_text(split: TierShares) -> str:
     parts = [f"{tier} {getattr(split, tier):g}" for tier in ("device", "host", "ssd") if getattr(split, tier)]
     return "/".join(parts)

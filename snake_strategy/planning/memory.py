@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from snake_strategy.config import StorageConfig, TierSplit
+from snake_strategy.config import StorageConfig, TierShares
 from snake_strategy.storage.aligned import aligned_allocation_bytes, pinned_allocation_bytes, round_up
 from snake_strategy.storage.tiered import tier_bounds
 
@@ -160,12 +160,12 @@ def pool_sizes(inputs: MemoryInputs) -> PoolSizes:
     return PoolSizes(weight_buffers=1 + inputs.prefetch_depth, grad_buffers=2, checkpoint_staging=staging)
 
 
-def forward_split(numel: int, alpha: float) -> int:
+def forward_part_end(numel: int, alpha: float) -> int:
     """The page-aligned end of a unit's forward part (all of it for alpha >= 1: whole-unit deferral)."""
     if alpha >= 1.0:
         return numel
-    split = round(alpha * numel / ALIGN_ELEMS) * ALIGN_ELEMS
-    return max(0, min(split, numel))
+    end = round(alpha * numel / ALIGN_ELEMS) * ALIGN_ELEMS
+    return max(0, min(end, numel))
 
 
 def checkpoint_tiers(storage: StorageConfig, num_micro: int) -> list[str]:
@@ -175,7 +175,7 @@ def checkpoint_tiers(storage: StorageConfig, num_micro: int) -> list[str]:
     task needs them at once, so they stay in memory. The SSD share is taken from the end of the middle
     ones, the device share from its start.
     """
-    split: TierSplit = storage.checkpoints
+    split: TierShares = storage.checkpoints
     ends = storage.checkpoint_host_ends
     middle = [m for m in range(num_micro) if ends <= m < num_micro - ends]
     num_ssd = min(len(middle), round(split.ssd * num_micro))
@@ -193,7 +193,7 @@ def stored_gradient_elems(inputs: MemoryInputs) -> int:
     forward part (nothing at alpha 0)."""
     if inputs.kind == "horizontal":
         return inputs.total_trainable
-    return sum(forward_split(n, inputs.alpha) for n in inputs.trainable)
+    return sum(forward_part_end(n, inputs.alpha) for n in inputs.trainable)
 
 
 # Rollback state per element of a unit's backward part: the raw gradient, the master weight, two moments.
@@ -209,7 +209,7 @@ def unit_rollback_elems(trainable: int, numel: int, alpha: float, storage: Stora
     and no write; each such file has a second one of its size to alternate with (storage/versions.py,
     "Spares"), the disk cost counted here. ``numel``: the unit's elements, frozen ones included."""
     lo, hi = shard_bounds(trainable, world_size, rank)
-    start = min(max(forward_split(trainable, alpha), lo), hi)
+    start = min(max(forward_part_end(trainable, alpha), lo), hi)
     copied, held = hi - start, 0
     # The master copy spans the unit (unit indices; the compute weights themselves, frozen elements too,
     # unless it is separate); the moments span this rank's shard [lo, hi).
@@ -240,11 +240,11 @@ def rollback_held_bytes(inputs: MemoryInputs) -> int:
     return sum(round_up(held * inputs.master_bytes) for _, _, held in _unit_rollbacks(inputs))
 
 
-def _in_memory(split: TierSplit, device_is_cpu: bool) -> float:
+def _in_memory(split: TierShares, device_is_cpu: bool) -> float:
     return split.host + (split.device if device_is_cpu else 0.0)
 
 
-def pinned_host_shares(unit_params: tuple[int, ...], split: TierSplit, elem_bytes: int) -> int:
+def pinned_host_shares(unit_params: tuple[int, ...], split: TierShares, elem_bytes: int) -> int:
     """Pinned bytes of one tiered state's host shares on CUDA: each unit's host segment is one pinned
     allocation (``TieredTensor``), rounded as the pinned allocator rounds it."""
     total = 0
@@ -254,7 +254,7 @@ def pinned_host_shares(unit_params: tuple[int, ...], split: TierSplit, elem_byte
     return total
 
 
-def weight_staging_elems(unit_params: tuple[int, ...], split: TierSplit) -> int:
+def weight_staging_elems(unit_params: tuple[int, ...], split: TierShares) -> int:
     """Elements of one pinned weight-staging buffer: the largest SSD share of a unit's weights."""
     return max((n - tier_bounds(n, split)[1] for n in unit_params), default=0)
 
@@ -284,7 +284,7 @@ def _pinned_items(inputs: MemoryInputs) -> dict[str, int]:
     if inputs.separate_master:
         items["master"] = pinned_host_shares(units, s.master, e_m)
     if inputs.speculative and s.rollback != "ssd":
-        items["rollback_state"] = pinned_host_shares(rollback_copied_elems(inputs), TierSplit(), e_m)
+        items["rollback_state"] = pinned_host_shares(rollback_copied_elems(inputs), TierShares(), e_m)
     staging = weight_staging_elems(inputs.weight_elems, s.weights)
     if staging:
         items["weight_staging"] = WEIGHT_STAGING_BUFFERS * aligned_allocation_bytes(staging, inputs.e_w,

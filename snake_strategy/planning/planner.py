@@ -25,8 +25,8 @@ from dataclasses import asdict, dataclass
 
 from torch import nn
 
-from snake_strategy.config import StorageConfig, TierSplit
-from snake_strategy.planning.memory import (MemoryInputs, checkpoint_tiers, forward_split,
+from snake_strategy.config import StorageConfig, TierShares
+from snake_strategy.planning.memory import (MemoryInputs, checkpoint_tiers, forward_part_end,
                                             host_plan, shard_bounds, unit_rollback_elems)
 from snake_strategy.storage.tiered import tier_bytes
 from snake_strategy.units import UnitLayout, nonlayer_numel
@@ -177,7 +177,7 @@ def predict(shape: ModelShape, hw: HardwareProfile, storage: StorageConfig, kind
     for t in shape.trainable:
         master = tier_bytes(t, storage.master, e_m) if separate_master else tier_bytes(u, storage.weights, e_m, 0, t)
         moments = tier_bytes(t, storage.optimizer, e_m)
-        grad_part = tier_bytes(t, storage.gradients, e_m, 0, forward_split(t, alpha))  # parked forward part
+        grad_part = tier_bytes(t, storage.gradients, e_m, 0, forward_part_end(t, alpha))  # parked forward part
         grad_full = tier_bytes(t, storage.gradients, e_m)  # a horizontal partial sum
         # The optimizer reads and writes the master and both moments once; bf16-true refreshes the compute copy.
         moved = master["ssd"] + 2 * moments["ssd"] + grad_part["ssd"] + partials * grad_full["ssd"]
@@ -190,7 +190,7 @@ def predict(shape: ModelShape, hw: HardwareProfile, storage: StorageConfig, kind
             host_bytes += refresh["host"] + tail
         if speculative:  # the rollback copies (gradient + in-memory states); the states' SSD part is held
             _, copied, _ = unit_rollback_elems(t, u, alpha, storage, separate_master, shape.optimizer_shards, 0)
-            rollback = tier_bytes(copied, TierSplit(host=0.0, ssd=1.0) if storage.rollback == "ssd" else TierSplit(),
+            rollback = tier_bytes(copied, TierShares(host=0.0, ssd=1.0) if storage.rollback == "ssd" else TierShares(),
                                   e_m)
             write += rollback["ssd"]
             host_bytes += rollback["host"]
@@ -213,7 +213,7 @@ def predict(shape: ModelShape, hw: HardwareProfile, storage: StorageConfig, kind
 
 
 @dataclass(frozen=True)
-class Plan:
+class Placement:
     """A placement: where each state lives, planned for the forward share ``alpha``. The prefetch depth,
     the host bytes and the prediction of a run are the autoplan's (``resolve``), from this placement."""
 
@@ -269,7 +269,7 @@ def prefetch_depth(storage: StorageConfig) -> tuple[int, str]:
 
 
 def plan(shape: ModelShape, hw: HardwareProfile, host_budget_bytes: int, kind: str = "vertical",
-         ssd_dir: str | None = None, *, alpha: float, speculative: bool = False, depth: int | None = None) -> Plan:
+         ssd_dir: str | None = None, *, alpha: float, speculative: bool = False, depth: int | None = None) -> Placement:
     """Fill the host budget with the states that move the most bytes per byte stored; the rest on SSD.
 
     ``alpha`` is the one that runs (``autoplan.resolve`` decides it: 1 when norm clipping or fp16 defer
@@ -311,13 +311,13 @@ def plan(shape: ModelShape, hw: HardwareProfile, host_budget_bytes: int, kind: s
     for state, nbytes in order:
         on_host = min(1.0, free / nbytes) if nbytes else 1.0
         on_host = int(on_host * 1000) / 1000  # keep it a clean fraction
-        fractions[state] = TierSplit(host=on_host, ssd=1.0 - on_host)
+        fractions[state] = TierShares(host=on_host, ssd=1.0 - on_host)
         free -= int(on_host * nbytes)
     ckpt_ssd = checkpoint_tiers(all_ssd, shape.num_micro).count("ssd")
     ckpt_total = ckpt_ssd * shape.num_units * shape.checkpoint_bytes
     ckpt_host = 1.0 if ckpt_total <= free else max(0.0, free / max(ckpt_total, 1))
-    fractions["checkpoints"] = TierSplit(host=round(ckpt_host, 3), ssd=round(1 - round(ckpt_host, 3), 3))
+    fractions["checkpoints"] = TierShares(host=round(ckpt_host, 3), ssd=round(1 - round(ckpt_host, 3), 3))
     storage = StorageConfig(ssd_dir=ssd_dir, weights=fractions["weights"], master=fractions["weights"],
-                            optimizer=fractions["optimizer"], gradients=TierSplit(host=1.0),
+                            optimizer=fractions["optimizer"], gradients=TierShares(host=1.0),
                             checkpoints=fractions["checkpoints"], rollback="ssd")
-    return Plan(storage, alpha)
+    return Placement(storage, alpha)

@@ -22,14 +22,14 @@ from snake_strategy.storage.counters import TrafficCounters
 from snake_strategy.storage.io_engine import DONE, IOEngine, Ticket
 from snake_strategy.storage.ssd_directory import SsdDirectory
 from snake_strategy.storage.versions import VersionedFile
-from snake_strategy.config import StorageConfig, TierSplit
+from snake_strategy.config import StorageConfig, TierShares
 
 # Range boundaries (the SSD segment's start, the forward/backward split of a unit) are multiples of
 # this many elements: a whole number of pages for every dtype of 1 to 8 bytes.
 ALIGN_ELEMS = PAGE_BYTES
 
 
-def tier_bounds(numel: int, split: TierSplit) -> tuple[int, int]:
+def tier_bounds(numel: int, split: TierShares) -> tuple[int, int]:
     """(device_end, host_end) of a tensor of ``numel`` elements split over the tiers as ``split`` says.
 
     The SSD segment starts on a page boundary (it may take a few more elements than its share), so a
@@ -43,7 +43,7 @@ def tier_bounds(numel: int, split: TierSplit) -> tuple[int, int]:
     return device_end, host_end
 
 
-def tier_bytes(numel: int, split: TierSplit, elem_bytes: int, lo: int = 0, hi: int | None = None) -> dict[str, int]:
+def tier_bytes(numel: int, split: TierShares, elem_bytes: int, lo: int = 0, hi: int | None = None) -> dict[str, int]:
     """Bytes a transfer of elements [lo, hi) moves on each tier (the SSD part page-rounded, as the engine
     counts it): the traffic model's unit of account."""
     hi = numel if hi is None else hi
@@ -69,7 +69,7 @@ class TieredTensor:
         state: str,
         numel: int,
         dtype: torch.dtype,
-        split: TierSplit,
+        split: TierShares,
         device: torch.device,
         counters: TrafficCounters,
         io: IOEngine | None = None,
@@ -278,7 +278,7 @@ class Tiers:
     ssd: SsdDirectory | None
 
     def tensor(self, name: str, state: str, numel: int, dtype: torch.dtype,
-               split: TierSplit | None = None) -> TieredTensor:
+               split: TierShares | None = None) -> TieredTensor:
         """A tiered tensor of ``state`` ("weights", "master", "exp_avg", ...), split as the placement says
         (the moments follow ``storage.optimizer``) unless ``split`` is given."""
         if split is None:

@@ -8,7 +8,7 @@ import torch
 
 import snake_strategy
 from snake_strategy.planning import autoplan
-from snake_strategy.config import ScheduleConfig, StorageConfig, TierSplit
+from snake_strategy.config import ScheduleConfig, StorageConfig, TierShares
 from snake_strategy.engine import EngineRuntime, SnakeEngine
 from snake_strategy.gpt import GPTModule
 from snake_strategy.planning.memory import host_plan
@@ -60,7 +60,7 @@ def test_default_run_is_planned_reported_and_exact():
     # GPT blocks keep samples apart: batched passes; 4 units: alpha = 3 / (3 + 12).
     assert (s.kind, s.batched_forward, s.batched_backward, s.split_backward) == ("vertical", True, True, False)
     assert s.alpha == pytest.approx(0.2) and s.prefetch_depth == 1
-    assert all(getattr(plan.storage, state) == TierSplit() for state in ("weights", "optimizer", "checkpoints"))
+    assert all(getattr(plan.storage, state) == TierShares() for state in ("weights", "optimizer", "checkpoints"))
     assert "independent samples" in plan.reasons["batched_backward"]
     assert plan.prediction is not None and plan.prediction.roofline_s > 0  # filled at the first step
     assert "predicted floor" in plan.describe() and plan.as_dict()["schedule"]["kind"] == "vertical"
@@ -73,8 +73,8 @@ def test_explicit_settings_are_kept():
                     storage=StorageConfig(placement="auto", weights="ssd"))
     s = plan.schedule
     assert (s.alpha, s.batched_forward, s.batched_backward, s.prefetch_depth) == (0.1, False, False, 3)
-    assert plan.storage.weights == TierSplit(host=0.0, ssd=1.0)  # given
-    assert plan.storage.optimizer == TierSplit()  # placed: the rest fits the host
+    assert plan.storage.weights == TierShares(host=0.0, ssd=1.0)  # given
+    assert plan.storage.optimizer == TierShares()  # placed: the rest fits the host
     assert plan.reasons["alpha"] == plan.reasons["weights"] == "given"
     assert plan.reasons["optimizer"].startswith("host")
     # An explicit kind keeps the fixed defaults for what is unset: no planner.

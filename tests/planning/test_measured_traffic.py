@@ -108,7 +108,7 @@ def test_unit_ssd_bytes_are_page_rounded(tmp_path):
         assert unit["weights_ssd"] == round_up(P * FP32)
         assert unit["weights_ssd"] % 4096 == 0 and unit["weights_ssd"] >= P * FP32
         assert unit["weights_is_master"]  # fp32: the compute copy is the master copy, stored once
-        assert unit["split"] % 4096 == 0 and 0 <= unit["split"] < P
+        assert unit["forward_end"] % 4096 == 0 and 0 <= unit["forward_end"] < P
 
 
 # ---------------------------------------------------------------------------------------- weights
@@ -166,7 +166,7 @@ def test_fp32_weight_store_reads_are_fetches_plus_one_master_read(tmp_path, kind
     stats = run(tmp_path, SSD_WEIGHTS, kind, micro, alpha=alpha)
     fetch_bytes = sum(stats.units[u]["weights_ssd"] for u in weight_fetches(stats.tasks))
     master = stats.total("weights_ssd")
-    backward_parts = sum(round_up((u["numel"] - u["split"]) * FP32) for u in stats.units)
+    backward_parts = sum(round_up((u["numel"] - u["forward_end"]) * FP32) for u in stats.units)
     assert (backward_parts == master) == (alpha == 0.0)
     # Step 1 steps only the backward parts; from step 2 on the previous step's forward parts join.
     assert stats.step_total(0)["ssd/weights/read"] == fetch_bytes + backward_parts
@@ -185,7 +185,7 @@ def test_gradient_traffic_vertical_once_horizontal_per_micro_batch(tmp_path, mic
     horizontal = run(tmp_path, ALL_SSD, "horizontal", micro, alpha=alpha)
     full = vertical.total("grads_ssd")
     assert full == N_LAYERS * round_up(P * FP32)
-    forward_parts = sum(u["split"] * FP32 for u in vertical.units)  # splits are page multiples
+    forward_parts = sum(u["forward_end"] * FP32 for u in vertical.units)  # splits are page multiples
     assert (forward_parts == 0) == (alpha == 0.0)
     for step in range(STEPS):
         v, h = vertical.step_total(step), horizontal.step_total(step)
@@ -236,7 +236,7 @@ def test_bf16_true_separate_master_once_per_step(tmp_path):
         assert not unit["weights_is_master"]
         assert unit["weights_ssd"] == round_up(P * BF16) and unit["master_ssd"] == round_up(P * FP32)
     master, weights = stats.total("master_ssd"), stats.total("weights_ssd")
-    forward_parts = sum(u["split"] * FP32 for u in stats.units)
+    forward_parts = sum(u["forward_end"] * FP32 for u in stats.units)
     expected_run = {
         "ssd/master/read": STEPS * master, "ssd/master/write": STEPS * master,
         "ssd/exp_avg/read": STEPS * master, "ssd/exp_avg/write": STEPS * master,

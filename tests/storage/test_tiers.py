@@ -12,7 +12,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from snake_strategy.activations import ActivationStore
-from snake_strategy.config import StorageConfig, TierSplit
+from snake_strategy.config import StorageConfig, TierShares
 from snake_strategy.gpt import GPTModule
 from snake_strategy.storage import PAGE_BYTES, IOEngine, SsdDirectory, TieredTensor, TrafficCounters, aligned_empty
 from snake_strategy.storage import io_engine
@@ -47,11 +47,11 @@ def bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 # ---------------------------------------------------------------------------------------- TieredTensor
 SPLITS = {
-    "ssd": TierSplit(device=0.0, host=0.0, ssd=1.0),
-    "host_ssd": TierSplit(device=0.0, host=0.5, ssd=0.5),
-    "all3": TierSplit(device=0.3, host=0.3, ssd=0.4),
-    "device_ssd": TierSplit(device=0.7, host=0.0, ssd=0.3),
-    "host": TierSplit(device=0.0, host=1.0, ssd=0.0),
+    "ssd": TierShares(device=0.0, host=0.0, ssd=1.0),
+    "host_ssd": TierShares(device=0.0, host=0.5, ssd=0.5),
+    "all3": TierShares(device=0.3, host=0.3, ssd=0.4),
+    "device_ssd": TierShares(device=0.7, host=0.0, ssd=0.3),
+    "host": TierShares(device=0.0, host=1.0, ssd=0.0),
 }
 
 
@@ -129,7 +129,7 @@ def test_tiered_unaligned_ssd_range_is_refused(ssd):
 
 
 def test_tiered_device_resident_is_handed_out_in_place():
-    t = TieredTensor("z", "weights", 100, torch.float32, TierSplit(device=1.0, host=0.0), CPU, TrafficCounters())
+    t = TieredTensor("z", "weights", 100, torch.float32, TierShares(device=1.0, host=0.0), CPU, TrafficCounters())
     assert t.resident
     value = random_tensor(100, torch.float32)
     t.evict(value)

@@ -17,7 +17,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import snake_strategy
 from snake_strategy import (GreedySnakePrecision, GreedySnakeStrategy, Progress, ScheduleConfig, StorageConfig,
-                            TierSplit)
+                            TierShares)
 from snake_strategy.gpt import GPTModule
 from snake_strategy.schedule import build_tasks
 from snake_strategy.storage import ssd_directory
@@ -274,7 +274,7 @@ def test_supported_precisions_construct(precision):
 ])
 def test_bad_tier_split(kwargs, match):
     with pytest.raises(ValueError, match=match):
-        TierSplit(**kwargs)
+        TierShares(**kwargs)
 
 
 @pytest.mark.parametrize("value,match", [

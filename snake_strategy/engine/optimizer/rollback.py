@@ -3,7 +3,7 @@ loss scaling").
 
 Norm clipping and fp16 loss scaling decide one factor for every gradient only at the end of the backward
 (the global norm, the overflow flag). A speculative step does not wait: each unit's backward part
-[split, train_end) is stepped as soon as its gradient is complete, as if the clip factor were 1 and
+[forward_end, train_end) is stepped as soon as its gradient is complete, as if the clip factor were 1 and
 nothing overflowed. ``torch.nn.utils.clip_grad_norm_`` multiplies by exactly 1.0 when the norm is at most
 ``max_norm``, so a correct guess is bitwise the deferred computation. Before stepping a chunk the
 worker saves its raw gradient and its pre-step master weights and moments here; when the guess was wrong
@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from snake_strategy.config import TierSplit
+from snake_strategy.config import TierShares
 from snake_strategy.engine.parallel.partition import shard_range
 from snake_strategy.engine.state.stores import UnitStore
 from snake_strategy.engine.view import StepStats
@@ -53,7 +53,7 @@ class RollbackStore:
 
     def __init__(self, units: list[UnitStore], tier: str, dtype: torch.dtype, device: torch.device,
                  counters: TrafficCounters, io: IOEngine | None, ssd: SsdDirectory | None) -> None:
-        split = TierSplit(host=0.0, ssd=1.0) if tier == "ssd" else TierSplit()
+        split = TierShares(host=0.0, ssd=1.0) if tier == "ssd" else TierShares()
         self.starts: list[int] = []
         self._ends: list[int] = []
         self._units = units
@@ -61,7 +61,7 @@ class RollbackStore:
         self._held: set[int] = set()
         for unit in units:
             lo, hi = shard_range(unit)
-            start = max(unit.split, lo)
+            start = max(unit.forward_end, lo)
             self.starts.append(start)
             self._ends.append(hi)
             name = f"unit{unit.layout.index:05d}"

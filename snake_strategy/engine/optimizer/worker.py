@@ -1,11 +1,11 @@
 """The optimizer-step overlap: AdamW runs on a worker thread while the main thread computes.
 
-Each unit's trainable elements [0, train_end) are cut at ``split`` (about ``alpha`` of them, page-aligned);
+Each unit's trainable elements [0, train_end) are cut at ``forward_end`` (about ``alpha`` of them, page-aligned);
 frozen elements [train_end, n) are never stepped nor written:
 
-- backward part [split, train_end): stepped in the same iteration, on the worker, as soon as the unit's
+- backward part [forward_end, train_end): stepped in the same iteration, on the worker, as soon as the unit's
   gradient is complete (the unit is not read again in this iteration);
-- forward part [0, split): its gradient waits in the gradient store; it is stepped during the next
+- forward part [0, forward_end): its gradient waits in the gradient store; it is stepped during the next
   iteration's forward, before the unit's weights are fetched (``wait_forward_part``), with the
   hyper-parameters and step number snapshotted at the end of the iteration that produced it.
 
@@ -122,10 +122,10 @@ class OptimizerOverlap:
             if prepare is not None:
                 prepare()
                 start_s = time.perf_counter()  # busy time excludes the wait for the other ranks
-            park_end = min(unit.split, hi)
+            park_end = min(unit.forward_end, hi)
             if park_end > lo:
                 unit.grads.evict(grad[:park_end - lo], lo, park_end)
-            start = max(unit.split, lo)
+            start = max(unit.forward_end, lo)
             if self._mode is None or not self.rollback.holds(u):
                 self._step_range(unit, start, hi, lambda a, b: grad[a - lo:b - lo], hps, step_before,
                                  None, self.unused.get(u, []))
@@ -142,7 +142,7 @@ class OptimizerOverlap:
         self._add_busy(time.perf_counter() - start_s)
         if self._trace.enabled:
             self._trace.span(OPTIMIZER, f"backward part u{u}", start_s, unit=u, part="backward",
-                             elements=unit.layout.numel - unit.split)
+                             elements=unit.layout.numel - unit.forward_end)
 
     def wait_backward_parts(self) -> float:
         """Block until every backward part of this iteration is applied; returns the seconds waited."""
@@ -159,7 +159,7 @@ class OptimizerOverlap:
     def _has_forward_job(self, u: int, d: _Deferred | None = None) -> bool:
         # Partitioned state: every trainable unit's weights are gathered after its forward part.
         unit, d = self._units[u], d or self._deferred
-        return bool(unit.split) or (self.gather is not None and unit.train_end > 0) or (d is not None and u in d.redo)
+        return bool(unit.forward_end) or (self.gather is not None and unit.train_end > 0) or (d is not None and u in d.redo)
 
     def defer_forward_parts(self, hps: list[AdamHyperParams], step_before: int, grad_scale: float | None,
                             redo: dict[int, str] | None = None) -> None:
@@ -224,7 +224,7 @@ class OptimizerOverlap:
         lo, hi = shard_range(unit)
         try:
             try:
-                self._step_range(unit, lo, min(unit.split, hi), parked_grad, hps, step_before, grad_scale, unused)
+                self._step_range(unit, lo, min(unit.forward_end, hi), parked_grad, hps, step_before, grad_scale, unused)
                 if redo is not None:
                     # The backward part, with the true factor: from its saved pre-step state (REDO, a wrong
                     # speculation) or from the current one (APPLY, a deferred-mode step); raw gradient saved.
@@ -242,7 +242,7 @@ class OptimizerOverlap:
             set_thread_priority(BACKGROUND)
         self._add_busy(time.perf_counter() - start_s)
         if self._trace.enabled:
-            self._trace.span(OPTIMIZER, f"forward part u{u}", start_s, unit=u, part="forward", elements=unit.split)
+            self._trace.span(OPTIMIZER, f"forward part u{u}", start_s, unit=u, part="forward", elements=unit.forward_end)
 
     def wait_forward_part(self, u: int) -> None:
         """Block until unit ``u``'s forward part is applied (called before its weights are read)."""

@@ -12,12 +12,12 @@ from typing import Callable
 import torch
 from torch import nn
 
-from snake_strategy.engine.state.half_weights import tail_split
+from snake_strategy.engine.state.half_weights import tail_shares
 from snake_strategy.engine.parallel.partition import ShardView
 from snake_strategy.engine.runtime import EngineRuntime
 from snake_strategy.engine.state.stores import NonLayerState, UnitStore
 from snake_strategy.planning.autoplan import RunPlan
-from snake_strategy.planning.memory import forward_split
+from snake_strategy.planning.memory import forward_part_end
 from snake_strategy.precision import DtypePolicy
 from snake_strategy.progress import or_quiet
 from snake_strategy.sources.lora_init import adapter_initializer, nonlayer_adapter_values
@@ -56,7 +56,7 @@ def build_model(module: nn.Module, optimizer: torch.optim.Optimizer, plan: RunPl
             # Mixed precision: matmul weights stored in half, the rest in a full-precision tail kept in
             # memory (engine/state/half_weights.py); the master copy is separate.
             fmt = WeightFormat.for_layout(layout, dtypes.half_weights, dtypes.master)
-            tail = tiers.tensor(f"{name}.tail", "weights", fmt.tail_numel, dtypes.master, tail_split(storage.weights))
+            tail = tiers.tensor(f"{name}.tail", "weights", fmt.tail_numel, dtypes.master, tail_shares(storage.weights))
         weights = tiers.tensor(name, "weights", n if fmt is None else fmt.main_numel, dtypes.weights)
         if dtypes.weights == dtypes.master:
             master = weights  # fp32/fp64 training: the compute copy is the master copy, stored once
@@ -72,7 +72,7 @@ def build_model(module: nn.Module, optimizer: torch.optim.Optimizer, plan: RunPl
         if shard is not None:
             exp_avg, exp_avg_sq = ShardView(exp_avg, lo), ShardView(exp_avg_sq, lo)
         grads = tiers.tensor(name, "gradients", t, dtypes.master)
-        unit = UnitStore(layout, weights, master, exp_avg, exp_avg_sq, grads, forward_split(t, alpha), fmt, tail)
+        unit = UnitStore(layout, weights, master, exp_avg, exp_avg_sq, grads, forward_part_end(t, alpha), fmt, tail)
         unit.store_weights(flat)
         tracker.advance(1, weight_bytes(layout) + t * state_bytes_per_elem)
         return unit

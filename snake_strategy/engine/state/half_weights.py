@@ -38,7 +38,7 @@ from torch import Tensor
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 
-from snake_strategy.config import TierSplit
+from snake_strategy.config import TierShares
 
 # Ops that autocast runs in its lower-precision dtype on CPU and CUDA (torch's autocast op lists), named
 # as torch functions and Tensor methods. A half-stored weight may reach these only.
@@ -57,10 +57,10 @@ VALUE_READS = frozenset({"item", "tolist", "__bool__", "__float__", "__int__", "
                          "__array__", "__repr__", "__format__", "__str__"})
 
 
-def tail_split(weights: TierSplit) -> TierSplit:
+def tail_shares(weights: TierShares) -> TierShares:
     """Where the full-precision tail lives: on the device when the weights are wholly there (used in place),
     else on the host (a few KiB per block, read by every fetch: never worth an SSD page)."""
-    return TierSplit(device=1.0, host=0.0) if weights.device == 1.0 else TierSplit(host=1.0)
+    return TierShares(device=1.0, host=0.0) if weights.device == 1.0 else TierShares(host=1.0)
 
 
 class UseCheck(TorchFunctionMode):

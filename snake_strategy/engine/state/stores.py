@@ -29,7 +29,7 @@ class UnitStore:
     exp_avg: TieredTensor
     exp_avg_sq: TieredTensor
     grads: TieredTensor
-    split: int  # forward part = [0, split), backward part = [split, train_end)
+    forward_end: int  # forward part = [0, forward_end), backward part = [forward_end, train_end): the alpha cut
     # Half-precision weight storage (mixed precision, engine/state/half_weights.py): the layout of ``weights``
     # and the full-precision tail; None when ``weights`` holds the layout's elements in one dtype.
     fmt: WeightFormat | None = None
@@ -104,10 +104,10 @@ class UnitStore:
         return flat if self.fmt is None else flat.view(self.fmt.full)
 
     def storage_bytes(self) -> dict[str, int]:
-        """Elements, the forward-part split, and the bytes each state keeps on the SSD (and the weights on
+        """Elements, the end of the forward part, and the bytes each state keeps on the SSD (and the weights on
         the host)."""
         w = self.weights
-        return {"numel": self.layout.numel, "train_end": self.train_end, "split": self.split,
+        return {"numel": self.layout.numel, "train_end": self.train_end, "forward_end": self.forward_end,
                 "weights_ssd": w.ssd_bytes, "weights_host": (w.host_end - w.device_end) * w.elem_bytes,
                 "weights_is_master": self.weights is self.master, "master_ssd": self.master.ssd_bytes,
                 "grads_ssd": self.grads.ssd_bytes, "exp_avg_ssd": self.exp_avg.ssd_bytes,

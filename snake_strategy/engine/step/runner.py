@@ -85,7 +85,7 @@ class StepRunner:
         # that batching leaves each sample's output alone (engine/step/batch_check.py); None once checked.
         self.unverified_batching = unverified_batching
 
-    def plan_backward(self, micro_batch: Any) -> None:
+    def find_backward_floor(self, micro_batch: Any) -> None:
         """Find the lowest unit whose backward is needed: 0 when pre_stage trains (its gradient flows down
         through every unit), else the first unit with a trainable parameter (all blocks when none has one)."""
         self.pre_trains = bool(self.nonlayer.params)
