@@ -67,10 +67,10 @@ class ProgressEvent:
         if self.stage == END:
             text = f"{self.label}: done, {self.done}/{self.total} {self.what}"
             if self.done_bytes:
-                text += f", {_format_bytes(self.done_bytes)}"
+                text += f", {format_bytes(self.done_bytes)}"
             text += f" in {self.elapsed_s:.1f} s"
             if self.bytes_per_s is not None:
-                text += f" ({_format_bytes(self.bytes_per_s)}/s)"
+                text += f" ({format_bytes(self.bytes_per_s)}/s)"
             return text
         if self.detail:
             # The item now running: "step 3: task 17/40 (B unit 2)".
@@ -78,12 +78,12 @@ class ProgressEvent:
         else:
             text = f"{self.label}: {self.done}/{self.total} {self.what}"
         if self.total_bytes:
-            text += (f" ({_format_bytes(self.total_bytes)})" if self.stage == START
-                     else f", {_format_bytes(self.done_bytes)} of {_format_bytes(self.total_bytes)}")
+            text += (f" ({format_bytes(self.total_bytes)})" if self.stage == START
+                     else f", {format_bytes(self.done_bytes)} of {format_bytes(self.total_bytes)}")
         if self.stage == UPDATE:
             text += f", {self.elapsed_s:.1f} s"
             if self.bytes_per_s is not None:
-                text += f", {_format_bytes(self.bytes_per_s)}/s"
+                text += f", {format_bytes(self.bytes_per_s)}/s"
         if self.eta_s is not None:
             text += f", ETA {_format_duration(self.eta_s)}" + (" (predicted)" if self.eta_source == "predicted" else "")
         return text
@@ -334,7 +334,7 @@ def _eta(elapsed_s: float, fraction: float, predicted_s: float | None) -> tuple[
     return None, ""
 
 
-def _format_bytes(num_bytes: float) -> str:
+def format_bytes(num_bytes: float) -> str:
     for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
         if num_bytes >= size:
             return f"{num_bytes / size:.3g} {unit}"

@@ -29,6 +29,7 @@ import torch
 
 from snake_strategy.engine.view import EngineView, StepStats, running_engine
 from snake_strategy.storage.counters import traffic_delta
+from snake_strategy.progress import format_bytes
 
 log = logging.getLogger(__name__)
 
@@ -72,14 +73,6 @@ def bytes_per_tier_state(flat: dict[str, int]) -> dict[str, int]:
     for key, value in flat.items():
         out[key.rsplit("/", 1)[0]] += int(value)
     return dict(sorted(out.items()))
-
-
-def _fmt_bytes(num: float) -> str:
-    for unit in ("B", "KB", "MB", "GB"):
-        if abs(num) < 1000 or unit == "GB":
-            return f"{num:.0f} {unit}" if unit == "B" else f"{num:.1f} {unit}"
-        num /= 1000
-    return f"{num:.1f} GB"
 
 
 class EvalTraffic:
@@ -190,8 +183,8 @@ class StepReport(pl.Callback):
             loss_text = f"{self.losses[-1]:.4f}" if self.losses else "n/a"
             floor = f" (planner floor {prediction.roofline_s:.3f} s)" if prediction is not None else ""
             log.info("step %d | loss %s | %.3f s%s | %.0f tokens/s | ssd %s | host %s", step, loss_text, seconds, floor,
-                     tokens / seconds if seconds > 0 else 0.0, _fmt_bytes(per_tier["ssd"]),
-                     _fmt_bytes(per_tier["host"]))
+                     tokens / seconds if seconds > 0 else 0.0, format_bytes(per_tier["ssd"]),
+                     format_bytes(per_tier["host"]))
 
     def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if trainer.sanity_checking:
@@ -260,10 +253,10 @@ class StepReport(pl.Callback):
             lines.append(f"planner floor {s['predicted_floor_s_per_step']:.3f} s/step | achieved / floor "
                          f"{s['median_s_per_step'] / s['predicted_floor_s_per_step']:.2f}")
         if s["bytes_per_tier"] is not None:
-            tiers = ", ".join(f"{t} {_fmt_bytes(n)}" for t, n in s["bytes_per_tier"].items())
+            tiers = ", ".join(f"{t} {format_bytes(n)}" for t, n in s["bytes_per_tier"].items())
             lines.append(f"bytes moved (whole run): {tiers}")
             for key, n in s["bytes_per_tier_state"].items():
-                lines.append(f"  {key:<24} {_fmt_bytes(n)}")
+                lines.append(f"  {key:<24} {format_bytes(n)}")
         if s["steps"]:
             share = (lambda x: f"{x / s['train_s']:.0%}") if s["train_s"] > 0 else (lambda x: "n/a")
             lines.append(f"exposed I/O: compute waited {s['exposed_io_s']:.2f} s on transfers ({share(s['exposed_io_s'])}) "

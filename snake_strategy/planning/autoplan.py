@@ -56,6 +56,7 @@ from snake_strategy.planning.memory import (MemoryInputs, format_plan, host_plan
 from snake_strategy.planning.planner import (HardwareProfile, ModelShape, StepPrediction, choose_alpha, memory_inputs,
                                              plan, predict, prefetch_depth)
 from snake_strategy.precision import DtypePolicy
+from snake_strategy.progress import format_bytes
 from snake_strategy.units import UnitLayout, WeightFormat, build_layouts
 
 log = logging.getLogger(__name__)
@@ -333,8 +334,8 @@ def _place(shape: ModelShape, hw: HardwareProfile, storage: StorageConfig, kind:
     chosen = plan(shape, hw, budget, kind, storage.ssd_dir, alpha=alpha, speculative=speculative, depth=depth)
     placed = dataclasses.replace(storage, placement="manual",
                                  **{s: given.get(s, getattr(chosen.storage, s)) for s in STATES})
-    reasons.update({s: f"planner.plan: {needed / 2**30:.2f} GiB all on the host exceeds the "
-                       f"{budget / 2**30:.2f} GiB budget" for s in unset})
+    reasons.update({s: f"planner.plan: {format_bytes(needed)} all on the host exceeds the "
+                       f"{format_bytes(budget)} budget" for s in unset})
     return placed, reasons
 
 
