@@ -10,10 +10,9 @@
 import lightning as L
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from snake_strategy import GreedySnakePrecision, LayeredModule
+from snake_strategy import GreedySnakePrecision
 from snake_strategy.gpt import GPTModule
 from snake_strategy.schedule import weight_fetches
 from snake_strategy.storage import round_up
@@ -100,37 +99,17 @@ def test_gpt_fetches_read_half_vector_plus_host_tail(tmp_path):
         assert grab.traffic[step]["host/weights/read"] == len(fetches) * tail_bytes
 
 
-class WeightSum(LayeredModule):
-    """A block that adds its Linear weight's mean to the output: an op autocast runs in fp32, where a
-    weight stored in bf16 would give another result."""
-
-    def __init__(self, width=32, depth=2, vocab=64):
-        super().__init__()
-        self.embed = nn.Embedding(vocab, width)
-        self.blocks = nn.ModuleList(nn.Linear(width, width) for _ in range(depth))
-        self.head = nn.Linear(width, vocab)
-
-    def pre_stage(self, batch):
-        return self.embed(batch[0])
-
-    def post_stage(self, hidden):
-        return self.head(hidden)
-
-    def compute_loss(self, outputs, batch):
-        return F.cross_entropy(outputs.float().flatten(0, 1), batch[1].flatten())
-
-    def configure_optimizers(self):
-        return torch.optim.AdamW(self.parameters(), lr=1e-3)
-
-
 class Leaky(nn.Linear):
     def forward(self, x):
         return super().forward(x) + self.weight.mean()
 
 
-class WeightSumModel(WeightSum):
+class WeightSumModel(AlignedStack):
+    """A block that adds its Linear weight's mean to the output: an op autocast runs in fp32, where a
+    weight stored in bf16 would give another result."""
+
     def __init__(self):
-        super().__init__()
+        super().__init__(width=32, depth=2)
         self.blocks = nn.ModuleList(Leaky(32, 32) for _ in range(2))
 
 
