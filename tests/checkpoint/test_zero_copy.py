@@ -75,7 +75,7 @@ def test_save_links_the_ssd_files_and_training_past_it_leaves_it_intact(tmp_path
     # The first update after the save started a new version; the pinned one was never written again.
     assert saves[2]["versions_after_update"] == saves[1]["versions_at_save"] + 1
     run = fit_resumable(6, tmp_path / "ssd2", ckpt_path=str(ckpts / "epoch=0-step=3.ckpt"))
-    resumed = run.last
+    resumed, trainer = run.last, run.trainer
     assert trainer.global_step == 6
     assert_bitwise(resumed, straight_six)
 
@@ -333,7 +333,7 @@ def test_sigterm_mid_step_saves_the_last_step_and_exits_zero(tmp_path, straight_
     assert snake_checkpoint.read_manifest(ckpts / "last.ckpt")["step_count"] == 3
     assert b"SIGTERM: saved the last completed step" in err
     run = fit_resumable(6, tmp_path / "ssd", ckpt_dir=ckpts, ckpt_path="last")
-    resumed = run.last
+    resumed, trainer = run.last, run.trainer
     assert trainer.global_step == 6
     assert_bitwise(resumed, straight_six)
 
