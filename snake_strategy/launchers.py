@@ -77,13 +77,13 @@ def _lightning_dirpath(callback: ModelCheckpoint, trainer: pl.Trainer) -> str | 
 
 
 def _checkpoint_names(directory: str) -> list[str]:
-    """The checkpoint names that hidden siblings (``.<name>.<kind>-<pid>``) in ``directory`` belong to."""
+    """The checkpoint names that staged or set-aside siblings in ``directory`` belong to (``store.parse_sibling``)."""
     try:
         entries = os.listdir(directory)
     except OSError:
         return []
-    return sorted({name[1:].rpartition(".")[0] for name in entries
-                   if name.startswith(".") and name[1:].rpartition(".")[2].partition("-")[0] in ("tmp", "old")})
+    parsed = (store.parse_sibling(name) for name in entries)
+    return sorted({p[0] for p in parsed if p is not None and p[1] in ("tmp", "old")})
 
 
 class SingleProcessLauncher(_Launcher):

@@ -334,8 +334,11 @@ def _eta(elapsed_s: float, fraction: float, predicted_s: float | None) -> tuple[
     return None, ""
 
 
-def format_bytes(num_bytes: float) -> str:
-    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+def format_bytes(num_bytes: float, binary: bool = False) -> str:
+    """Bytes for a person: three significant digits in decimal units (GB, MB, kB), or in binary ones (GiB,
+    MiB, KiB) for disk space, as ``du -h`` shows it."""
+    units = (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)) if binary else (("GB", 1e9), ("MB", 1e6), ("kB", 1e3))
+    for unit, size in units:
         if num_bytes >= size:
             return f"{num_bytes / size:.3g} {unit}"
     return f"{num_bytes:.0f} B"

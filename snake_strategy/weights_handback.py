@@ -27,9 +27,9 @@ from torch import Tensor, nn
 
 import snake_strategy.storage.leftovers as leftovers
 from snake_strategy.checkpoint.pins import CHECKSUMS
-from snake_strategy.engine.state.weights_file import (WEIGHTS_FILE, close_unmapped, export_to_file, file_backed, file_bytes_needed,
-                                         file_mappings, give_module_file_weights, release_name,
-                                         temporary_file_name)
+from snake_strategy.engine.state.weights_file import (WEIGHTS_FILE, close_unmapped, export_to_file, file_backed,
+                                                      file_bytes_needed, file_mappings, give_module_file_weights,
+                                                      release_name, temporary_file_name)
 
 from snake_strategy.engine.evaluation import EvalEngine
 
@@ -153,8 +153,8 @@ def give_back_weights(module: nn.Module, engine: SnakeEngine | EvalEngine, budge
         engine.export_to_module()
         return None
     path = os.path.join(directory, file_name if keep_file else temporary_file_name(file_name))
-    plan = engine.weight_specs()
-    why_not = _why_not_writable(directory, file_bytes_needed(plan))
+    specs = engine.weight_specs()
+    why_not = _why_not_writable(directory, file_bytes_needed(specs))
     over = (f"the trained weights ({weights_bytes / 2**30:.2f} GiB) and the engine's host memory while they are "
             f"copied ({engine_host_bytes / 2**30:.2f} GiB) exceed the host budget ({budget_bytes / 2**30:.2f} GiB, "
             f"bounded by {budget_source})")
@@ -173,7 +173,7 @@ def give_back_weights(module: nn.Module, engine: SnakeEngine | EvalEngine, budge
         name = os.path.basename(path)
         leftovers.record_file(directory, name)
         leftovers.record_file(directory, os.path.join(name + ".partial", "model.safetensors"))
-    size_bytes = export_to_file(engine, path, plan, progress)
+    size_bytes = export_to_file(engine, path, specs, progress)
     if keep_file:
         log.info("%s: the module's parameters now map %s (%.2f GiB, %d bytes), kept there (storage.export_dir)",
                  over, path, size_bytes / 2**30, size_bytes)

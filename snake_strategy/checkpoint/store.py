@@ -38,7 +38,7 @@ from snake_strategy.checkpoint.format import (DTYPES, FORMAT, STATES, fsync_file
                                               read_nonlayer, read_range, remove_path, save_torch, unit_pieces,
                                               verified_manifest, verify_file, without_nonlayer_copies, write_nonlayer,
                                               write_raw)
-from snake_strategy.progress import Progress, or_quiet
+from snake_strategy.progress import Progress, format_bytes, or_quiet
 from snake_strategy.storage.ssd_directory import pid_alive
 
 if TYPE_CHECKING:
@@ -189,22 +189,27 @@ def sibling(final: Path, kind: str) -> Path:
     return final.with_name(f".{final.name}.{kind}-{os.getpid()}")
 
 
+def parse_sibling(name: str) -> tuple[str, str, int] | None:
+    """``(checkpoint name, kind, pid)`` of a hidden sibling ``.<name>.<kind>-<pid>`` (``sibling``): a
+    temporary (``tmp``), set-aside (``old``) or released (``del``, being removed: ``release``) copy; None
+    for any other name."""
+    if not name.startswith("."):
+        return None
+    stem, _, suffix = name[1:].rpartition(".")
+    kind, _, pid = suffix.partition("-")
+    if not stem or kind not in ("tmp", "old", "del") or not pid.isdigit():
+        return None
+    return stem, kind, int(pid)
+
+
 def _leftovers(final: Path) -> list[tuple[Path, str, int]]:
-    """``(path, kind, pid)`` of the temporary (``tmp``), set-aside (``old``) and released (``del``, being
-    removed: ``release``) siblings of ``final``."""
-    prefix = f".{final.name}."
+    """``(path, kind, pid)`` of the siblings of ``final`` (``parse_sibling``)."""
     try:
         names = os.listdir(final.parent)
     except OSError:
         return []
-    found = []
-    for name in names:
-        if not name.startswith(prefix):
-            continue
-        kind, _, pid = name[len(prefix):].partition("-")
-        if kind in ("tmp", "old", "del") and pid.isdigit():
-            found.append((final.parent / name, kind, int(pid)))
-    return found
+    parsed = [(name, parse_sibling(name)) for name in names]
+    return [(final.parent / name, p[1], p[2]) for name, p in parsed if p is not None and p[0] == final.name]
 
 
 def _recover(final: Path, clean: bool, may_replace: bool = True) -> Path | None:
@@ -277,13 +282,6 @@ def _held_bytes(path: Path) -> int:
     return total
 
 
-def _describe_bytes(num_bytes: int) -> str:
-    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if num_bytes >= size:
-            return f"{num_bytes / size:.3g} {unit}"
-    return f"{num_bytes} bytes"
-
-
 def sweep(directory: str | os.PathLike) -> list[str]:
     """For every checkpoint in ``directory`` that dead processes left siblings of (``.<name>.tmp-PID``:
     an unfinished or staged save, ``.old-PID``: one set aside, ``.del-PID``: one being released), put
@@ -298,12 +296,10 @@ def sweep(directory: str | os.PathLike) -> list[str]:
         return []
     finals, held = set(), {}
     for name in names:
-        if name.startswith(".") and ("." in name[1:]):
-            stem, _, suffix = name[1:].rpartition(".")
-            kind, _, pid = suffix.partition("-")
-            if kind in ("tmp", "old", "del") and pid.isdigit() and not pid_alive(int(pid)):
-                finals.add(stem)
-                held[name] = _held_bytes(root / name)
+        parsed = parse_sibling(name)
+        if parsed is not None and not pid_alive(parsed[2]):
+            finals.add(parsed[0])
+            held[name] = _held_bytes(root / name)
     removed, restored = [], []
     for stem in sorted(finals):
         final = root / stem
@@ -318,8 +314,8 @@ def sweep(directory: str | os.PathLike) -> list[str]:
     parts = []
     if removed:
         freed = sum(held.get(g, 0) for g in removed)
-        parts.append("removed " + ", ".join(f"{root / g} ({_describe_bytes(held.get(g, 0))})" for g in removed)
-                     + f": what saves of dead processes left, {_describe_bytes(freed)} in all")
+        each = ", ".join(f"{root / g} ({format_bytes(held.get(g, 0), binary=True)})" for g in removed)
+        parts.append(f"removed {each}: what saves of dead processes left, {format_bytes(freed, binary=True)} in all")
     return ["; ".join(parts + restored)]
 
 

@@ -159,10 +159,6 @@ class EngineBase:
         of unit ``u``, in flat-vector order."""
         return self.units[u].layout.slot_rows(self.blocks_prefix, trainable)
 
-    def unit_weights(self, u: int) -> dict[str, Tensor]:
-        """Unit ``u``'s parameters by module name, fresh CPU copies (trainable ones from the master copy)."""
-        return self.units[u].named_values(self.blocks_prefix)
-
     def weight_specs(self) -> list[WeightSpec]:
         specs = [(name, value.dtype, value.shape) for name, value in self.nonlayer_trained]
         for unit in self.units:

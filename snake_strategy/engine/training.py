@@ -381,7 +381,7 @@ class SnakeEngine(EngineBase):
         yield from ((name, value.clone()) for name, value in zip(state["names"], state["master"]))  # not live
         for u, unit in enumerate(self.units):
             views = named_tensors(unit.master.read_copy(0, unit.train_end), self.unit_slots(u))
-            yield from ((name, value.clone()) for name, value in views.items())  # see unit_weights
+            yield from ((name, value.clone()) for name, value in views.items())  # a view holds the vector
 
     def frozen_checksums(self) -> dict[str, Any]:
         """CRC-32 of every frozen parameter's stored bytes, per unit and for the non-layer ones: what a

@@ -82,21 +82,22 @@ def close_unmapped() -> None:
         os.close(_UNLINKED.pop(path))
 
 
-def file_bytes_needed(plan: list[WeightSpec]) -> int:
-    """The file's data bytes plus a generous bound on its JSON header (``plan``: ``TrainedWeights.weight_specs``)."""
-    return sum(shape.numel() * dtype.itemsize for _, dtype, shape in plan) + 256 * (len(plan) + 4)
+def file_bytes_needed(specs: list[WeightSpec]) -> int:
+    """The file's data bytes plus a generous bound on its JSON header (``specs``: ``TrainedWeights.weight_specs``)."""
+    return sum(shape.numel() * dtype.itemsize for _, dtype, shape in specs) + 256 * (len(specs) + 4)
 
 
 @torch.no_grad()
-def export_to_file(weights: TrainedWeights, path: str, plan: list[WeightSpec], progress: Progress | None = None) -> int:
+def export_to_file(weights: TrainedWeights, path: str, specs: list[WeightSpec],
+                   progress: Progress | None = None) -> int:
     """Write every parameter's trained value into the safetensors file ``path``, one unit in memory at a
-    time, and make the module's parameters views of that file (``map_weights_file``). ``plan``: the
+    time, and make the module's parameters views of that file (``map_weights_file``). ``specs``: the
     engine's ``weight_specs()``, which the caller sized the file from. Returns the file's size. The file is
     written under a temporary name and renamed when complete: a module still mapping an older file at
     ``path`` (the previous fit's) keeps reading it until its parameters are replaced."""
     weights.release_working_memory()  # the pending updates land; the working buffers' memory goes back first
     partial_dir = path + ".partial"
-    writer = ShardedSafetensorsWriter(partial_dir, plan, _ONE_FILE_BYTES)
+    writer = ShardedSafetensorsWriter(partial_dir, specs, _ONE_FILE_BYTES)
     tracker = or_quiet(progress).phase("export", weights.num_units, total_bytes=writer.total_bytes)
     groups = weights.weight_groups()
     try:
