@@ -70,6 +70,10 @@ class UnitLayout:
     def trainable_slots(self) -> list[ParamSlot]:
         return self.slots[:self.num_trainable]
 
+    def group_of(self, slot: ParamSlot) -> int:
+        """The optimizer param group of a trainable parameter."""
+        return next(g for g, start, end in self.group_ranges if start <= slot.offset < end)
+
     def named_slots(self, blocks_prefix: str, trainable: bool | None = None) -> Iterator[tuple[str, ParamSlot]]:
         """(module name, slot) of each parameter of the unit (only the trainable or only the frozen ones
         when ``trainable`` says so), in flat-vector order."""
@@ -118,9 +122,13 @@ class UnitLayout:
 
 
 def build_layouts(
-    blocks: nn.ModuleList, blocks_per_unit: int, param_group_of: dict[int, int]
+    blocks: nn.ModuleList, blocks_per_unit: int, param_group_of: dict[int, int], align_params: bool = False
 ) -> list[UnitLayout]:
     """Partition ``blocks`` into units and lay out each unit's flat vector.
+
+    ``align_params``: every trainable parameter starts on a page (``ALIGN_ELEMS``), for optimizers stepped
+    one whole tensor at a time (optimizers/spec.py, PER_TENSOR): a chunk, the alpha split and an SSD
+    transfer can then begin at any parameter. The padding between parameters holds zeros.
 
     ``param_group_of`` maps ``id(parameter)`` to its optimizer param-group index. Raises ValueError for
     trainable block parameters that the optimizer does not hold and for parameters shared outside their
@@ -152,6 +160,8 @@ def build_layouts(
         entries.sort(key=lambda e: (e[0], e[1]))
         slots, ranges, offset = [], [], 0
         for group, _, j, name, p in entries:
+            if align_params:
+                offset = -(-offset // ALIGN_ELEMS) * ALIGN_ELEMS
             if not ranges or ranges[-1][0] != group:
                 ranges.append([group, offset, offset])
             slots.append(ParamSlot(j, name, p.shape, offset, p.numel()))

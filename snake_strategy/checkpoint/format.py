@@ -44,7 +44,8 @@ from snake_strategy.storage.file_writer import write_tensors
 FORMAT = "greedysnake-checkpoint/1"
 SHARDED_FORMAT = "greedysnake-checkpoint/2"  # per-rank shards instead of units/ (shards.py)
 STATES = ("master", "exp_avg", "exp_avg_sq")
-DTYPES = {str(d): d for d in (torch.float32, torch.float64, torch.bfloat16, torch.float16)}
+DTYPES = {str(d): d for d in (torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.uint8, torch.int8,
+                                torch.int32, torch.int64)}
 
 
 def is_checkpoint_dir(path: str | os.PathLike) -> bool:
@@ -177,16 +178,19 @@ def unit_pieces(manifest: dict, u: int) -> list[tuple[int, int, str]]:
 
 
 def read_range(root: Path, manifest: dict, u: int, state: str, lo: int, hi: int, dtype: torch.dtype) -> torch.Tensor:
-    """Elements ``[lo, hi)`` of unit ``u``'s ``state`` (master, exp_avg, exp_avg_sq), read from the parts of
-    the files that hold them (seek + read: a rank reads its own range only, whatever the files' cut)."""
+    """Elements ``[lo, hi)`` of unit ``u``'s ``state`` (the master weights or an optimizer slot), read from the
+    parts of the files that hold them (seek + read: a rank reads its own range only, whatever the files' cut).
+    A slot kept per tensor has its own length (``state_numel``) and one file."""
     out = torch.empty(hi - lo, dtype=dtype)
     raw = out.view(torch.uint8).numpy()
     size = dtype.itemsize
     covered = 0
     # A zero-copy checkpoint (format /3) names each state's pieces: [lo, hi, file, byte offset].
     pieces = manifest["units"][u].get("pieces", {}).get(state)
+    own = manifest["units"][u].get("state_numel", {}).get(state)
+    files = [(0, own, f"units/unit{u:05d}.{{state}}.bin")] if own is not None else unit_pieces(manifest, u)
     for a, b, pattern, base in ([(a, b, name, at) for a, b, name, at in pieces] if pieces
-                                else [(a, b, pattern, 0) for a, b, pattern in unit_pieces(manifest, u)]):
+                                else [(a, b, pattern, 0) for a, b, pattern in files]):
         start, end = max(a, lo), min(b, hi)
         if start >= end:
             continue
@@ -262,17 +266,19 @@ def write_nonlayer(state: dict, root: Path) -> tuple[dict[str, dict], dict]:
     the three written at once by three threads (file writes and CRC-32s release the GIL: the disk's rate,
     not one core's; gpt_1b's 1.24 GB took 3.5 s through one ``torch.save``), the rest in nonlayer.pt.
     Returns the files for the manifest and its ``nonlayer`` record (names, shapes, dtype)."""
-    tensors = {name: [t.detach().reshape(-1) for t in state[name]] for name in STATES}
+    # Adam's moments are vectors like the master weights; another optimizer's state is in nonlayer.pt.
+    vectors = [name for name in STATES if name in state]
+    tensors = {name: [t.detach().reshape(-1) for t in state[name]] for name in vectors}
     dtypes = {t.dtype for values in tensors.values() for t in values}
     assert len(dtypes) <= 1, f"one master dtype for the non-layer state, not {dtypes}"
     record = {"names": list(state["names"]), "shapes": [list(t.shape) for t in state["master"]],
-              "dtype": str(dtypes.pop()) if dtypes else "torch.float32"}
-    names = [f"nonlayer.{name}.bin" for name in STATES]
+              "dtype": str(dtypes.pop()) if dtypes else "torch.float32", "vectors": vectors}
+    names = [f"nonlayer.{name}.bin" for name in vectors]
     with ThreadPoolExecutor(len(names), thread_name_prefix="snake-nonlayer") as pool:  # re-raises a failure
         written = list(pool.map(lambda name, values: _write_concatenated(root / name, values), names,
-                                [tensors[name] for name in STATES]))
+                                [tensors[name] for name in vectors]))
     files = dict(zip(names, written))
-    rest = {k: v for k, v in state.items() if k not in STATES}
+    rest = {k: v for k, v in state.items() if k not in vectors}
     files["nonlayer.pt"] = save_torch(rest, root / "nonlayer.pt")
     return files, record
 
@@ -292,7 +298,7 @@ def read_nonlayer(root: Path, manifest: dict, states: tuple[str, ...] = STATES) 
     state = torch.load(root / "nonlayer.pt", map_location="cpu", weights_only=True)
     dtype = DTYPES[record["dtype"]]
     sizes = [math.prod(shape) for shape in record["shapes"]]
-    for name in states:
+    for name in (name for name in states if name in record.get("vectors", STATES)):
         flat = torch.from_file(str(root / f"nonlayer.{name}.bin"), shared=False, size=sum(sizes), dtype=dtype)
         state[name] = [part.view(shape) for part, shape in zip(flat.split(sizes), record["shapes"])]
     state["names"] = list(record["names"])

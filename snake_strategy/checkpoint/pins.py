@@ -42,7 +42,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 ZERO_COPY_FORMAT = "greedysnake-checkpoint/3"
-STATES = ("master", "exp_avg", "exp_avg_sq")
 _METHOD_WORDS = {"link": "hard links, 0 bytes of unit state written",
                  "reflink": "reflinks (FICLONE: another mount of the same filesystem), 0 bytes copied",
                  "copy": "a pipelined copy (the checkpoint directory is on another filesystem)"}
@@ -59,6 +58,7 @@ def pin_units(engine: SnakeEngine, tmp: Path, tracker: Any, write_raw: Callable[
         numel = engine.unit_numel(u)
         pieces = {}
         for state, tier in engine.unit_tiers(u).items():
+            numel = engine.unit_numel(u) if state == "master" else tier.numel  # a per-tensor slot: its own length
             head_end = min(tier.host_end, numel)
             name = f"units/unit{u:05d}.{state}.bin"
             if numel <= tier.host_end:  # nothing of it on the SSD: one written file, as a copy save
@@ -243,8 +243,8 @@ def state_bytes(engine: SnakeEngine) -> tuple[int, int]:
     """(bytes of the checkpointed state on the SSD tier, bytes elsewhere) of ``engine``'s units."""
     ssd = other = 0
     for u in range(engine.num_units):
-        numel = engine.unit_numel(u)
-        for tier in engine.unit_tiers(u).values():
+        for state, tier in engine.unit_tiers(u).items():
+            numel = engine.unit_numel(u) if state == "master" else tier.numel
             head = min(getattr(tier, "host_end", numel), numel)
             other += head * tier.elem_bytes
             if numel > head:

@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 
-from snake_strategy.checkpoint.format import SHARDED_FORMAT, STATES, fsync_tree, write_raw
+from snake_strategy.checkpoint.format import SHARDED_FORMAT, fsync_tree, write_raw
 from snake_strategy.checkpoint.store import commit, recover, sibling
 from snake_strategy.engine.parallel.partition import shard_bounds
 from snake_strategy.progress import Progress, or_quiet
@@ -101,15 +101,16 @@ def _write_shard(engine: SnakeEngine, tmp: Path, rank: int, progress: Progress |
     shard_dir.mkdir()
     partition, files = engine.partition, {}
     ranges = [partition.bounds(engine.unit_numel(u)) for u in range(engine.num_units)]
-    tracker = or_quiet(progress).phase("checkpoint_save", len(STATES) * engine.num_units, what="files",
-                                       total_bytes=len(STATES) * engine.dtypes.bytes_per("master")
+    states = engine.state_names()
+    tracker = or_quiet(progress).phase("checkpoint_save", len(states) * engine.num_units, what="files",
+                                       total_bytes=sum(t.elem_bytes for t in engine.unit_tiers(0).values())
                                        * sum(hi - lo for lo, hi in ranges))
     for u in range(engine.num_units):
         lo, hi = ranges[u]
         if hi == lo:
             continue  # a small unit: the last ranks' shards are empty
         values = partition.local_state(engine.units[u])  # one unit's shard in memory at a time
-        for state in STATES:
+        for state in states:
             name = f"shards/rank{rank}/unit{u:05d}.{state}.bin"
             files[name] = write_raw(tmp / name, values[state])
             tracker.advance(1, files[name]["bytes"])

@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 from snake_strategy.checkpoint import pins
 from snake_strategy.checkpoint.pins import CHECKSUMS, ZERO_COPY_FORMAT
-from snake_strategy.checkpoint.format import (DTYPES, FORMAT, STATES, fsync_file, fsync_parent, fsync_tree, read_meta,
+from snake_strategy.checkpoint.format import (DTYPES, FORMAT, fsync_file, fsync_parent, fsync_tree, read_meta,
                                               read_nonlayer, read_range, remove_path, save_torch, unit_pieces,
                                               verified_manifest, verify_file, without_nonlayer_copies, write_nonlayer,
                                               write_raw)
@@ -68,18 +68,20 @@ def save(engine: SnakeEngine, checkpoint: dict[str, Any], path: str | os.PathLik
     try:
         engine.flush()  # pending deferred updates belong to the saved state
         phases_s = {"flush": time.perf_counter() - start_s}
-        unit_bytes = sum(engine.unit_numel(u) for u in range(engine.num_units)) * engine.dtypes.bytes_per("master")
-        nonlayer_bytes = len(STATES) * sum(p.numel() * p.element_size() for p in engine.nonlayer.master)
+        states = engine.state_names()
+        unit_bytes = sum(min(t.numel, engine.unit_numel(u)) * t.elem_bytes if name == "master" else t.numel * t.elem_bytes
+                         for u in range(engine.num_units) for name, t in engine.unit_tiers(u).items())
+        nonlayer_bytes = 3 * sum(p.numel() * p.element_size() for p in engine.nonlayer.master)
         # Bytes now in the checkpoint, linked or written (a zero-copy save writes only the non-SSD parts).
-        tracker = or_quiet(progress).phase("checkpoint_save", len(STATES) * engine.num_units + 2, what="files",
-                                           total_bytes=len(STATES) * unit_bytes + nonlayer_bytes)
+        tracker = or_quiet(progress).phase("checkpoint_save", len(states) * engine.num_units + 2, what="files",
+                                           total_bytes=unit_bytes + nonlayer_bytes)
         files, unit_extra, methods = {}, None, None
         if zero_copy:
             files, unit_extra, methods = pins.pin_units(engine, tmp, tracker, write_raw)
         else:
             for u in range(engine.num_units):
                 values = engine.unit_state(u)
-                for state in STATES:
+                for state in states:
                     name = f"units/unit{u:05d}.{state}.bin"
                     files[name] = write_raw(tmp / name, values[state])
                     tracker.advance(1, files[name]["bytes"])
@@ -104,6 +106,26 @@ def save(engine: SnakeEngine, checkpoint: dict[str, Any], path: str | os.PathLik
         raise
 
 
+def _own_lengths(engine: SnakeEngine, u: int) -> dict:
+    """The lengths of unit ``u``'s slots kept per tensor (their indices are not the unit's elements)."""
+    unit = engine.units[u]
+    return {"state_numel": {name: unit.state[name].numel for name in unit.slot_offsets}} if unit.slot_offsets else {}
+
+
+def check_optimizer_record(root: Path, manifest: dict, engine: SnakeEngine) -> None:
+    """Refuse a checkpoint whose optimizer state is another class's or another layout's, naming both."""
+    saved = manifest.get("optimizer", {"class": "torch.optim.adamw.AdamW", "kind": "fused_adam",
+                                       "slots": {"exp_avg": manifest["master_dtype"].removeprefix("torch."),
+                                                 "exp_avg_sq": manifest["master_dtype"].removeprefix("torch.")}})
+    mine = engine.optimizer_record()
+    if saved["slots"] != mine["slots"] or (saved["class"] != mine["class"] and saved["kind"] != "fused_adam"
+                                           or mine["kind"] != saved["kind"]):
+        raise ValueError(f"{root} holds the state of {saved['class']} ({', '.join(saved['slots']) or 'no state'}); this "
+                         f"run's configure_optimizers returns {mine['class']} ({', '.join(mine['slots']) or 'no state'}). "
+                         "Resume with the optimizer the checkpoint was trained with, or load only the weights "
+                         "(snake_strategy.checkpoint.load / consolidate) and start a new run")
+
+
 def commit(engine: SnakeEngine, checkpoint: dict[str, Any], tmp: Path, final: Path, files: dict, tracker: Any,
            extra: dict | None = None, unit_extra: list[dict] | None = None) -> None:
     """Complete the checkpoint in ``tmp`` whose unit files ``files`` are written: the replicated parts
@@ -112,7 +134,7 @@ def commit(engine: SnakeEngine, checkpoint: dict[str, Any], tmp: Path, final: Pa
     frozen = engine.frozen_checksums()
     units = [{"numel": engine.unit_numel(u), "slots": [list(slot) for slot in engine.unit_slots(u)],
               "frozen": {"names": [slot[0] for slot in engine.unit_slots(u, trainable=False)],
-                         "crc32": frozen["units"][u]}, **(unit_extra[u] if unit_extra else {})}
+                         "crc32": frozen["units"][u]}, **_own_lengths(engine, u), **(unit_extra[u] if unit_extra else {})}
              for u in range(engine.num_units)]
     nonlayer = engine.nonlayer_state()
     checkpoint, meta_record = without_nonlayer_copies(checkpoint, nonlayer)
@@ -126,7 +148,8 @@ def commit(engine: SnakeEngine, checkpoint: dict[str, Any], tmp: Path, final: Pa
                 "master_dtype": str(engine.dtypes.master),
                 "compute_dtype": str(engine.dtypes.compute),  # the frozen CRC-32s are of these bytes
                 "blocks_per_unit": engine.schedule.blocks_per_unit, "units": units, "files": files,
-                "frozen_nonlayer": frozen["nonlayer"], "nonlayer": nonlayer_record, **meta_record, **(extra or {})}
+                "frozen_nonlayer": frozen["nonlayer"], "nonlayer": nonlayer_record, "optimizer": engine.optimizer_record(),
+                **meta_record, **(extra or {})}
     (tmp / "manifest.json").write_text(json.dumps(manifest))
     fsync_file(tmp / "manifest.json")
     fsync_tree(tmp)
@@ -401,6 +424,7 @@ def load(engine: SnakeEngine, path: str | os.PathLike, progress: Progress | None
         raise ValueError(f"{root} holds {len(manifest['units'])} units of {manifest['blocks_per_unit']} blocks; this "
                          f"run has {engine.num_units} of {engine.schedule.blocks_per_unit} (schedule.blocks_per_unit)")
     engine.flush()
+    check_optimizer_record(root, manifest, engine)
     _check_frozen(root, manifest, engine.frozen_checksums())
     load_units(engine, root, manifest, progress)
     engine.load_nonlayer_state(read_nonlayer(root, manifest))
@@ -449,15 +473,19 @@ def load_units(engine: SnakeEngine, root: Path, manifest: dict, progress: Progre
         error = next((f"rank {r}: {e}" for r, e in enumerate(reports) if e is not None), None)
     if error is not None:
         raise ValueError(error)
-    tracker = or_quiet(progress).phase("checkpoint_load", engine.num_units, total_bytes=len(STATES)
+    states = engine.state_names()
+    tracker = or_quiet(progress).phase("checkpoint_load", engine.num_units, total_bytes=len(states)
                                        * dtype.itemsize * sum(hi - lo for lo, hi in ranges))
     for u, (lo, hi) in enumerate(ranges):
-        state = {name: read_range(root, manifest, u, name, lo, hi, dtype) for name in STATES}
+        tiers = engine.unit_tiers(u)
+        own = manifest["units"][u].get("state_numel", {})
+        state = {name: read_range(root, manifest, u, name, *((0, own[name]) if name in own else (lo, hi)),
+                                  dtype if name == "master" else tiers[name].dtype) for name in states}
         if partition is not None:
             partition.load_local(engine.units[u], state)  # + the all-gather of the weights (a collective)
         else:
             engine.load_unit_state(u, state)
-        tracker.advance(1, len(STATES) * (hi - lo) * dtype.itemsize)
+        tracker.advance(1, sum(t.numel() * t.element_size() for t in state.values()))
     tracker.finish()
 
 
@@ -469,14 +497,15 @@ def _verify_shards(root: Path, manifest: dict, ranges: list[tuple[int, int]]) ->
         return  # one process's format: checkpoint.load verified its files
     files = manifest["files"]
     listed = {name for name in files if name.startswith("shards/")}
+    states = ("master", *manifest.get("optimizer", {"slots": {"exp_avg": 0, "exp_avg_sq": 0}})["slots"])
     for u in range(len(manifest["units"])):
         for _, _, pattern in unit_pieces(manifest, u):
-            missing = [pattern.format(state=s) for s in STATES if pattern.format(state=s) not in listed]
+            missing = [pattern.format(state=s) for s in states if pattern.format(state=s) not in listed]
             if missing:
                 raise ValueError(f"{root / 'manifest.json'} does not list the shard file {missing[0]}: the manifest is "
                                  "corrupt; use another checkpoint")
     needed = {pattern.format(state=s) for u, (lo, hi) in enumerate(ranges)
-              for a, b, pattern in unit_pieces(manifest, u) if max(a, lo) < min(b, hi) for s in STATES}
+              for a, b, pattern in unit_pieces(manifest, u) if max(a, lo) < min(b, hi) for s in states}
     hint = (f": {root} was saved by {shards['world_size']} ranks, each writing its own shard under shards/rank<r>/, "
             "and resuming needs all of them. Copy or move the whole checkpoint directory (a run on several machines "
             "must save its checkpoints to a filesystem every rank shares), or resume from another checkpoint")

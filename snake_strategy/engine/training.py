@@ -30,6 +30,7 @@ from snake_strategy.engine.step.batch_check import batching_tolerance
 from snake_strategy.engine.state.build import build_model
 from snake_strategy.engine.step.gradients import GradientPath
 from snake_strategy.engine.step.kept_graphs import KeptGraphs
+from snake_strategy.engine.optimizer.update import ChunkUpdate
 from snake_strategy.engine.optimizer.worker import OptimizerOverlap
 from snake_strategy.engine.parallel.partition import Partition, shard_range
 from snake_strategy.engine.parallel.reduce import GradientReducer
@@ -40,7 +41,7 @@ from snake_strategy.engine.stream.forward_only import stream_blocks, streamed_fo
 from snake_strategy.engine.view import StepStats
 from snake_strategy.engine.stream.streamer import WeightStreamer
 from snake_strategy.planning.memory import pool_sizes
-from snake_strategy.optim import check_optimizer, snapshot_hyper_params
+from snake_strategy.optimizers import hyper_params, optimizer_kind
 from snake_strategy.planning.autoplan import RunPlan
 from snake_strategy.planning.planner import ModelShape
 from snake_strategy.precision import LossScaler
@@ -61,7 +62,7 @@ class SnakeEngine(EngineBase):
         if clip is not None and clip[0] not in ("norm", "value"):
             raise ValueError(f"gradient_clip_algorithm='{clip[0]}' is not supported; use 'norm' or 'value'")
         check_contract(module)
-        check_optimizer(optimizer)
+        optimizer_kind(optimizer)  # the refusals again for a hand-built plan; the plan's spec says how to step
         if schedule.unset() or storage.unset():
             raise ValueError(f"SnakeEngine runs concrete settings, but schedule {schedule.unset()} and storage "
                              f"{storage.unset()} are left to the planner: resolve them first (snake_strategy.planning."
@@ -79,8 +80,12 @@ class SnakeEngine(EngineBase):
         self.world_size = world_size
         self.reducer = GradientReducer(world_size, self.counters, self.trace, self.device) if world_size > 1 else None
         # ZeRO-1: this rank keeps 1/N of the moments (engine/parallel/partition.py).
-        self.partition = Partition(world_size, rank, self.counters, self.dtypes, self.device) \
-            if runtime.shard_optimizer and world_size > 1 else None
+        sharded = runtime.shard_optimizer and world_size > 1
+        if sharded and plan.optimizer is not None and plan.optimizer.per_tensor:
+            raise ValueError(f"shard_optimizer_state=True cuts the optimizer state into element ranges, but "
+                             f"{type(optimizer).__name__} steps whole tensors; pass "
+                             "GreedySnakeStrategy(shard_optimizer_state=False) (each rank keeps the whole state)")
+        self.partition = Partition(world_size, rank, self.counters, self.dtypes, self.device) if sharded else None
         self.checkpoint_bytes = 0  # one unit input of one micro-batch, known after the first forward
         self.global_batch_size: int | None = None  # samples per full step (set from the loader or batch 1)
         self.runner: StepRunner | None = None  # built last (_build); the kept graphs it measures count in the budget
@@ -127,7 +132,8 @@ class SnakeEngine(EngineBase):
             if self.speculation.enabled else None
         # Partitioned: every rank's updated shard of a unit is gathered after its forward part.
         gather = (lambda u: partition.gather_weights(units[u])) if partition is not None else None
-        self.overlap = self.own(OptimizerOverlap(units, dtypes.weights, dtypes.master, device,
+        self.update = ChunkUpdate(self.plan.optimizer, self.optimizer)  # the arithmetic of a chunk's step
+        self.overlap = self.own(OptimizerOverlap(units, self.update, dtypes.weights, dtypes.master, device,
                                                  storage.optimizer_chunk_elems, self.hooks.before_optimizer_chunk,
                                                  trace=self.trace, rollback=rollback, gather=gather))
         self.weights = self.own(WeightStreamer(units, self.overlap, self.trace, s.prefetch_depth, dtypes.weights,
@@ -247,7 +253,7 @@ class SnakeEngine(EngineBase):
         self.weights.take_wait_s()
         self.activations.wait_s = self.activations.backpressure_s = 0.0
         self.grad_pool.take_wait_s()
-        self._hps = snapshot_hyper_params(self.optimizer)
+        self._hps = hyper_params(self.optimizer)
         num_micro = self.schedule.num_micro_batches
         self.gradients.begin_step(len(micro_batches), self._hps, self.step_count)
         self.nonlayer.zero_grads()
@@ -333,40 +339,55 @@ class SnakeEngine(EngineBase):
 
     # ------------------------------------------------------------------ state API (checkpoints, export)
     def unit_numel(self, u: int) -> int:
-        """Elements of unit ``u``'s master vector and moments (its trainable part, page-padded)."""
+        """Elements of unit ``u``'s master vector and element-wise state (its trainable part, page-padded)."""
         return self.units[u].train_end
 
+    def state_names(self) -> tuple[str, ...]:
+        """The unit states a checkpoint holds: the master weights, then the optimizer's slots."""
+        return ("master", *(slot.name for slot in self.plan.optimizer.slots))
+
+    def optimizer_record(self) -> dict[str, Any]:
+        """What a checkpoint records of the optimizer: its class and the layout of its state."""
+        spec = self.plan.optimizer
+        return {"class": spec.class_name, "kind": spec.kind,
+                "slots": {slot.name: str(slot.dtype).removeprefix("torch.") for slot in spec.slots}}
+
     def unit_state(self, u: int) -> dict[str, Tensor]:
-        """Unit ``u``'s master weights and Adam moments, fresh CPU copies (one unit at a time)."""
+        """Unit ``u``'s master weights and optimizer state, fresh CPU copies (one unit at a time)."""
         self.flush()
         unit = self.units[u]
-        # Partitioned: the moments are gathered, a collective every rank runs for the same units in order.
-        moments = self.partition.gather_moments(unit) if self.partition is not None else \
-            {"exp_avg": unit.exp_avg.read_full(), "exp_avg_sq": unit.exp_avg_sq.read_full()}
-        return {"master": unit.master.read_copy(0, unit.train_end), **moments}
+        # Partitioned: the state is gathered, a collective every rank runs for the same units in order.
+        state = self.partition.gather_moments(unit) if self.partition is not None else \
+            {name: t.read_full() for name, t in unit.state.items()}
+        return {"master": unit.master.read_copy(0, unit.train_end), **state}
 
     def unit_tiers(self, u: int) -> dict[str, Any]:
-        """Unit ``u``'s master weights and moments where they live (TieredTensors; zero-copy checkpoints
-        pin their SSD files). Elements [0, unit_numel(u)) are the trainable state."""
+        """Unit ``u``'s master weights and optimizer state where they live (TieredTensors; zero-copy
+        checkpoints pin their SSD files). Elements [0, unit_numel(u)) of the master are the trainable state."""
         unit = self.units[u]
-        return {"master": unit.master, "exp_avg": unit.exp_avg, "exp_avg_sq": unit.exp_avg_sq}
+        return {"master": unit.master, **unit.state}
 
     @torch.no_grad()
     def load_unit_state(self, u: int, state: dict[str, Tensor]) -> None:
         self.flush()
         unit = self.units[u]
         t = unit.train_end  # the frozen part [t, n) is never loaded: it is the base model's
-        lo, hi = shard_range(unit)  # partitioned: this rank keeps the moments of its shard
         unit.master.evict(state["master"].to(self.dtypes.master), 0, t)
-        for name in ("exp_avg", "exp_avg_sq"):
-            getattr(unit, name).evict(state[name][lo:hi].to(self.dtypes.master), lo, hi)
+        for name, tensor in unit.state.items():
+            if unit.slot_offsets:  # per tensor: the whole slot
+                tensor.evict(state[name].to(tensor.dtype))
+            else:
+                lo, hi = shard_range(unit)  # partitioned: this rank keeps the state of its shard
+                tensor.evict(state[name][lo:hi].to(tensor.dtype), lo, hi)
         if unit.weights is not unit.master:
             unit.load_trainable_weights(state["master"].to(self.dtypes.master))
 
     def nonlayer_state(self) -> dict[str, Any]:
-        """The non-layer parameters' master weights and moments, the step counter and the loss scaler."""
+        """The non-layer parameters' master weights and optimizer state, the units' scalar optimizer state,
+        the step counter and the loss scaler."""
         self.flush()
-        return {**self.nonlayer.state_dict(), "loss_scaler": self.scaler.state_dict(), "step_count": self.step_count}
+        return {**self.nonlayer.state_dict(), "loss_scaler": self.scaler.state_dict(), "step_count": self.step_count,
+                "optimizer_scalars": self.update.scalars.state_dict(self.step_count)}
 
     def load_nonlayer_state(self, state: dict[str, Any]) -> None:
         self.nonlayer.load_state_dict(state)
@@ -374,6 +395,7 @@ class SnakeEngine(EngineBase):
             self.scaler.load_state_dict(state["loss_scaler"])
         if "step_count" in state:
             self.step_count = int(state["step_count"])
+        self.update.scalars.load_state_dict(state.get("optimizer_scalars", {}), self.step_count)
 
     def trainable_named_weights(self) -> Iterator[tuple[str, Tensor]]:
         """The trainable parameters by module name (EngineView), master values, one unit at a time."""

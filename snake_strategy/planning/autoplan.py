@@ -57,6 +57,7 @@ from snake_strategy.planning.planner import (HardwareProfile, ModelShape, StepPr
                                              plan, predict, prefetch_depth)
 from snake_strategy.precision import DtypePolicy
 from snake_strategy.progress import format_bytes
+from snake_strategy.optimizers.spec import PER_TENSOR, OptimizerSpec, inspect_optimizer, optimizer_kind
 from snake_strategy.units import UnitLayout, WeightFormat, build_layouts
 
 log = logging.getLogger(__name__)
@@ -91,6 +92,7 @@ class RunPlan:
     # from, so the model is laid out and checked once. Not part of as_dict (module references).
     layouts: list[UnitLayout] = dataclasses.field(default_factory=list, repr=False)
     shape: ModelShape | None = dataclasses.field(default=None, repr=False)
+    optimizer: OptimizerSpec | None = dataclasses.field(default=None, repr=False)  # its state's slots (training)
     # The optimizer step that runs: "overlapped" (no global decision needed), "speculative" (norm clipping
     # or fp16 loss scaling, rolled back when wrong) or "deferred" (alpha 1: whole updates deferred).
     step_mode: str = "overlapped"
@@ -171,22 +173,30 @@ class RunPlan:
 
 
 def setup_layouts(module: nn.Module, optimizer: torch.optim.Optimizer | None, blocks_per_unit: int, num_micro: int,
-                  dtypes: DtypePolicy) -> tuple[list[UnitLayout], ModelShape]:
-    """The model's units and the planner's view of them before any batch is seen (tokens and checkpoint
-    sizes are 0). The only place a run lays its model out and builds its shape: the engines take both from
-    the plan. Training stores the weights as ``dtypes`` says (half-precision matmul weights with their
-    full-precision tail, the master copy separately); evaluation stores the compute weights only."""
+                  dtypes: DtypePolicy) -> tuple[list[UnitLayout], ModelShape, OptimizerSpec | None]:
+    """The model's units, the planner's view of them before any batch is seen (tokens and checkpoint
+    sizes are 0) and what the optimizer keeps per parameter (optimizers/spec.py). The only place a run lays
+    its model out and builds its shape: the engines take all three from the plan. Training stores the
+    weights as ``dtypes`` says (half-precision matmul weights with their full-precision tail, the master
+    copy separately) and the optimizer's state in its own dtypes; evaluation stores the compute weights only."""
+    spec = None
     if optimizer is None:  # evaluation: no optimizer, the compute weights are all that is stored
         groups = {id(p): 0 for p in module.parameters()}
-        stored, half = "compute", None
+        stored, half, kind = "compute", None, None
     else:
+        kind = optimizer_kind(optimizer)  # refuses what cannot be stepped exactly, before anything is built
         groups = check_trainable(module, optimizer)  # the engine's refusals, with their messages
         stored, half = "weights", dtypes.half_weights
-    layouts = build_layouts(module.blocks, blocks_per_unit, groups)
+    layouts = build_layouts(module.blocks, blocks_per_unit, groups, align_params=kind == PER_TENSOR)
     formats = [WeightFormat.for_layout(layout, half, dtypes.master) for layout in layouts] if half else []
-    return layouts, ModelShape.from_layouts(layouts, module, num_micro, dtypes.bytes_per(stored),
-                                            dtypes.bytes_per("master"), compute_bytes=dtypes.bytes_per("compute"),
-                                            weight_formats=[(f.main_numel, f.tail_bytes) for f in formats])
+    shape = ModelShape.from_layouts(layouts, module, num_micro, dtypes.bytes_per(stored), dtypes.bytes_per("master"),
+                                    compute_bytes=dtypes.bytes_per("compute"),
+                                    weight_formats=[(f.main_numel, f.tail_bytes) for f in formats])
+    if optimizer is not None:
+        params = [(layout.group_of(s), tuple(s.shape)) for layout in layouts for s in layout.trainable_slots]
+        spec = inspect_optimizer(optimizer, kind, params, dtypes.master)
+        shape = dataclasses.replace(shape, state_bytes_per_elem=spec.bytes_per_elem(params))
+    return layouts, shape, spec
 
 
 def resolve(module: nn.Module, optimizer: torch.optim.Optimizer | None, storage: StorageConfig,
@@ -199,7 +209,8 @@ def resolve(module: nn.Module, optimizer: torch.optim.Optimizer | None, storage:
     ``clip`` (Trainer's gradient_clip_algorithm, gradient_clip_val) and fp16 loss scaling (``dtypes``)
     decide the optimizer step's mode and with it the alpha that runs (the one place it is decided)."""
     evaluating = optimizer is None
-    layouts, shape = setup_layouts(module, optimizer, schedule.blocks_per_unit, schedule.num_micro_batches, dtypes)
+    layouts, shape, spec = setup_layouts(module, optimizer, schedule.blocks_per_unit, schedule.num_micro_batches,
+                                         dtypes)
     shape = dataclasses.replace(shape, optimizer_shards=optimizer_shards)
     hardware = dataclasses.replace(hardware, device_is_cpu=device.type == "cpu")
     bounded = host_budget(storage.host_budget_bytes, processes_per_node)
@@ -243,7 +254,7 @@ def resolve(module: nn.Module, optimizer: torch.optim.Optimizer | None, storage:
         log.info("schedule.split_backward=true: LayerPipe's split backward (input gradients per micro-batch, Linear "
                  "weight gradients as one product per unit)")
     run_plan = RunPlan(storage, concrete, reasons, budget, 0, bounded.source, bounded.detail, layouts=layouts,
-                       shape=shape, step_mode=step_mode, placement_budget_bytes=placement_budget,
+                       shape=shape, optimizer=spec, step_mode=step_mode, placement_budget_bytes=placement_budget,
                        device_is_cpu=device.type == "cpu", evaluating=evaluating)
     inputs = run_plan.memory_inputs()
     rollback_bytes = sum(rollback_copied_elems(inputs)) * shape.master_bytes

@@ -108,6 +108,9 @@ class MemoryInputs:
     # Evaluation (engine/evaluation.py): only the compute weights are stored and streamed read-only; no
     # master copy, moments, gradients, optimizer worker or activation checkpoints.
     evaluating: bool = False
+    # The optimizer's state per trainable element, in master-dtype elements (optimizers/spec.py): 2 for
+    # Adam's moments, 1 for SGD's momentum, about 0.5 for 8-bit AdamW.
+    state_vectors: float = 2.0
 
     @property
     def trainable(self) -> tuple[int, ...]:
@@ -196,12 +199,10 @@ def stored_gradient_elems(inputs: MemoryInputs) -> int:
     return sum(forward_part_end(n, inputs.alpha) for n in inputs.trainable)
 
 
-# Rollback state per element of a unit's backward part: the raw gradient, the master weight, two moments.
-ROLLBACK_VECTORS = 4
 
 
 def unit_rollback_elems(trainable: int, numel: int, alpha: float, storage: StorageConfig, separate_master: bool,
-                        world_size: int = 1, rank: int = 0) -> tuple[int, int, int]:
+                        world_size: int = 1, rank: int = 0, state_vectors: float = 2.0) -> tuple[int, int, int]:
     """One unit's rollback state, in elements: (the backward part [max(split, lo), hi) it covers, the
     elements copied every speculative step onto ``storage.rollback``, the SSD elements held). Copied: the
     raw gradient and the in-memory (device and host) part of the pre-step master weights and moments,
@@ -214,18 +215,18 @@ def unit_rollback_elems(trainable: int, numel: int, alpha: float, storage: Stora
     # The master copy spans the unit (unit indices; the compute weights themselves, frozen elements too,
     # unless it is separate); the moments span this rank's shard [lo, hi).
     master = (storage.master, trainable) if separate_master else (storage.weights, numel)
-    for split, size, base in (master + (0,), (storage.optimizer, hi - lo, lo), (storage.optimizer, hi - lo, lo)):
+    for split, size, base, weight in (master + (0, 1.0), (storage.optimizer, hi - lo, lo, state_vectors)):
         host_end = tier_bounds(size, split)[1]
         memory_end = max(start, min(hi, base + host_end))
-        copied += memory_end - start
+        copied += weight * (memory_end - start)
         if hi > memory_end:  # held: the whole SSD file gets a second one to alternate with
-            held += size - host_end
-    return hi - start, copied, held
+            held += weight * (size - host_end)
+    return hi - start, int(copied), int(held)
 
 
 def _unit_rollbacks(inputs: MemoryInputs) -> list[tuple[int, int, int]]:
     return [unit_rollback_elems(t, n, inputs.alpha, inputs.storage, inputs.separate_master, inputs.shard_world_size,
-                                inputs.shard_rank) for t, n in zip(inputs.trainable, inputs.unit_params)
+                                inputs.shard_rank, inputs.state_vectors) for t, n in zip(inputs.trainable, inputs.unit_params)
             ] if inputs.speculative else []
 
 
@@ -277,7 +278,7 @@ def _pinned_items(inputs: MemoryInputs) -> dict[str, int]:
     items = {
         "weights": (pinned_host_shares(inputs.weight_elems, s.weights, inputs.e_w)
                     + sum(pinned_allocation_bytes(round_up(t)) for t in tails)),
-        "optimizer_moments": 2 * pinned_host_shares(inputs.moment_elems, s.optimizer, e_m),
+        "optimizer_moments": int(inputs.state_vectors * pinned_host_shares(inputs.moment_elems, s.optimizer, e_m)),
         # the gradient store's host segment is allocated for the whole unit share, pinned
         "gradients": pinned_host_shares(units, s.gradients, e_m),
     }
@@ -321,7 +322,7 @@ def _host_plan(inputs: MemoryInputs) -> dict[str, int]:
     tail_in_memory = sum(inputs.weight_tail_bytes) if cpu or s.weights.device < 1.0 else 0
     plan = {
         "weights": int(sum(inputs.weight_elems) * e_w * _in_memory(s.weights, cpu)) + tail_in_memory,
-        "optimizer_moments": int(2 * sum(inputs.moment_elems) * e_m * _in_memory(s.optimizer, cpu)),
+        "optimizer_moments": int(inputs.state_vectors * sum(inputs.moment_elems) * e_m * _in_memory(s.optimizer, cpu)),
         "gradients": int(stored_gradient_elems(inputs) * e_m * _in_memory(s.gradients, cpu)),
         # compute copy, master (when separate), 2 moments, gradient, one transient gradient from autograd
         # (the non-layer master is separate only when the compute dtype differs: bf16-true)
@@ -372,7 +373,7 @@ def ssd_plan(inputs: MemoryInputs) -> dict[str, int]:
     units, trained = inputs.unit_params, inputs.trainable  # frozen elements: weights only
     plan = {
         "weights": per_unit(s.weights.ssd, inputs.e_w, inputs.weight_elems),
-        "optimizer_moments": 2 * per_unit(s.optimizer.ssd, e_m, inputs.moment_elems),  # this rank's shards
+        "optimizer_moments": int(inputs.state_vectors * per_unit(s.optimizer.ssd, e_m, inputs.moment_elems)),
         "gradients": int(stored_gradient_elems(inputs) * e_m * s.gradients.ssd),
     }
     if inputs.separate_master:

@@ -4,7 +4,7 @@ placement. Pure functions of plain data, so every choice can be checked by hand.
 Traffic per optimizer step (docs/design.md, "Traffic model"; P = block params, L = units, M = micro-batches):
 
     weights read   vertical  (2L-1) fetches x P/L x e_w      horizontal  M(2L-1)-(M-1) fetches
-    optimizer      read and write master + 2 moments once per step     (3 x P x e_m each way)
+    optimizer      read and write master + its state once per step     (P x (e_m + e_s) each way; Adam e_s = 2 e_m)
     gradients      vertical: the forward part (alpha x P x e_m) written and read back once;
                    horizontal: also a partial sum written per micro-batch and read back (M-1 times)
     checkpoints    each SSD-resident (unit, micro) input written once, read twice (forward and
@@ -75,6 +75,9 @@ class ModelShape:
     unit_weight_elems: tuple[int, ...] = ()  # half-precision weight storage: a unit's stored vector
     unit_weight_tail_bytes: tuple[int, ...] = ()
     compute_bytes: int = 0  # bytes per compute-dtype element when it differs from ``weight_bytes``; 0: the same
+    # Bytes of optimizer state per trainable element, as the optimizer keeps it (optimizers/spec.py); None:
+    # Adam's two moments in the master dtype.
+    state_bytes_per_elem: float | None = None
 
     @classmethod
     def from_layouts(cls, layouts: Sequence[UnitLayout], module: nn.Module, num_micro: int, weight_bytes: int,
@@ -98,6 +101,11 @@ class ModelShape:
     @property
     def trainable(self) -> tuple[int, ...]:
         return self.trainable_per_unit or (self.params_per_unit,) * self.num_units
+
+    @property
+    def state_bytes(self) -> float:
+        """e_s: bytes of optimizer state per trainable element."""
+        return self.state_bytes_per_elem if self.state_bytes_per_elem is not None else 2.0 * self.master_bytes
 
     @property
     def moment_elems(self) -> int:
@@ -165,6 +173,7 @@ def predict(shape: ModelShape, hw: HardwareProfile, storage: StorageConfig, kind
     u, L, M = shape.params_per_unit, shape.num_units, shape.num_micro
     e_w, e_m = shape.weight_bytes, shape.master_bytes
     separate_master = e_w != e_m
+    states = shape.state_bytes / e_m  # the optimizer's state in master-dtype elements (2 for Adam's moments)
     fetches = weight_fetches_per_step(kind, L, M, shape.backward_from)
     weights = tier_bytes(shape.weight_elems_per_unit or u, storage.weights, e_w)
     # the tail: read by every fetch, rewritten by every step, kept in host memory (or on the device)
@@ -180,16 +189,17 @@ def predict(shape: ModelShape, hw: HardwareProfile, storage: StorageConfig, kind
         grad_part = tier_bytes(t, storage.gradients, e_m, 0, forward_part_end(t, alpha))  # parked forward part
         grad_full = tier_bytes(t, storage.gradients, e_m)  # a horizontal partial sum
         # The optimizer reads and writes the master and both moments once; bf16-true refreshes the compute copy.
-        moved = master["ssd"] + 2 * moments["ssd"] + grad_part["ssd"] + partials * grad_full["ssd"]
+        moved = master["ssd"] + states * moments["ssd"] + grad_part["ssd"] + partials * grad_full["ssd"]
         read += moved
         write += moved
-        host_bytes += 2 * master["host"] + 4 * moments["host"]
+        host_bytes += 2 * master["host"] + 2 * states * moments["host"]
         if separate_master:
             refresh = tier_bytes(shape.weight_elems_per_unit or u, storage.weights, e_w, 0, t)
             write += refresh["ssd"]
             host_bytes += refresh["host"] + tail
         if speculative:  # the rollback copies (gradient + in-memory states); the states' SSD part is held
-            _, copied, _ = unit_rollback_elems(t, u, alpha, storage, separate_master, shape.optimizer_shards, 0)
+            _, copied, _ = unit_rollback_elems(t, u, alpha, storage, separate_master, shape.optimizer_shards, 0,
+                                               states)
             rollback = tier_bytes(copied, TierShares(host=0.0, ssd=1.0) if storage.rollback == "ssd" else TierShares(),
                                   e_m)
             write += rollback["ssd"]
@@ -244,6 +254,7 @@ def memory_inputs(shape: ModelShape, hw: HardwareProfile, storage: StorageConfig
     return MemoryInputs(
         unit_params=shape.unit_params or (shape.params_per_unit,) * L, nonlayer_params=shape.nonlayer_params,
         compute_bytes=shape.compute_bytes or shape.weight_bytes, master_bytes=shape.master_bytes,
+        state_vectors=shape.state_bytes / shape.master_bytes,
         device_is_cpu=hw.device_is_cpu, unit_weight_elems=shape.unit_weight_elems or uniform_elems,
         weight_bytes=shape.weight_bytes if shape.compute_bytes else 0,
         unit_weight_tail_bytes=shape.unit_weight_tail_bytes or (shape.weight_tail_bytes_per_unit,) * L,
@@ -302,7 +313,7 @@ def plan(shape: ModelShape, hw: HardwareProfile, host_budget_bytes: int, kind: s
     fractions = {}
     trained = sum(shape.trainable)  # frozen elements have no master copy and no moments
     weight_bytes = P * shape.weight_bytes + (trained * shape.master_bytes if separate_master else 0)
-    order = (("weights", weight_bytes), ("optimizer", 2 * shape.moment_elems * shape.master_bytes))
+    order = (("weights", weight_bytes), ("optimizer", int(shape.moment_elems * shape.state_bytes)))
     if trained < P:
         # Fine-tuning: the small trainable state is read and written every step, the frozen weights only
         # read: moments first. The trainable part leads each unit's weights, so a weights host share of

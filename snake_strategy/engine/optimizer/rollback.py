@@ -6,7 +6,7 @@ Norm clipping and fp16 loss scaling decide one factor for every gradient only at
 [forward_end, train_end) is stepped as soon as its gradient is complete, as if the clip factor were 1 and
 nothing overflowed. ``torch.nn.utils.clip_grad_norm_`` multiplies by exactly 1.0 when the norm is at most
 ``max_norm``, so a correct guess is bitwise the deferred computation. Before stepping a chunk the
-worker saves its raw gradient and its pre-step master weights and moments here; when the guess was wrong
+worker saves its raw gradient and its pre-step master weights and optimizer state here; when the guess was wrong
 they are read back: a clipped step is redone from them with the true factor (at the next forward, like a
 forward part), an overflowing one is restored (nothing changed, the step is skipped).
 
@@ -34,7 +34,7 @@ from snake_strategy.storage import IOEngine, SsdDirectory, TieredTensor, Traffic
 from snake_strategy.precision import LossScaler
 from snake_strategy.storage.io_engine import DONE, Ticket
 
-GRAD, STATES = "grad", ("master", "exp_avg", "exp_avg_sq")
+GRAD, MASTER = "grad", "master"  # the saved raw gradient; the master weights (the other states: the unit's slots)
 SPECULATE, DEFER = "speculate", "defer"  # a step's mode
 # What the next forward job does with a unit's backward part: step it from its saved pre-step state (a
 # wrong speculation) or from the current state (a deferred-mode step), with the saved raw gradient.
@@ -43,7 +43,9 @@ REDO, APPLY = "redo", "apply"
 
 class RollbackStore:
     """Per unit, elements [start, hi) of this rank's range (``start = max(split, lo)``): the raw gradient and
-    the pre-step master weights and moments of the last speculative step. Indices are the unit's.
+    the pre-step master weights and optimizer state of the last speculative step. Indices are each state's
+    own: the unit's elements for the gradient, the master weights and element-wise state, a slot's pieces
+    for state kept per tensor (``UnitStore.slot_range``).
 
     The raw gradient is copied into a slot (on ``storage.rollback``). Of each state, only the part in
     memory (device and host segments, stepped in place) is copied; its SSD part is *held*: the step's
@@ -55,33 +57,40 @@ class RollbackStore:
                  counters: TrafficCounters, io: IOEngine | None, ssd: SsdDirectory | None) -> None:
         split = TierShares(host=0.0, ssd=1.0) if tier == "ssd" else TierShares()
         self.starts: list[int] = []
-        self._ends: list[int] = []
         self._units = units
+        self._ranges: list[dict[str, tuple[int, int]]] = []  # per unit: each state's [start, hi), its indices
         self._slots: list[dict[str, TieredTensor]] = []
         self._held: set[int] = set()
-        for unit in units:
+        for u, unit in enumerate(units):
             lo, hi = shard_range(unit)
             start = max(unit.forward_end, lo)
             self.starts.append(start)
-            self._ends.append(hi)
+            ranges = {GRAD: (start, hi), MASTER: (start, hi),
+                      **{name: unit.slot_range(name, start, hi) for name in unit.state}}
+            self._ranges.append(ranges)
             name = f"unit{unit.layout.index:05d}"
             slots = {}
             if hi > start:
                 slots[GRAD] = TieredTensor(f"{name}.{GRAD}", "rollback", hi - start, dtype, split, device, counters,
                                            io, ssd)
-                for state in STATES:
-                    n = self._memory_end(u=len(self._slots), state=state) - start
+                for state in self._states(u):
+                    n = self._memory_end(u, state) - ranges[state][0]
                     if n > 0:
-                        slots[state] = TieredTensor(f"{name}.{state}", "rollback", n, dtype, split, device,
-                                                    counters, io, ssd)
+                        slots[state] = TieredTensor(f"{name}.{state}", "rollback", n, self._state(u, state).dtype,
+                                                    split, device, counters, io, ssd)
             self._slots.append(slots)
 
+    def _states(self, u: int) -> list[str]:
+        return [MASTER, *self._units[u].state]
+
     def _state(self, u: int, state: str):
-        return getattr(self._units[u], state)
+        unit = self._units[u]
+        return unit.master if state == MASTER else unit.state[state]
 
     def _memory_end(self, u: int, state: str) -> int:
-        """The end of the part of [start, hi) that state keeps in memory (copied); from there on: held."""
-        return max(self.starts[u], min(self._ends[u], self._state(u, state).host_end))
+        """The end of the part of the state's range that it keeps in memory (copied); from there on: held."""
+        start, end = self._ranges[u][state]
+        return max(start, min(end, self._state(u, state).host_end))
 
     def holds(self, u: int) -> bool:
         """Whether unit ``u`` has a backward part on this rank (else nothing is ever saved for it)."""
@@ -89,8 +98,8 @@ class RollbackStore:
 
     def hold(self, u: int) -> None:
         """Before unit ``u``'s speculative step: hold the SSD part of its pre-step states."""
-        for state in STATES:
-            a, b = self._memory_end(u, state), self._ends[u]
+        for state in self._states(u):
+            a, b = self._memory_end(u, state), self._ranges[u][state][1]
             if b > a:
                 self._state(u, state).hold(a, b)
         self._held.add(u)
@@ -99,7 +108,7 @@ class RollbackStore:
         """Unit ``u``'s pre-step states are no longer needed (committed, redone or restored)."""
         if u in self._held:
             self._held.discard(u)
-            for state in STATES:
+            for state in self._states(u):
                 self._state(u, state).release_hold()
 
     def release_all(self) -> None:
@@ -107,9 +116,9 @@ class RollbackStore:
             self.release(u)
 
     def start_save(self, u: int, state: str, src: torch.Tensor, lo: int, hi: int) -> Ticket:
-        """Begin copying what the store copies of ``src`` (unit elements [lo, hi)): all of a gradient, the
-        in-memory part of a state; ``src`` must stay untouched until the ticket is waited on."""
-        start = self.starts[u]
+        """Begin copying what the store copies of ``src`` (elements [lo, hi) of ``state``): all of a gradient,
+        the in-memory part of a state; ``src`` must stay untouched until the ticket is waited on."""
+        start = self._ranges[u][state][0]
         if state != GRAD:
             hi = min(hi, self._memory_end(u, state))
             if hi <= lo:
@@ -117,9 +126,9 @@ class RollbackStore:
         return self._slots[u][state].start_evict(src[:hi - lo], lo - start, hi - start)
 
     def fetch(self, u: int, state: str, out: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
-        """Unit elements [lo, hi) of the saved values into ``out`` (blocking): from the slot, and a state's
+        """Elements [lo, hi) of ``state``'s saved values into ``out`` (blocking): from the slot, and a state's
         SSD part from its held version."""
-        start = self.starts[u]
+        start = self._ranges[u][state][0]
         mid = hi if state == GRAD else min(hi, max(lo, self._memory_end(u, state)))
         if mid > lo:
             self._slots[u][state].fetch(out[:mid - lo], lo - start, mid - start)

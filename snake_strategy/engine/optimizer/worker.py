@@ -1,4 +1,4 @@
-"""The optimizer-step overlap: AdamW runs on a worker thread while the main thread computes.
+"""The optimizer-step overlap: the optimizer steps on a worker thread while the main thread computes.
 
 Each unit's trainable elements [0, train_end) are cut at ``forward_end`` (about ``alpha`` of them, page-aligned);
 frozen elements [train_end, n) are never stepped nor written:
@@ -10,7 +10,8 @@ frozen elements [train_end, n) are never stepped nor written:
   hyper-parameters and step number snapshotted at the end of the iteration that produced it.
 
 Every element is updated exactly once per iteration, with its full accumulated gradient, before it is
-next read: the parameter sequence is synchronous AdamW (docs/design.md, "Why the overlap is exact").
+next read: the parameter sequence is the synchronous optimizer's (docs/design.md, "Why the overlap is
+exact"). The arithmetic of a chunk is engine/optimizer/update.py's.
 
 Under norm clipping and fp16 loss scaling (a ``RollbackStore`` is given, engine/optimizer/rollback.py) the backward
 part is stepped speculatively, its raw gradient and pre-step state saved first ("speculate"), or only its
@@ -20,7 +21,8 @@ job, or restores it at once (``restore``: a skipped fp16 step).
 ``flush`` applies pending forward parts before anything else reads weights (validation, checkpoints,
 teardown).
 
-Memory: the worker steps in chunks of ``storage.optimizer_chunk_elems`` through a fixed scratch set, and gives each
+Memory: the worker steps in chunks of ``storage.optimizer_chunk_elems`` (or of whole parameters, for optimizers
+stepped per tensor) through a fixed scratch set, and gives each
 complete gradient buffer back to its pool when done; the backward therefore waits (backpressure) when
 the optimizer falls behind, instead of queueing gradients without bound.
 """
@@ -35,18 +37,18 @@ from typing import Callable
 import torch
 
 from snake_strategy.engine.parallel.partition import shard_range
-from snake_strategy.engine.optimizer.rollback import DEFER, GRAD, REDO, STATES, RollbackStore
+from snake_strategy.engine.optimizer.rollback import DEFER, GRAD, MASTER, REDO, RollbackStore
 from snake_strategy.engine.state.stores import UnitStore
 from snake_strategy.engine.trace import OPTIMIZER, WAIT, TaskTrace
 from snake_strategy.engine.optimizer.worker_threads import single_threaded_ops
-from snake_strategy.optim import AdamHyperParams, adam_step
+from snake_strategy.engine.optimizer.update import ChunkUpdate
 from snake_strategy.storage.io_engine import BACKGROUND, URGENT, set_thread_priority
 from snake_strategy.storage.pool import BufferPool
 
 
 @dataclass
 class _Deferred:
-    hps: list[AdamHyperParams]
+    hps: list[dict]
     step_before: int
     grad_scale: float | None  # unscale x global-norm clip coefficient, applied before the step (None: none)
     unused: dict[int, list[tuple[int, int]]]  # per unit: element ranges of parameters that got no gradient
@@ -63,23 +65,29 @@ class OptimizerOverlap:
     injection through the public ``EngineHooks``); it must not touch engine state.
     """
 
-    def __init__(self, units: list[UnitStore], compute_dtype: torch.dtype, master_dtype: torch.dtype,
-                 device: torch.device, chunk_elems: int, before_chunk: Callable[[int], None] | None = None,
-                 trace: TaskTrace | None = None, rollback: RollbackStore | None = None,
-                 gather: Callable[[int], None] | None = None) -> None:
+    def __init__(self, units: list[UnitStore], update: ChunkUpdate, compute_dtype: torch.dtype,
+                 master_dtype: torch.dtype, device: torch.device, chunk_elems: int,
+                 before_chunk: Callable[[int], None] | None = None, trace: TaskTrace | None = None,
+                 rollback: RollbackStore | None = None, gather: Callable[[int], None] | None = None) -> None:
         self._units, self._compute_dtype = units, compute_dtype
+        self._update = update
         self._before_chunk = before_chunk
         self._trace = trace if trace is not None else TaskTrace()  # spans of the worker's parts and chunks
-        # One intra-op thread: AdamW is memory-bound, and the compute thread's matmuls own the cores.
+        # One intra-op thread: the step is memory-bound, and the compute thread's matmuls own the cores.
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="snake-optim", initializer=_worker_init)
         self._chunk_elems = chunk_elems
-        chunk = min(chunk_elems, max([u.train_end for u in units] + [1]))  # frozen elements are never stepped
-        # The worker's scratch: master, two moments and a parked gradient chunk (+ the compute copy).
-        self._scratch = {name: BufferPool(f"optimizer-{name}", 1, chunk, master_dtype, device, trace=self._trace)
-                         for name in ("master", "exp_avg", "exp_avg_sq", "grad")}
+        # The worker's scratch: a chunk of master weights, of each state slot and a parked gradient (+ the
+        # compute copy); frozen elements are never stepped.
+        chunks = [(unit, a, b) for unit in units for a, b in update.chunks(unit, 0, unit.train_end, chunk_elems)]
+        chunk = max([b - a for _, a, b in chunks] + [1])
+        sizes = {"master": (chunk, master_dtype), "grad": (chunk, master_dtype)}
+        for name, t in (units[0].state.items() if units else ()):
+            longest = max([_span(unit.slot_range(name, a, b)) for unit, a, b in chunks] + [1])
+            sizes[name] = (min(longest, max(u.state[name].numel for u in units)), t.dtype)
         if compute_dtype != master_dtype:
-            self._scratch["compute"] = BufferPool("optimizer-compute", 1, chunk, compute_dtype, device,
-                                                  trace=self._trace)
+            sizes["compute"] = (chunk, compute_dtype)
+        self._scratch = {name: BufferPool(f"optimizer-{name}", 1, n, dtype, device, trace=self._trace)
+                         for name, (n, dtype) in sizes.items()}
         self._backward_jobs: dict[int, Future] = {}
         self._deferred: _Deferred | None = None
         # Parameters that received no gradient in this step (unused in forward): torch's AdamW skips a
@@ -105,7 +113,7 @@ class OptimizerOverlap:
 
     # ------------------------------------------------------------------ backward parts
     def submit_backward_part(self, u: int, grad: torch.Tensor, release: Callable[[], None],
-                             hps: list[AdamHyperParams], step_before: int,
+                             hps: list[dict], step_before: int,
                              prepare: Callable[[], None] | None = None) -> None:
         """Step unit ``u``'s backward part with the complete gradient ``grad`` (all n elements), park the
         forward part's gradient in the gradient store, then call ``release`` (the buffer goes back to its
@@ -114,7 +122,7 @@ class OptimizerOverlap:
         self._backward_jobs[u] = self._pool.submit(self._backward_job, u, grad, release, hps, step_before, prepare)
 
     def _backward_job(self, u: int, grad: torch.Tensor, release: Callable[[], None],
-                      hps: list[AdamHyperParams], step_before: int, prepare: Callable[[], None] | None) -> None:
+                      hps: list[dict], step_before: int, prepare: Callable[[], None] | None) -> None:
         unit = self._units[u]
         lo, hi = shard_range(unit)  # partitioned: ``grad`` is this rank's shard [lo, hi) only
         start_s = time.perf_counter()
@@ -161,7 +169,7 @@ class OptimizerOverlap:
         unit, d = self._units[u], d or self._deferred
         return bool(unit.forward_end) or (self.gather is not None and unit.train_end > 0) or (d is not None and u in d.redo)
 
-    def defer_forward_parts(self, hps: list[AdamHyperParams], step_before: int, grad_scale: float | None,
+    def defer_forward_parts(self, hps: list[dict], step_before: int, grad_scale: float | None,
                             redo: dict[int, str] | None = None) -> None:
         """Queue this iteration's forward parts (and the backward parts in ``redo``) for the next forward."""
         d = _Deferred(hps, step_before, grad_scale, dict(self.unused), dict(redo or {}))
@@ -183,7 +191,7 @@ class OptimizerOverlap:
         unit = self._units[u]
         start_s = time.perf_counter()
         self._step_range(unit, self.rollback.starts[u], shard_range(unit)[1], None, [], 0, None, [],
-                         source=STATES)
+                         source=True)
         self.rollback.release(u)
         self._add_busy(time.perf_counter() - start_s)
 
@@ -208,7 +216,7 @@ class OptimizerOverlap:
                                                d.unused.get(u, []), d.redo.get(u))
         return d.submitted[u]
 
-    def _forward_job(self, u: int, hps: list[AdamHyperParams], step_before: int, grad_scale: float | None,
+    def _forward_job(self, u: int, hps: list[dict], step_before: int, grad_scale: float | None,
                      unused: list[tuple[int, int]], redo: str | None) -> None:
         unit = self._units[u]
         start_s = time.perf_counter()
@@ -232,7 +240,7 @@ class OptimizerOverlap:
                         return self.rollback.fetch(u, GRAD, buffer, a, b)
 
                     self._step_range(unit, self.rollback.starts[u], hi, saved_grad, hps, step_before, grad_scale,
-                                     unused, source=STATES if redo == REDO else None)
+                                     unused, source=redo == REDO)
                     self.rollback.release(u)
             finally:
                 grad_pool.release(buffer)
@@ -270,20 +278,18 @@ class OptimizerOverlap:
                 self.wait_forward_part(u)
             self._deferred = None
 
-    # ------------------------------------------------------------------ the arithmetic
+    # ------------------------------------------------------------------ the chunks
     def _step_range(self, unit: UnitStore, lo: int, hi: int, grad_of: Callable[[int, int], torch.Tensor] | None,
-                    hps: list[AdamHyperParams], step_before: int, grad_scale: float | None,
-                    unused: list[tuple[int, int]], source: tuple[str, ...] | None = None,
-                    snapshot: bool = False) -> None:
-        """AdamW on elements [lo, hi) of a unit, chunk by chunk (``grad_of(a, b)``: the gradient of elements
+                    hps: list[dict], step_before: int, grad_scale: float | None,
+                    unused: list[tuple[int, int]], source: bool = False, snapshot: bool = False) -> None:
+        """Step elements [lo, hi) of a unit, chunk by chunk (``grad_of(a, b)``: the gradient of elements
         [a, b) of the unit, a buffer the step may scale in place; None: no step, only put back the saved
-        state). ``source=STATES``: the master weights and moments start from the rollback store's saved
+        state). ``source``: the master weights and optimizer state start from the rollback store's saved
         pre-step values, not the tiers. ``snapshot``: save the raw gradient and the pre-step state first."""
         u = unit.layout.index
         saving: list = []  # raw-gradient saves still writing: the gradient buffer is only read meanwhile
         try:
-            for start in range(lo, hi, self._chunk_elems):
-                end = min(hi, start + self._chunk_elems)
+            for start, end in self._update.chunks(unit, lo, hi, self._chunk_elems):
                 chunk_s = time.perf_counter() if self._trace.enabled else 0.0
                 if self._before_chunk is not None:
                     self._before_chunk(u)
@@ -293,7 +299,7 @@ class OptimizerOverlap:
                     if grad_scale is not None:
                         ticket.wait()  # before the in-place scaling below
                     else:
-                        saving.append(ticket)  # AdamW only reads the gradient: the write overlaps the step
+                        saving.append(ticket)  # the optimizer only reads the gradient: the write overlaps the step
                 if grad is not None and grad_scale is not None:
                     grad.mul_(grad_scale)  # as torch.nn.utils.clip_grad_norm_ does, even when the factor is 1
                 keep = [(max(a, start), min(b, end)) for a, b in unused if max(a, start) < min(b, end)]
@@ -305,51 +311,36 @@ class OptimizerOverlap:
                 ticket.wait()  # before the caller gives the gradient buffer back
 
     def _step_chunk(self, unit: UnitStore, lo: int, hi: int, grad: torch.Tensor | None,
-                    hps: list[AdamHyperParams], step_before: int, keep: list[tuple[int, int]],
-                    source: tuple[str, ...] | None = None, snapshot: bool = False) -> None:
+                    hps: list[dict], step_before: int, keep: list[tuple[int, int]],
+                    source: bool = False, snapshot: bool = False) -> None:
         scratch = {name: pool.acquire() for name, pool in self._scratch.items() if name != "grad"}
         u = unit.layout.index
+        # Every stored state of the chunk, with its range in its own index space (a per-tensor slot's pieces).
+        stores = {MASTER: (unit.master, lo, hi),
+                  **{name: (t, *unit.slot_range(name, lo, hi)) for name, t in unit.state.items()}}
         try:
             with torch.no_grad():
-                if source is not None:  # the saved pre-step values (a rollback)
-                    master, exp_avg, exp_avg_sq = (self.rollback.fetch(u, name, scratch[name], lo, hi)
-                                                   for name in STATES)
+                if source:  # the saved pre-step values (a rollback)
+                    values = {name: self.rollback.fetch(u, name, scratch[name], a, b) for name, (_, a, b) in stores.items()}
                 else:
-                    master = _acquire(unit.master, scratch["master"], lo, hi)
-                    exp_avg = _acquire(unit.exp_avg, scratch["exp_avg"], lo, hi)
-                    exp_avg_sq = _acquire(unit.exp_avg_sq, scratch["exp_avg_sq"], lo, hi)
+                    values = {name: _acquire(t, scratch[name], a, b) for name, (t, a, b) in stores.items()}
                 if snapshot:  # waited: a device-resident state is stepped in place right below
-                    for ticket in [self.rollback.start_save(u, name, t, lo, hi)
-                                   for name, t in zip(STATES, (master, exp_avg, exp_avg_sq))]:
+                    for ticket in [self.rollback.start_save(u, name, values[name], a, b)
+                                   for name, (_, a, b) in stores.items()]:
                         ticket.wait()
                 if grad is not None:
-                    self._adam(unit, lo, hi, master, exp_avg, exp_avg_sq, grad, hps, step_before, keep)
-                resident = source is None  # fetched from the tiers: a resident state was stepped in place
-                tickets = [t.start_evict(v, lo, hi) for t, v in
-                           ((unit.master, master), (unit.exp_avg, exp_avg), (unit.exp_avg_sq, exp_avg_sq))
+                    self._update.apply(unit, lo, hi, values[MASTER], {n: v for n, v in values.items() if n != MASTER},
+                                       grad, hps, step_before, keep)
+                resident = not source  # fetched from the tiers: a resident state was stepped in place
+                tickets = [t.start_evict(values[name], a, b) for name, (t, a, b) in stores.items()
                            if not (t.resident and resident)]
                 if unit.weights is not unit.master:
-                    tickets += unit.start_refresh(master, lo, hi, scratch["compute"])
+                    tickets += unit.start_refresh(values[MASTER], lo, hi, scratch["compute"])
                 for ticket in tickets:
                     ticket.wait()  # the scratch is reused by the next chunk: the writes must be done
         finally:
             for name, buffer in scratch.items():
                 self._scratch[name].release(buffer)
-
-    @staticmethod
-    def _adam(unit: UnitStore, lo: int, hi: int, master: torch.Tensor, exp_avg: torch.Tensor,
-              exp_avg_sq: torch.Tensor, grad: torch.Tensor, hps: list[AdamHyperParams], step_before: int,
-              keep: list[tuple[int, int]]) -> None:
-        """One AdamW step of unit elements [lo, hi) in place, parameters in ``keep`` left as they were."""
-        grad = grad.to(master.device, non_blocking=True)
-        kept = [(a, b, [t[a - lo:b - lo].clone() for t in (master, exp_avg, exp_avg_sq)]) for a, b in keep]
-        for group, start, end in unit.layout.group_ranges:
-            s, e = max(start, lo) - lo, min(end, hi) - lo
-            if s < e:
-                adam_step([master[s:e]], [grad[s:e]], [exp_avg[s:e]], [exp_avg_sq[s:e]], step_before, hps[group])
-        for a, b, values in kept:
-            for t, v in zip((master, exp_avg, exp_avg_sq), values):
-                t[a - lo:b - lo].copy_(v)
 
     def _add_busy(self, seconds: float) -> None:
         with self._lock:
@@ -374,6 +365,10 @@ def _worker_init() -> None:
     single_threaded_ops()
     # Backward parts are waited for only at the end of the step: reads of weights and checkpoints go first.
     set_thread_priority(BACKGROUND)
+
+
+def _span(r: tuple[int, int]) -> int:
+    return r[1] - r[0]
 
 
 def _acquire(t, scratch: torch.Tensor, lo: int, hi: int) -> torch.Tensor:

@@ -76,8 +76,9 @@ class ShardView:
 
 def shard_range(unit) -> tuple[int, int]:
     """[lo, hi) of a unit's trainable elements this rank steps: its shard, or all of them unpartitioned."""
-    if isinstance(unit.exp_avg, ShardView):
-        return unit.exp_avg.base, unit.exp_avg.end
+    view = next(iter(unit.state.values()), None)
+    if isinstance(view, ShardView):
+        return view.base, view.end
     return 0, unit.train_end
 
 
@@ -131,8 +132,7 @@ class Partition:
         """This rank's shard ``shard_range(unit)`` of the unit's master weights and moments (CPU copies, no
         collective): what the rank writes to its checkpoint shard (checkpoint_shards.py)."""
         lo, hi = shard_range(unit)
-        return {"master": unit.master.read_copy(lo, hi), "exp_avg": unit.exp_avg.read_shard(),
-                "exp_avg_sq": unit.exp_avg_sq.read_shard()}
+        return {"master": unit.master.read_copy(lo, hi), **{name: t.read_shard() for name, t in unit.state.items()}}
 
     def load_local(self, unit, state: dict[str, Tensor]) -> None:
         """Put this rank's shard of a unit's master weights and moments (elements ``shard_range(unit)``)
@@ -141,15 +141,14 @@ class Partition:
         assert unit.weights is unit.master, "partitioned state keeps the master copy in the compute weights"
         lo, hi = shard_range(unit)
         if hi > lo:
-            for name in ("master", "exp_avg", "exp_avg_sq"):
+            for name, t in (("master", unit.master), *unit.state.items()):
                 assert state[name].numel() == hi - lo, (name, state[name].numel(), hi - lo)
-                getattr(unit, name).evict(state[name].to(self._dtype), lo, hi)
+                t.evict(state[name].to(t.dtype), lo, hi)
         self.gather_weights(unit)
 
     def gather_moments(self, unit) -> dict[str, Tensor]:
-        """The unit's whole Adam moments from every rank's shard (CPU copies; a collective)."""
-        return {name: self._gather_shard(getattr(unit, name).read_shard(), unit.train_end)
-                for name in ("exp_avg", "exp_avg_sq")}
+        """The unit's whole optimizer state from every rank's shard (CPU copies; a collective)."""
+        return {name: self._gather_shard(t.read_shard(), unit.train_end) for name, t in unit.state.items()}
 
     def _gather_shard(self, shard: Tensor, train_end: int) -> Tensor:
         device = self._device

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from snake_strategy.engine.state.half_weights import tail_shares
+from snake_strategy.optimizers.spec import OptimizerSpec, Slot
 from snake_strategy.engine.parallel.partition import ShardView
 from snake_strategy.engine.runtime import EngineRuntime
 from snake_strategy.engine.state.stores import NonLayerState, UnitStore
@@ -22,7 +23,7 @@ from snake_strategy.precision import DtypePolicy
 from snake_strategy.progress import or_quiet
 from snake_strategy.sources.lora_init import adapter_initializer, nonlayer_adapter_values
 from snake_strategy.sources.pretrained import PretrainedSource
-from snake_strategy.storage.tiered import Tiers
+from snake_strategy.storage.tiered import ALIGN_ELEMS, Tiers
 from snake_strategy.units import UnitLayout, WeightFormat, materialize_unit_blocks
 
 
@@ -40,7 +41,7 @@ def build_model(module: nn.Module, optimizer: torch.optim.Optimizer, plan: RunPl
     """Materialize the plan's layouts into ``tiers``, reporting units done to ``runtime.progress`` (phase
     "materialize", or "load_pretrained" when streaming ``runtime.pretrained`` in). ``alpha``: the forward
     share each unit's update is cut at. ``shard(train_end) -> (lo, hi)``: partitioned optimizer state, this
-    rank keeps the moments of [lo, hi)."""
+    rank keeps the optimizer state of [lo, hi) (element-wise optimizers only)."""
     layouts, dtypes, device, storage = plan.layouts, runtime.dtypes, runtime.device, tiers.storage
     group_of = {id(p): g for g, group in enumerate(optimizer.param_groups) for p in group["params"]}
     blocks_prefix = next(name for name, mod in module.named_modules() if mod is module.blocks)
@@ -64,17 +65,24 @@ def build_model(module: nn.Module, optimizer: torch.optim.Optimizer, plan: RunPl
             master = tiers.tensor(name, "master", t, dtypes.master)
             master.evict(flat[:t])
         lo, hi = shard(t) if shard is not None else (0, t)
-        zeros = torch.zeros(hi - lo, dtype=dtypes.master)
-        exp_avg = tiers.tensor(name, "exp_avg", hi - lo, dtypes.master)
-        exp_avg.evict(zeros)
-        exp_avg_sq = tiers.tensor(name, "exp_avg_sq", hi - lo, dtypes.master)
-        exp_avg_sq.evict(zeros)
-        if shard is not None:
-            exp_avg, exp_avg_sq = ShardView(exp_avg, lo), ShardView(exp_avg_sq, lo)
+        state, offsets = {}, {}
+        for slot in spec.slots:
+            if spec.per_tensor:  # each parameter's piece of the slot starts on a page, as the parameters do
+                offsets[slot.name] = slot_offsets(spec, slot, layout)
+                numel = offsets[slot.name][-1]
+                offsets[slot.name] = offsets[slot.name][:-1]
+            else:
+                numel = hi - lo
+            state[slot.name] = tiers.tensor(name, slot.name, numel, slot.dtype,
+                                            storage.optimizer)
+            state[slot.name].evict(torch.zeros(numel, dtype=slot.dtype))
+            if shard is not None:
+                state[slot.name] = ShardView(state[slot.name], lo)
         grads = tiers.tensor(name, "gradients", t, dtypes.master)
-        unit = UnitStore(layout, weights, master, exp_avg, exp_avg_sq, grads, forward_part_end(t, alpha), fmt, tail)
+        unit = UnitStore(layout, weights, master, state, grads, forward_cut(spec, layout, forward_part_end(t, alpha)),
+                         fmt, tail, slot_offsets=offsets)
         unit.store_weights(flat)
-        tracker.advance(1, weight_bytes(layout) + t * state_bytes_per_elem)
+        tracker.advance(1, weight_bytes(layout) + int(t * state_bytes_per_elem))
         return unit
 
     def weight_bytes(layout: UnitLayout) -> int:
@@ -84,8 +92,9 @@ def build_model(module: nn.Module, optimizer: torch.optim.Optimizer, plan: RunPl
         return fmt.main_numel * dtypes.bytes_per("weights") + fmt.tail_bytes
 
     # Bytes put into the tiers per element: the compute weights for every element; the master copy when
-    # separate and two Adam moments for the trainable ones only.
-    state_bytes_per_elem = 2 * dtypes.bytes_per("master")
+    # separate and the optimizer's state for the trainable ones only.
+    spec = plan.optimizer
+    state_bytes_per_elem = plan.shape.state_bytes
     if dtypes.weights != dtypes.master:
         state_bytes_per_elem += dtypes.bytes_per("master")
     progress = or_quiet(runtime.progress)
@@ -108,8 +117,28 @@ def build_model(module: nn.Module, optimizer: torch.optim.Optimizer, plan: RunPl
     tracker.finish()
     trained = [(n, p) for n, p in named if p.requires_grad]
     nonlayer = NonLayerState([n for n, _ in trained], [p for _, p in trained], [group_of[id(p)] for _, p in trained],
-                             dtypes, frozen=[(n, p) for n, p in named if not p.requires_grad])
+                             dtypes, frozen=[(n, p) for n, p in named if not p.requires_grad], spec=spec,
+                             optimizer=optimizer)
     return BuiltModel(blocks_prefix, layouts, units, nonlayer)
+
+
+def slot_offsets(spec: OptimizerSpec, slot: Slot, layout: UnitLayout) -> tuple[int, ...]:
+    """Where each trainable parameter's piece of a per-tensor slot starts (page-aligned), and its end."""
+    offsets, offset = [], 0
+    for s in layout.trainable_slots:
+        offset = -(-offset // ALIGN_ELEMS) * ALIGN_ELEMS
+        offsets.append(offset)
+        offset += spec.slot_numel(slot, layout.group_of(s), s.shape)
+    return (*offsets, -(-offset // ALIGN_ELEMS) * ALIGN_ELEMS)
+
+
+def forward_cut(spec: OptimizerSpec, layout: UnitLayout, end: int) -> int:
+    """The end of a unit's forward part: ``end`` (the alpha split), moved to the nearest parameter start
+    when the optimizer steps whole tensors, so that a matrix is stepped on one side of the split."""
+    if not spec.per_tensor or end in (0, layout.train_end):
+        return end
+    bounds = [s.offset for s in layout.trainable_slots] + [layout.train_end]
+    return min(bounds, key=lambda b: abs(b - end))
 
 
 def materialize(module: nn.Module, layouts: list[UnitLayout], named: list[tuple[str, nn.Parameter]],

@@ -1,18 +1,20 @@
-"""The training state the engine owns: per-unit tiered tensors and the non-layer parameters' AdamW state.
+"""The training state the engine owns: per-unit tiered tensors and the non-layer parameters' optimizer state.
 
 Each object owns its tensors and knows how to step, save and restore itself; the step runner and the
 optimizer overlap only call these methods.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
 from torch import Tensor, nn
 
 from snake_strategy.engine.state.half_weights import checked
-from snake_strategy.optim import AdamHyperParams, adam_step
+from snake_strategy.optimizers.adam import AdamHyperParams, adam_step
+from snake_strategy.optimizers.spec import FUSED_ADAM, OptimizerSpec
+from snake_strategy.optimizers.stepping import ShadowOptimizer
 from snake_strategy.precision import DtypePolicy
 from snake_strategy.storage import TieredTensor
 from snake_strategy.storage.io_engine import Ticket
@@ -26,8 +28,8 @@ class UnitStore:
     layout: UnitLayout
     weights: TieredTensor
     master: TieredTensor  # the same object as ``weights`` when the compute dtype is the master dtype
-    exp_avg: TieredTensor
-    exp_avg_sq: TieredTensor
+    # The optimizer's state by slot name (optimizers/spec.py: ``exp_avg``, ``momentum_buffer``, ``state1`` ...).
+    state: dict[str, TieredTensor]
     grads: TieredTensor
     forward_end: int  # forward part = [0, forward_end), backward part = [forward_end, train_end): the alpha cut
     # Half-precision weight storage (mixed precision, engine/state/half_weights.py): the layout of ``weights``
@@ -35,6 +37,24 @@ class UnitStore:
     fmt: WeightFormat | None = None
     tail: TieredTensor | None = None
     checked: bool = False  # the half-stored weights' first forward has been checked
+    # Optimizers stepped per tensor: per slot, where each trainable parameter's piece starts in it (page
+    # aligned); a slot not listed is indexed like the unit's elements (element-wise state).
+    slot_offsets: dict[str, tuple[int, ...]] = field(default_factory=dict)
+
+    def slot_range(self, name: str, lo: int, hi: int) -> tuple[int, int]:
+        """The elements of slot ``name`` that hold the state of unit elements [lo, hi) (parameter bounds
+        when the slot is per tensor)."""
+        offsets = self.slot_offsets.get(name)
+        if offsets is None:
+            return lo, hi
+        starts = [s.offset for s in self.layout.trainable_slots]
+        end = self.state[name].numel
+
+        def at(x: int) -> int:
+            i = next((i for i, start in enumerate(starts) if start >= x), len(starts))
+            return offsets[i] if i < len(offsets) else end
+
+        return at(lo), at(hi)
 
     @property
     def train_end(self) -> int:
@@ -110,8 +130,7 @@ class UnitStore:
         return {"numel": self.layout.numel, "train_end": self.train_end, "forward_end": self.forward_end,
                 "weights_ssd": w.ssd_bytes, "weights_host": (w.host_end - w.device_end) * w.elem_bytes,
                 "weights_is_master": self.weights is self.master, "master_ssd": self.master.ssd_bytes,
-                "grads_ssd": self.grads.ssd_bytes, "exp_avg_ssd": self.exp_avg.ssd_bytes,
-                "exp_avg_sq_ssd": self.exp_avg_sq.ssd_bytes}
+                "grads_ssd": self.grads.ssd_bytes, **{f"{name}_ssd": t.ssd_bytes for name, t in self.state.items()}}
 
     @property
     def frozen_dtype(self) -> torch.dtype:
@@ -138,14 +157,17 @@ class NonLayerState:
     """The embedding/head parameters (``pre_stage``/``post_stage``): on the device, stepped in place.
 
     ``params`` are the module's own trainable Parameter objects (in the compute dtype); ``master`` is a
-    separate fp32 copy only when the compute dtype differs (bf16-true); moments and gradients are in the
-    master dtype. ``frozen`` ones (requires_grad=False) are only converted to the compute dtype: no
-    master copy, no moments, no gradient. ``used`` marks the parameters that received a gradient this step (an unused one is not
-    stepped, as torch's AdamW skips parameters whose ``grad`` is None).
+    separate fp32 copy only when the compute dtype differs (bf16-true); the optimizer state and gradients
+    are in the master dtype. ``frozen`` ones (requires_grad=False) are only converted to the compute dtype:
+    no master copy, no optimizer state, no gradient. ``used`` marks the parameters that received a gradient
+    this step (an unused one is not stepped, as torch's optimizers skip parameters whose ``grad`` is None).
+    Adam/AdamW keep their moments as ``exp_avg``/``exp_avg_sq`` (torch's fused kernel); any other optimizer
+    keeps each parameter's state as its class left it (``states``), stepped by the class itself.
     """
 
     def __init__(self, names: list[str], params: list[nn.Parameter], groups: list[int], dtypes: DtypePolicy,
-                 frozen: list[tuple[str, nn.Parameter]] = ()) -> None:
+                 frozen: list[tuple[str, nn.Parameter]] = (), spec: OptimizerSpec | None = None,
+                 optimizer: torch.optim.Optimizer | None = None) -> None:
         self.names, self.params, self.groups = names, params, groups
         self.frozen_names, self.frozen = [n for n, _ in frozen], [p for _, p in frozen]
         for p in self.frozen:
@@ -157,8 +179,11 @@ class NonLayerState:
             if p.dtype != dtypes.compute:
                 # swap_tensors keeps the Parameter object that the optimizer and tied modules refer to.
                 torch.utils.swap_tensors(p, nn.Parameter(p.detach().to(dtypes.compute), p.requires_grad))
-        self.exp_avg = [torch.zeros_like(m) for m in self.master]
-        self.exp_avg_sq = [torch.zeros_like(m) for m in self.master]
+        self.fused_adam = spec is None or spec.kind == FUSED_ADAM
+        self.exp_avg = [torch.zeros_like(m) for m in self.master] if self.fused_adam else []
+        self.exp_avg_sq = [torch.zeros_like(m) for m in self.master] if self.fused_adam else []
+        self._shadow = None if self.fused_adam else ShadowOptimizer(optimizer)
+        self.states: list[dict[str, Any] | None] = [None] * len(params)  # never stepped: None
         self.grads = [torch.zeros_like(m) for m in self.master]
         self.used = [False] * len(params)
 
@@ -181,23 +206,35 @@ class NonLayerState:
         return [g for g, used in zip(self.grads, self.used) if used]
 
     @torch.no_grad()
-    def step(self, hps: list[AdamHyperParams], step_before: int) -> None:
+    def step(self, hps: list[dict[str, Any]], step_before: int) -> None:
         for group, hp in enumerate(hps):
             idx = [i for i, g in enumerate(self.groups) if g == group and self.used[i]]
-            adam_step([self.master[i] for i in idx], [self.grads[i] for i in idx],
-                      [self.exp_avg[i] for i in idx], [self.exp_avg_sq[i] for i in idx], step_before, hp)
+            if self.fused_adam:
+                adam_step([self.master[i] for i in idx], [self.grads[i] for i in idx],
+                          [self.exp_avg[i] for i in idx], [self.exp_avg_sq[i] for i in idx], step_before,
+                          AdamHyperParams.of(hp))
+            elif idx:
+                after = self._shadow.step(hp, [self.master[i] for i in idx], [self.grads[i] for i in idx],
+                                          [self.states[i] for i in idx])
+                for i, state in zip(idx, after):
+                    self.states[i] = state
             for i in idx:
                 if self.params[i] is not self.master[i]:
                     self.params[i].copy_(self.master[i])
 
     def state_dict(self) -> dict[str, Any]:
-        """The master weights and moments on the CPU, for checkpoints: the live tensors themselves on a CPU
-        run (a save writes them before training goes on: no copy, 1.2 GB for gpt_1b), copies from a GPU."""
+        """The master weights and optimizer state on the CPU, for checkpoints: the live tensors themselves
+        on a CPU run (a save writes them before training goes on: no copy, 1.2 GB for gpt_1b), copies from
+        a GPU."""
         def cpu(tensors: list[Tensor]) -> list[Tensor]:
             return [t.detach().cpu() for t in tensors]
 
-        return {"names": list(self.names), "master": cpu(self.master), "exp_avg": cpu(self.exp_avg),
-                "exp_avg_sq": cpu(self.exp_avg_sq)}
+        if self.fused_adam:
+            return {"names": list(self.names), "master": cpu(self.master), "exp_avg": cpu(self.exp_avg),
+                    "exp_avg_sq": cpu(self.exp_avg_sq)}
+        states = [None if s is None else {k: v.detach().cpu() if isinstance(v, Tensor) else v for k, v in s.items()}
+                  for s in self.states]
+        return {"names": list(self.names), "master": cpu(self.master), "optimizer_states": states}
 
     @torch.no_grad()
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -205,7 +242,12 @@ class NonLayerState:
             raise ValueError(f"checkpoint non-layer parameters {state['names']} do not match the model's {self.names}")
         for i, p in enumerate(self.params):
             self.master[i].copy_(state["master"][i])
-            self.exp_avg[i].copy_(state["exp_avg"][i])
-            self.exp_avg_sq[i].copy_(state["exp_avg_sq"][i])
+            if self.fused_adam:
+                self.exp_avg[i].copy_(state["exp_avg"][i])
+                self.exp_avg_sq[i].copy_(state["exp_avg_sq"][i])
+            else:
+                saved = state["optimizer_states"][i]
+                self.states[i] = None if saved is None else {
+                    k: v.to(self.master[i].device) if isinstance(v, Tensor) else v for k, v in saved.items()}
             if p is not self.master[i]:
                 p.copy_(self.master[i])

@@ -23,7 +23,6 @@ from snake_strategy.engine.parallel.reduce import GradientReducer
 from snake_strategy.engine.optimizer.rollback import SpeculationPolicy
 from snake_strategy.engine.state.stores import NonLayerState, UnitStore
 from snake_strategy.engine.view import StepStats
-from snake_strategy.optim import AdamHyperParams
 from snake_strategy.precision import LossScaler
 from snake_strategy.storage.pool import BufferPool
 
@@ -55,7 +54,7 @@ class GradientPath:
         self._acc: tuple[int, Tensor] | None = None  # (unit, pool buffer) of the unit being accumulated
         self._begin(1, [], 0)
 
-    def _begin(self, num_micro: int, hps: list[AdamHyperParams], step_before: int) -> None:
+    def _begin(self, num_micro: int, hps: list[dict], step_before: int) -> None:
         self._num_micro, self._hps, self._step_before = num_micro, hps, step_before
         self._partial = [False] * len(self._units)  # horizontal: a partial sum waits in the store
         self.done = [0] * len(self._units)  # micro-batches whose gradient reached the unit
@@ -64,7 +63,7 @@ class GradientPath:
         self._grad_sq = torch.zeros((), dtype=torch.float64)  # squared norm of complete unit gradients
         self._found_inf = False
 
-    def begin_step(self, num_micro: int, hps: list[AdamHyperParams], step_before: int) -> None:
+    def begin_step(self, num_micro: int, hps: list[dict], step_before: int) -> None:
         assert self._acc is None, "a gradient accumulator survived the previous step"
         self._begin(num_micro, hps, step_before)
         if self._speculation is not None:  # speculate unless the last step clipped
@@ -82,8 +81,11 @@ class GradientPath:
             # buffers are out (one with the worker): backpressure when the optimizer falls behind.
             buffer = self._pool.acquire()
             acc = buffer[:n]
-            if slots:
-                acc[slots[-1].offset + slots[-1].numel:].zero_()  # the page padding before the frozen part
+            end = 0
+            for s in slots:  # page padding between parameters (aligned layouts) and before the frozen part
+                acc[end:s.offset].zero_()
+                end = s.offset + s.numel
+            acc[end:].zero_()
             for s, g in zip(slots, grads):
                 if g is None:
                     acc[s.offset:s.offset + s.numel].zero_()  # an unused parameter: zero gradient
