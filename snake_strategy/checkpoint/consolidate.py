@@ -82,8 +82,8 @@ class CheckpointWeights:
 
     def __init__(self, path: str | os.PathLike, progress: Progress | None = None, base: Any = None) -> None:
         self.root = locate(path)
-        self.manifest = verified_manifest(self.root, progress,
-                                       verify=lambda name: not name.endswith((".exp_avg.bin", ".exp_avg_sq.bin")))
+        # The optimizer's state files are never read here: only the master weights' and the rest are verified.
+        self.manifest = verified_manifest(self.root, progress, verify=_not_optimizer_state)
         self.dtype = DTYPES[self.manifest["master_dtype"]]
         # The frozen CRC-32s are of the training run's compute weights (older checkpoints: master dtype).
         self.compute_dtype = DTYPES[self.manifest.get("compute_dtype", self.manifest["master_dtype"])]
@@ -281,3 +281,10 @@ def load_consolidated(path: str | os.PathLike, progress: Progress | None = None)
     checkpoint["state_dict"] = state
     checkpoint.pop("optimizer_states", None)
     return checkpoint
+
+
+def _not_optimizer_state(name: str) -> bool:
+    """Whether a checkpoint file is anything but a unit's (or its shard's) optimizer state."""
+    if not name.startswith(("units/", "shards/")):
+        return True
+    return ".master." in name

@@ -34,6 +34,7 @@ import torch.distributed as dist
 
 from snake_strategy.checkpoint import pins
 from snake_strategy.checkpoint.pins import CHECKSUMS, ZERO_COPY_FORMAT
+from snake_strategy.checkpoint.compatibility import check_frozen, check_optimizer_record, own_lengths
 from snake_strategy.checkpoint.format import (DTYPES, FORMAT, fsync_file, fsync_parent, fsync_tree, read_meta,
                                               read_nonlayer, read_range, remove_path, save_torch, unit_pieces,
                                               verified_manifest, verify_file, without_nonlayer_copies, write_nonlayer,
@@ -106,26 +107,6 @@ def save(engine: SnakeEngine, checkpoint: dict[str, Any], path: str | os.PathLik
         raise
 
 
-def _own_lengths(engine: SnakeEngine, u: int) -> dict:
-    """The lengths of unit ``u``'s slots kept per tensor (their indices are not the unit's elements)."""
-    unit = engine.units[u]
-    return {"state_numel": {name: unit.state[name].numel for name in unit.slot_offsets}} if unit.slot_offsets else {}
-
-
-def check_optimizer_record(root: Path, manifest: dict, engine: SnakeEngine) -> None:
-    """Refuse a checkpoint whose optimizer state is another class's or another layout's, naming both."""
-    saved = manifest.get("optimizer", {"class": "torch.optim.adamw.AdamW", "kind": "fused_adam",
-                                       "slots": {"exp_avg": manifest["master_dtype"].removeprefix("torch."),
-                                                 "exp_avg_sq": manifest["master_dtype"].removeprefix("torch.")}})
-    mine = engine.optimizer_record()
-    if saved["slots"] != mine["slots"] or (saved["class"] != mine["class"] and saved["kind"] != "fused_adam"
-                                           or mine["kind"] != saved["kind"]):
-        raise ValueError(f"{root} holds the state of {saved['class']} ({', '.join(saved['slots']) or 'no state'}); this "
-                         f"run's configure_optimizers returns {mine['class']} ({', '.join(mine['slots']) or 'no state'}). "
-                         "Resume with the optimizer the checkpoint was trained with, or load only the weights "
-                         "(snake_strategy.checkpoint.load / consolidate) and start a new run")
-
-
 def commit(engine: SnakeEngine, checkpoint: dict[str, Any], tmp: Path, final: Path, files: dict, tracker: Any,
            extra: dict | None = None, unit_extra: list[dict] | None = None) -> None:
     """Complete the checkpoint in ``tmp`` whose unit files ``files`` are written: the replicated parts
@@ -134,7 +115,7 @@ def commit(engine: SnakeEngine, checkpoint: dict[str, Any], tmp: Path, final: Pa
     frozen = engine.frozen_checksums()
     units = [{"numel": engine.unit_numel(u), "slots": [list(slot) for slot in engine.unit_slots(u)],
               "frozen": {"names": [slot[0] for slot in engine.unit_slots(u, trainable=False)],
-                         "crc32": frozen["units"][u]}, **_own_lengths(engine, u), **(unit_extra[u] if unit_extra else {})}
+                         "crc32": frozen["units"][u]}, **own_lengths(engine, u), **(unit_extra[u] if unit_extra else {})}
              for u in range(engine.num_units)]
     nonlayer = engine.nonlayer_state()
     checkpoint, meta_record = without_nonlayer_copies(checkpoint, nonlayer)
@@ -425,28 +406,11 @@ def load(engine: SnakeEngine, path: str | os.PathLike, progress: Progress | None
                          f"run has {engine.num_units} of {engine.schedule.blocks_per_unit} (schedule.blocks_per_unit)")
     engine.flush()
     check_optimizer_record(root, manifest, engine)
-    _check_frozen(root, manifest, engine.frozen_checksums())
+    check_frozen(root, manifest, engine.frozen_checksums())
     load_units(engine, root, manifest, progress)
     engine.load_nonlayer_state(read_nonlayer(root, manifest))
     engine.step_count = manifest["step_count"]
     return read_meta(root, manifest)
-
-
-def _check_frozen(root: Path, manifest: dict, current: dict) -> None:
-    """Refuse to resume a fine-tuning checkpoint on top of other base weights than it was trained on."""
-    saved_nonlayer = manifest.get("frozen_nonlayer", {})
-    if set(saved_nonlayer) != set(current["nonlayer"]):
-        raise ValueError(f"{root} was saved with frozen non-layer parameters {sorted(saved_nonlayer)}, this model "
-                         f"freezes {sorted(current['nonlayer'])}; freeze the same parameters to resume it")
-    changed = [name for name, crc in saved_nonlayer.items() if current["nonlayer"][name] != crc]
-    for u, unit in enumerate(manifest["units"]):
-        saved = unit.get("frozen", {"names": [], "crc32": zlib.crc32(b"")})
-        if saved["crc32"] != current["units"][u]:
-            changed += saved["names"] or [f"unit {u}"]
-    if changed:
-        raise ValueError(f"{root} does not hold the frozen (base) weights, and those of this model differ from the "
-                         f"ones it was trained on ({changed[:3]}{' ...' if len(changed) > 3 else ''} have another "
-                         "CRC-32): resume with the same base model (the same pretrained weights, seed and init)")
 
 
 def load_units(engine: SnakeEngine, root: Path, manifest: dict, progress: Progress | None = None) -> None:

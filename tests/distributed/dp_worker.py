@@ -63,6 +63,13 @@ class PoisonedGPT(GPTModule):
 
     poison: dict | None = None
     odd_factor: float = 1.0
+    optimizer: str | None = None  # a name of tests/exactness/test_any_optimizer.py's OPTIMIZERS; None: AdamW
+
+    def configure_optimizers(self):
+        if self.optimizer is None:
+            return super().configure_optimizers()
+        from tests.exactness.test_any_optimizer import OPTIMIZERS
+        return OPTIMIZERS[self.optimizer](self)
 
     def compute_loss(self, outputs, batch):
         loss = super().compute_loss(outputs, batch)
@@ -120,6 +127,7 @@ def main() -> None:
     module = PoisonedGPT(dataclasses.replace(SMALL_GPT, tied_head=cfg.get("tied_head", True)),
                          learning_rate=cfg.get("lr", 1e-3))
     module.poison = cfg.get("poison")
+    module.optimizer = cfg.get("optimizer")
     module.odd_factor = cfg.get("odd_factor", 1.0)
     schedule = {"kind": cfg.get("kind", "vertical"), "num_micro_batches": micro, "alpha": cfg.get("alpha", 0.25)}
     hooks = None

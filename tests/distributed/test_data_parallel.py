@@ -120,6 +120,27 @@ def test_two_ranks_equal_one_rank_vertical_ssd_alpha(tmp_path):
         == one[0]["stats"][-1]["ssd_plan"]["optimizer_moments"]
 
 
+@pytest.mark.parametrize("shard", [True, False])
+def test_two_ranks_equal_one_rank_with_sgd(tmp_path, shard):
+    """An element-wise optimizer other than Adam (SGD, Nesterov momentum): its momentum partitioned by element
+    ranges like Adam's moments (or replicated), two ranks equal to one process."""
+    common = dict(steps=3, kind="vertical", alpha=0.25, storage=SSD, shard=shard, optimizer="sgd_nesterov")
+    one = run_worker(tmp_path, "one", world=1, micro=4, **common)
+    two = run_worker(tmp_path, "two", world=2, micro=2, **common)
+    _check_ranks_agree(two)
+    assert max_abs_diff(one[0]["state"], two[0]["state"]) < 1e-10
+    layout = two[0]["stats"][-1]["layout"]
+    shards = [shard_bounds(u["train_end"], 2, 0) if shard else (0, u["train_end"]) for u in layout]
+    assert [u["momentum_buffer_ssd"] for u in layout] == [-(-8 * (hi - lo) // 4096) * 4096 for lo, hi in shards]
+
+
+def test_partitioned_state_of_a_per_tensor_optimizer_is_refused(tmp_path):
+    out = run_worker(tmp_path, "two", world=2, micro=2, steps=1, storage=SSD, shard=True, optimizer="adafactor",
+                     expect_rc=None)
+    assert out["returncode"] != 0
+    assert "shard_optimizer_state=False" in out["stderr"] and "Adafactor" in out["stderr"], out["stderr"][-3000:]
+
+
 def _slow(*values):
     return pytest.param(*values, marks=pytest.mark.slow)
 

@@ -27,7 +27,7 @@ def _allocated(engine) -> dict[str, int]:
         out["weights"] += _in_memory_bytes(unit.weights) + (_in_memory_bytes(unit.tail) if unit.tail is not None else 0)
         if unit.master is not unit.weights:
             out["master"] += _in_memory_bytes(unit.master)
-        out["optimizer_moments"] += _in_memory_bytes(unit.exp_avg) + _in_memory_bytes(unit.exp_avg_sq)
+        out["optimizer_moments"] += sum(_in_memory_bytes(t) for t in unit.state.values())
     return out
 
 

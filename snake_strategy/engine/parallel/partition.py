@@ -40,7 +40,7 @@ class ShardView:
     def __init__(self, tensor, base: int) -> None:
         self.tensor, self.base, self.end = tensor, base, base + tensor.numel
         self.state, self.name, self.dtype = tensor.state, tensor.name, tensor.dtype
-        self.ssd_bytes = tensor.ssd_bytes
+        self.ssd_bytes, self.numel, self.elem_bytes = tensor.ssd_bytes, tensor.numel, tensor.elem_bytes
 
     def new_buffer(self, numel: int | None = None) -> Tensor:
         return self.tensor.new_buffer(numel)
