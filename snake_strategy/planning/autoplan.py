@@ -155,6 +155,8 @@ class RunPlan:
                 f"{step}, prefetch {s.prefetch_depth}, keep activations {kept}; {places}; host "
                 f"{self.host_bytes / 2**30:.2f} of {self.host_budget_bytes / 2**30:.2f} GiB (bounded by "
                 f"{self.host_budget_source}: {self.host_budget_detail})")
+        if self.optimizer is not None:
+            text += f"; {self.optimizer.describe(self.shape.state_bytes)}"
         if self.prediction is not None:
             text += f"; predicted floor {self.prediction.roofline_s:.3f} s/step ({self.prediction.bound}-bound)"
         return text
@@ -169,7 +171,11 @@ class RunPlan:
                 "rollback_bytes": self.rollback_bytes,
                 "rollback_held_bytes": self.rollback_held_bytes,
                 "placement_budget_bytes": self.placement_budget_bytes, "evaluating": self.evaluating,
-                "prediction": self.prediction.as_dict() if self.prediction is not None else None}
+                "prediction": self.prediction.as_dict() if self.prediction is not None else None,
+                "optimizer": None if self.optimizer is None else {
+                    "class": self.optimizer.class_name, "kind": self.optimizer.kind,
+                    "state_bytes_per_param": self.shape.state_bytes,
+                    "slots": {slot.name: str(slot.dtype).removeprefix("torch.") for slot in self.optimizer.slots}}}
 
 
 def setup_layouts(module: nn.Module, optimizer: torch.optim.Optimizer | None, blocks_per_unit: int, num_micro: int,

@@ -1,0 +1,244 @@
+"""Optimizers side by side at scale: what each one's state costs a step when it lives on the SSD.
+
+For each optimizer (``CASES``), in its own process, one after the other in one command:
+
+- ``--preset`` (gpt_1b by default) on the defaults (``GreedySnakeStrategy()``, one host budget read once here
+  and given to every case): seconds per step (median of the steps after the first), SSD bytes read and
+  written per step, optimizer-state bytes per parameter as stored, peak RSS, the plan;
+- ``--loss-preset`` (small) for ``--loss-steps`` steps under greedysnake and under plain Lightning with the
+  same optimizer, the same data and seed: both loss curves and their largest difference (fp32).
+
+Cases: ``adamw`` (torch.optim.AdamW, fp32 state: the fused fast path), ``adamw8bit`` (bitsandbytes'
+AdamW8bit: uint8 moments + fp32 scales per 256 values, its own step), ``adafactor`` (torch.optim.Adafactor:
+factored second moments), ``sgd_momentum`` (torch.optim.SGD, momentum 0.9), ``muon`` (torch.optim.Muon on the
+2-D matrices; it steps nothing else, and Lightning's automatic optimization takes one optimizer, so the 1-D
+gains and biases are frozen in this case).
+
+    flock /tmp/snake-bench.lock python benchmarks/optimizers.py                  # gpt_1b, 3 steps per case
+    python benchmarks/optimizers.py --preset gpt_4b --cases adamw,adamw8bit --steps 3 --loss-steps 0
+    python benchmarks/optimizers.py --preset small --steps 3 --loss-steps 10 --out /tmp/o.json   # a quick look
+
+Writes ``benchmarks/results/optimizers/<preset>.json`` and ``.png``. Not part of the test suite.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+from benchmarks.common import results_dir, ssd_bytes, step_probe  # noqa: E402
+
+RESULTS = results_dir("optimizers")
+CASES = ("adamw", "adamw8bit", "adafactor", "sgd_momentum", "muon")
+LR = {"adamw": 1e-3, "adamw8bit": 1e-3, "adafactor": 1e-2, "sgd_momentum": 0.05, "muon": 0.02}
+
+
+def make_optimizer(name: str, module, lr: float):
+    import torch
+    params = [p for p in module.parameters() if p.requires_grad]
+    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.01},
+              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+    groups = [g for g in groups if g["params"]]
+    if name == "adamw":
+        return torch.optim.AdamW(groups, lr=lr)
+    if name == "adamw8bit":
+        import bitsandbytes as bnb
+        return bnb.optim.AdamW8bit(groups, lr=lr)
+    if name == "adafactor":
+        return torch.optim.Adafactor(groups, lr=lr)
+    if name == "sgd_momentum":
+        return torch.optim.SGD(groups, lr=lr, momentum=0.9)
+    if name == "muon":
+        return torch.optim.Muon(groups, lr=lr)
+    raise ValueError(f"unknown case {name}; choose from {CASES}")
+
+
+def module_for(name: str, preset_name: str, context_len: int, lr: float):
+    from snake_strategy.gpt import GPTModule, preset
+
+    class Module(GPTModule):
+        def configure_optimizers(self):
+            if name == "muon":  # torch's Muon steps 2-D matrices only
+                for p in self.parameters():
+                    if p.dim() < 2:
+                        p.requires_grad_(False)
+            return make_optimizer(name, self, lr)
+
+    cfg = preset(preset_name)
+    cfg.context_len = context_len
+    return Module(cfg, learning_rate=lr)
+
+
+def _loader(steps: int, batch: int, context_len: int):
+    from torch.utils.data import DataLoader, Subset
+
+    from snake_strategy.data import ByteWindows, load_corpus
+    windows = ByteWindows(load_corpus("stdlib"), context_len)
+    return DataLoader(Subset(windows, range(batch * steps)), batch_size=batch, shuffle=False)
+
+
+def run_scale(name: str, preset_name: str, steps: int, context_len: int, budget: int | None, ssd_root: str | None) -> dict:
+    import lightning as L
+    import torch
+
+    import snake_strategy
+    torch.manual_seed(0)
+    module = module_for(name, preset_name, context_len, LR[name])
+    strategy = snake_strategy.GreedySnakeStrategy(storage={"ssd_dir": tempfile.mkdtemp(prefix="snake-opt-", dir=ssd_root),
+                                                           "placement": "auto", "host_budget_bytes": budget})
+    probe = step_probe(f"{name} ", flush_at_end=True, rss_in_line=True)
+    trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=1, max_steps=steps, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        limit_val_batches=0, num_sanity_val_steps=0, callbacks=[probe])
+    start = time.perf_counter()
+    trainer.fit(module, train_dataloaders=_loader(steps, 4, context_len))
+    plan = strategy.plan
+    steady = probe.traffic[1:] or probe.traffic  # each step's traffic, the optimizer worker's included
+    return dict(case=name, params=module.config.num_params(), s_per_step=probe.steady_s_per_step(),
+                step_s=probe.step_s, losses=probe.losses,
+                ssd_read_bytes_per_step=statistics.median(ssd_bytes(t, "read") for t in steady),
+                ssd_write_bytes_per_step=statistics.median(ssd_bytes(t, "write") for t in steady),
+                state_bytes_per_param=plan.as_dict()["optimizer"]["state_bytes_per_param"],
+                optimizer=plan.as_dict()["optimizer"], peak_rss_bytes=probe.train_peak_rss_bytes,
+                host_budget_bytes=plan.host_budget_bytes, plan_host_bytes=plan.host_bytes, describe=plan.describe(),
+                optimizer_busy_s=[s.optimizer_busy_s for s in probe.stats], total_s=time.perf_counter() - start)
+
+
+def run_losses(name: str, preset_name: str, steps: int, context_len: int) -> dict:
+    """The loss curve of greedysnake and of plain Lightning with the same optimizer, data and seed."""
+    import lightning as L
+    import torch
+
+    import snake_strategy
+    curves = {}
+    for label in ("greedysnake", "lightning"):
+        torch.manual_seed(0)
+        module = module_for(name, preset_name, context_len, LR[name])
+        losses: list[float] = []
+
+        class Losses(L.Callback):
+            def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+                losses.append(float(outputs["loss"]))
+
+        strategy = snake_strategy.GreedySnakeStrategy() if label == "greedysnake" else "auto"
+        kw = {} if label == "greedysnake" else {"accumulate_grad_batches": 4}
+        batch = 8 if label == "greedysnake" else 2  # 4 micro-batches of 2: one step either way
+        trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=1, max_steps=steps, logger=False,
+                            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                            limit_val_batches=0, num_sanity_val_steps=0, callbacks=[Losses()], **kw)
+        trainer.fit(module, train_dataloaders=_loader(steps * 8 // batch, batch, context_len))
+        # Under accumulate_grad_batches Lightning reports each micro-batch's loss divided by the 4: their sum is
+        # the step's mean loss, what greedysnake reports.
+        curves[label] = losses if label == "greedysnake" else [sum(losses[i:i + 4]) for i in range(0, len(losses), 4)]
+    diff = max(abs(a - b) for a, b in zip(curves["greedysnake"], curves["lightning"]))
+    return dict(case=name, loss_preset=preset_name, curves=curves, max_abs_loss_diff=diff,
+                final_loss={k: v[-1] for k, v in curves.items()}, first_loss=curves["lightning"][0])
+
+
+def _plot(report: dict, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    cases = [c for c in report["cases"] if "s_per_step" in c]
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    names = [c["case"] for c in cases]
+    axes[0].bar(names, [c["s_per_step"] for c in cases])
+    axes[0].set_ylabel("s / step")
+    axes[0].set_title(f"{report['preset']}: step time")
+    axes[1].bar(names, [(c["ssd_read_bytes_per_step"] + c["ssd_write_bytes_per_step"]) / 2**30 for c in cases])
+    axes[1].set_ylabel("GiB over the SSD per step")
+    axes[1].set_title("SSD bytes (read + write)")
+    for c in report.get("losses", []):
+        axes[2].plot(c["curves"]["lightning"], label=f"{c['case']} (Lightning)")
+        axes[2].plot(c["curves"]["greedysnake"], "--", label=f"{c['case']} (greedysnake)")
+    axes[2].set_xlabel("step")
+    axes[2].set_ylabel("loss")
+    axes[2].set_title(f"{report.get('loss_preset')}: loss curves")
+    axes[2].legend(fontsize=6)
+    for ax in axes[:2]:
+        ax.tick_params(axis="x", rotation=30)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def _subprocess(args: list[str]) -> dict:
+    proc = subprocess.Popen([sys.executable, __file__, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    result = None
+    for line in proc.stdout:
+        if line.startswith("RESULT "):
+            result = json.loads(line[len("RESULT "):])
+        else:
+            print(line, end="", flush=True)
+    error = proc.stderr.read()
+    proc.wait()
+    return result if proc.returncode == 0 and result is not None else {"error": error[-3000:], "args": args}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--preset", default="gpt_1b")
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--context-len", type=int, default=128)
+    p.add_argument("--cases", default=",".join(CASES))
+    p.add_argument("--loss-preset", default="small")
+    p.add_argument("--loss-steps", type=int, default=50)
+    p.add_argument("--host-budget-bytes", type=int, default=None)
+    p.add_argument("--ssd-root", default=None)
+    p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--out", default=None)
+    args = p.parse_args(argv)
+    if args.worker:
+        kind, name = args.worker.split(":")
+        result = run_scale(name, args.preset, args.steps, args.context_len, args.host_budget_bytes, args.ssd_root) \
+            if kind == "scale" else run_losses(name, args.loss_preset, args.loss_steps, args.context_len)
+        print("RESULT " + json.dumps(result), flush=True)
+        return 0
+    out = Path(args.out or RESULTS / f"{args.preset}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    if args.host_budget_bytes is None:
+        from snake_strategy.planning.host_memory import host_budget
+        args.host_budget_bytes = host_budget(None).budget_bytes
+    report = {"preset": args.preset, "steps": args.steps, "context_len": args.context_len,
+              "loss_preset": args.loss_preset, "loss_steps": args.loss_steps,
+              "host_budget_bytes": args.host_budget_bytes, "cases": [], "losses": []}
+    common = ["--preset", args.preset, "--steps", str(args.steps), "--context-len", str(args.context_len),
+              "--host-budget-bytes", str(args.host_budget_bytes), "--loss-preset", args.loss_preset,
+              "--loss-steps", str(args.loss_steps)] + (["--ssd-root", args.ssd_root] if args.ssd_root else [])
+    names = args.cases.split(",")
+    for name in names:
+        if args.steps > 0:
+            report["cases"].append(_subprocess(["--worker", f"scale:{name}", *common]))
+        if args.loss_steps > 0:
+            report["losses"].append(_subprocess(["--worker", f"losses:{name}", *common]))
+        base = next((c for c in report["cases"] if c.get("case") == "adamw" and "s_per_step" in c), None)
+        for c in report["cases"]:
+            if base is not None and "s_per_step" in c:
+                c["speedup_vs_adamw"] = base["s_per_step"] / c["s_per_step"]
+        out.write_text(json.dumps(report, indent=1))  # after every case: a run cut short keeps what it measured
+    _plot(report, out.with_suffix(".png"))
+    for c in report["cases"]:
+        if "error" in c:
+            print(f"FAILED {c['args']}: {c['error'][-800:]}")
+            continue
+        print(f"{c['case']:>13}: {c['s_per_step']:.1f} s/step ({c.get('speedup_vs_adamw', float('nan')):.2f}x AdamW), "
+              f"SSD {c['ssd_read_bytes_per_step'] / 2**30:.2f} GiB read + {c['ssd_write_bytes_per_step'] / 2**30:.2f} "
+              f"GiB written, {c['state_bytes_per_param']:.3g} B/param of state, peak RSS "
+              f"{c['peak_rss_bytes'] / 2**30:.2f} of {c['host_budget_bytes'] / 2**30:.2f} GiB")
+    for c in report["losses"]:
+        if "error" in c:
+            print(f"FAILED {c['args']}: {c['error'][-800:]}")
+            continue
+        print(f"{c['case']:>13}: loss {c['first_loss']:.3f} -> {c['final_loss']['lightning']:.4f} (Lightning) / "
+              f"{c['final_loss']['greedysnake']:.4f} (greedysnake), max |diff| {c['max_abs_loss_diff']:.2e}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
