@@ -407,3 +407,45 @@ def test_generate_under_greedysnake_predict(tmp_path):
     assert got.shape == (4, 7) and torch.equal(got, predict("auto"))
     assert strategy.eval_traffic["ssd/weights/read"] > 0
     assert not any(k.endswith("/write") for k in strategy.eval_traffic)
+
+
+class _HFWithOptimizer(HFCausalLM):
+    """HFCausalLM whose configure_optimizers returns tests/exactness/test_any_optimizer.py's optimizer ``name``."""
+
+    optimizer_name = "sgd_nesterov"
+
+    def configure_optimizers(self):
+        from tests.exactness.test_any_optimizer import OPTIMIZERS
+        return OPTIMIZERS[self.optimizer_name](self)
+
+
+@pytest.mark.skipif(not getattr(snake_strategy, "SUPPORTS_SIDE_INPUTS", False),
+                    reason="the engine does not pass side inputs to blocks yet (snake_strategy.SUPPORTS_SIDE_INPUTS)")
+@pytest.mark.parametrize("name", ["sgd_nesterov", "nadam", "adafactor", "muon"])
+def test_other_optimizers_on_an_hf_model(name, tmp_path):
+    """A pretrained HF Llama under SGD, NAdam, Adafactor and Muon: greedysnake (all on the SSD, alpha split)
+    equals plain Lightning with the same optimizer. Muon steps only matrices: the 1-D norms are frozen."""
+    hf = hf_model("llama")
+    hf.save_pretrained(tmp_path / "start", max_shard_size="20KB")
+    micro_batches = batches(STEPS * MICRO, MICRO_SIZE)
+
+    def build():
+        module = type("M", (_HFWithOptimizer,), {"optimizer_name": name})(tmp_path / "start", learning_rate=1e-2)
+        if name == "muon":
+            for n, p in module.named_parameters():
+                if p.dim() < 2:
+                    p.requires_grad_(False)
+        return module
+
+    def fit(strategy, batch_size, accumulate):
+        return fit_with(strategy, build, DataLoader(Samples(micro_batches), batch_size=batch_size, shuffle=False),
+                        steps=STEPS, precision="64-true", accumulate=accumulate, record="last").last
+
+    expected = fit("auto", MICRO_SIZE, MICRO)
+    strategy = snake_strategy.GreedySnakeStrategy(
+        storage={"weights": "ssd", "optimizer": "ssd", "gradients": "host", "ssd_dir": str(tmp_path / "ssd")},
+        schedule={"kind": "vertical", "num_micro_batches": MICRO, "alpha": 0.5})
+    got = fit(strategy, MICRO_SIZE * MICRO, 1)
+    assert got.keys() == expected.keys()
+    for key in got:
+        torch.testing.assert_close(got[key], expected[key], rtol=0, atol=1e-10, msg=key)
