@@ -9,7 +9,8 @@ For each optimizer (``CASES``), in its own process, one after the other in one c
   same optimizer, the same data and seed: both loss curves and their largest difference (fp32).
 
 Cases: ``adamw`` (torch.optim.AdamW, fp32 state: the fused fast path), ``adamw8bit`` (bitsandbytes'
-AdamW8bit: uint8 moments + fp32 scales per 256 values, its own step), ``adafactor`` (torch.optim.Adafactor:
+AdamW8bit: uint8 moments + fp32 scales per 256 values, its own step), ``fused_adamw8bit`` (the opt-in
+``snake_strategy.optimizers.FusedAdamW8bit``: the same kind of state, stepped by torch's fused kernel), ``adafactor`` (torch.optim.Adafactor:
 factored second moments), ``sgd_momentum`` (torch.optim.SGD, momentum 0.9), ``muon`` (torch.optim.Muon on the
 2-D matrices; it steps nothing else, and Lightning's automatic optimization takes one optimizer, so the 1-D
 gains and biases are frozen in this case).
@@ -36,8 +37,9 @@ sys.path.insert(0, str(HERE.parent))
 from benchmarks.common import results_dir, ssd_bytes, step_probe  # noqa: E402
 
 RESULTS = results_dir("optimizers")
-CASES = ("adamw", "adamw8bit", "adafactor", "sgd_momentum", "muon")
-LR = {"adamw": 1e-3, "adamw8bit": 1e-3, "adafactor": 1e-2, "sgd_momentum": 0.05, "muon": 0.02}
+CASES = ("adamw", "adamw8bit", "fused_adamw8bit", "adafactor", "sgd_momentum", "muon")
+LR = {"adamw": 1e-3, "adamw8bit": 1e-3, "fused_adamw8bit": 1e-3, "adafactor": 1e-2, "sgd_momentum": 0.05,
+      "muon": 0.02}
 
 
 def make_optimizer(name: str, module, lr: float):
@@ -51,6 +53,9 @@ def make_optimizer(name: str, module, lr: float):
     if name == "adamw8bit":
         import bitsandbytes as bnb
         return bnb.optim.AdamW8bit(groups, lr=lr)
+    if name == "fused_adamw8bit":
+        from snake_strategy.optimizers import FusedAdamW8bit
+        return FusedAdamW8bit(groups, lr=lr)
     if name == "adafactor":
         return torch.optim.Adafactor(groups, lr=lr)
     if name == "sgd_momentum":
