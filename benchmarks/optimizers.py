@@ -6,7 +6,9 @@ For each optimizer (``CASES``), in its own process, one after the other in one c
   and given to every case): seconds per step (median of the steps after the first), SSD bytes read and
   written per step, optimizer-state bytes per parameter as stored, peak RSS, the plan;
 - ``--loss-preset`` (small) for ``--loss-steps`` steps under greedysnake and under plain Lightning with the
-  same optimizer, the same data and seed: both loss curves and their largest difference (fp32).
+  same optimizer, the same data and seed: both loss curves and their largest difference (fp32), beside the
+  optimizer's own spread: plain Lightning against itself with the step's samples in 2 micro-batches of 4
+  instead of 4 of 2 (only the summation order differs).
 
 Cases: ``adamw`` (torch.optim.AdamW, fp32 state: the fused fast path), ``adamw8bit`` (bitsandbytes'
 AdamW8bit: uint8 moments + fp32 scales per 256 values, its own step), ``fused_adamw8bit`` (the opt-in
@@ -123,7 +125,9 @@ def run_losses(name: str, preset_name: str, steps: int, context_len: int) -> dic
 
     import snake_strategy
     curves = {}
-    for label in ("greedysnake", "lightning"):
+    # lightning_2x4: plain Lightning on the same samples cut into 2 micro-batches of 4: only the gradients'
+    # summation order differs from "lightning", so the two bound the optimizer's own spread.
+    for label in ("greedysnake", "lightning", "lightning_2x4"):
         torch.manual_seed(0)
         module = module_for(name, preset_name, context_len, LR[name])
         losses: list[float] = []
@@ -133,17 +137,19 @@ def run_losses(name: str, preset_name: str, steps: int, context_len: int) -> dic
                 losses.append(float(outputs["loss"]))
 
         strategy = snake_strategy.GreedySnakeStrategy() if label == "greedysnake" else "auto"
-        kw = {} if label == "greedysnake" else {"accumulate_grad_batches": 4}
-        batch = 8 if label == "greedysnake" else 2  # 4 micro-batches of 2: one step either way
+        accumulate = {"greedysnake": 1, "lightning": 4, "lightning_2x4": 2}[label]
+        kw = {} if accumulate == 1 else {"accumulate_grad_batches": accumulate}
+        batch = 8 // accumulate  # 8 samples a step either way
         trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=1, max_steps=steps, logger=False,
                             enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                             limit_val_batches=0, num_sanity_val_steps=0, callbacks=[Losses()], **kw)
         trainer.fit(module, train_dataloaders=_loader(steps * 8 // batch, batch, context_len))
         # Under accumulate_grad_batches Lightning reports each micro-batch's loss divided by the 4: their sum is
         # the step's mean loss, what greedysnake reports.
-        curves[label] = losses if label == "greedysnake" else [sum(losses[i:i + 4]) for i in range(0, len(losses), 4)]
+        curves[label] = [sum(losses[i:i + accumulate]) for i in range(0, len(losses), accumulate)]
     diff = max(abs(a - b) for a, b in zip(curves["greedysnake"], curves["lightning"]))
-    return dict(case=name, loss_preset=preset_name, curves=curves, max_abs_loss_diff=diff,
+    spread = max(abs(a - b) for a, b in zip(curves["lightning_2x4"], curves["lightning"]))
+    return dict(case=name, loss_preset=preset_name, curves=curves, max_abs_loss_diff=diff, own_spread=spread,
                 final_loss={k: v[-1] for k, v in curves.items()}, first_loss=curves["lightning"][0])
 
 
@@ -241,7 +247,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"FAILED {c['args']}: {c['error'][-800:]}")
             continue
         print(f"{c['case']:>13}: loss {c['first_loss']:.3f} -> {c['final_loss']['lightning']:.4f} (Lightning) / "
-              f"{c['final_loss']['greedysnake']:.4f} (greedysnake), max |diff| {c['max_abs_loss_diff']:.2e}")
+              f"{c['final_loss']['greedysnake']:.4f} (greedysnake), max |diff| {c['max_abs_loss_diff']:.2e}; "
+              f"Lightning against itself (2x4 vs 4x2 micro-batches) {c['own_spread']:.2e}")
     return 0
 
 

@@ -333,7 +333,8 @@ class GreedySnakeStrategy(DataParallelMixin, ParallelStrategy):
         self.model_shape = engine.model_shape(engine.micro_batches(batch)[0][0])
         prediction, self.hardware_profile = first_prediction(
             self.plan, self.model_shape, engine.alpha, self.hardware, self.root_device,
-            engine.ssd.path if engine.ssd else None, engine.largest_block_matrix(), self.hardware == "probe")
+            engine.ssd.path if engine.ssd else None, engine.largest_block_matrix(), self.hardware == "probe",
+            engine.optimizer, engine.dtypes.master)
         if self.plan is not None:
             # "auto" decides the kept graphs at the first step
             kept = self.plan.kept_units if at_setup else engine.kept_units

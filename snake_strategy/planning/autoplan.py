@@ -49,7 +49,7 @@ from torch import nn
 
 from snake_strategy.config import STATES, ScheduleConfig, StorageConfig, TierShares
 from snake_strategy.contract import check_trainable
-from snake_strategy.planning.hardware import matmul_flops_per_s, probe_hardware
+from snake_strategy.planning.hardware import matmul_flops_per_s, optimizer_params_per_s, probe_hardware
 from snake_strategy.planning.host_memory import SOURCE_AVAILABLE, host_budget
 from snake_strategy.planning.memory import (MemoryInputs, format_plan, host_plan, rollback_copied_elems,
                                             rollback_held_bytes)
@@ -57,7 +57,7 @@ from snake_strategy.planning.planner import (HardwareProfile, ModelShape, StepPr
                                              plan, predict, prefetch_depth)
 from snake_strategy.precision import DtypePolicy
 from snake_strategy.progress import format_bytes
-from snake_strategy.optimizers.spec import PER_TENSOR, OptimizerSpec, inspect_optimizer, optimizer_kind
+from snake_strategy.optimizers.spec import FUSED_ADAM, PER_TENSOR, OptimizerSpec, inspect_optimizer, optimizer_kind
 from snake_strategy.units import UnitLayout, WeightFormat, build_layouts
 
 log = logging.getLogger(__name__)
@@ -405,10 +405,12 @@ def example_batch(trainer: Any) -> Any | None:
 
 def first_prediction(plan: RunPlan, shape: ModelShape, alpha: float, hardware: HardwareProfile | str | None,
                      device: torch.device, ssd_path: str | None, largest_block_matrix: tuple[int, int],
-                     at_model_shape: bool) -> tuple[StepPrediction, HardwareProfile]:
+                     at_model_shape: bool, optimizer: torch.optim.Optimizer | None = None,
+                     master_dtype: torch.dtype = torch.float32) -> tuple[StepPrediction, HardwareProfile]:
     """The planner's roofline for this run from ``shape`` (the engine's, for the first micro-batch): the
     prediction and the machine's profile. ``hardware="probe"`` measures the machine (cached on disk, a
-    scratch file in ``ssd_path``); ``at_model_shape`` probes the compute roof at this model's own matmul."""
+    scratch file in ``ssd_path``); ``at_model_shape`` probes the compute roof at this model's own matmul and,
+    for an ``optimizer`` off the fused Adam path, that optimizer's own rate at the same matrix."""
     if hardware == "probe":
         hardware = probe_hardware(ssd_path, device)
     elif hardware is None:
@@ -418,6 +420,9 @@ def first_prediction(plan: RunPlan, shape: ModelShape, alpha: float, hardware: H
         out_dim, in_dim = largest_block_matrix
         hardware = dataclasses.replace(
             hardware, flops_per_s=matmul_flops_per_s(shape.tokens_per_micro, in_dim, out_dim, device))
+        if optimizer is not None and plan.optimizer is not None and plan.optimizer.kind != FUSED_ADAM:
+            rate = optimizer_params_per_s(optimizer, (out_dim, in_dim), master_dtype)
+            hardware = dataclasses.replace(hardware, optimizer_params_per_s=rate)
     prediction = predict(shape, hardware, plan.storage, plan.schedule.kind, alpha, plan.step_mode == "speculative")
     log.info("planner: predicted floor %.3f s/step (%s-bound; compute %.3f s, ssd %.3f s, optimizer %.3f s)",
              prediction.roofline_s, prediction.bound, prediction.compute_s, prediction.ssd_s, prediction.optimizer_s)
