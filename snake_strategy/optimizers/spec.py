@@ -182,13 +182,19 @@ def probe(optimizer: torch.optim.Optimizer, shadow: ShadowOptimizer, group: dict
                                  f"device: {type(error).__name__}: {error}") from error
     tensors, scalars = [], []
     for key, value in state.items():
+        if isinstance(value, torch.Tensor) and type(value) not in (torch.Tensor, torch.nn.Parameter):
+            # A tensor subclass (torchao's quantized optimizer states) is not the bytes it reports.
+            raise ValueError(f"{class_name} keeps state['{key}'] as a {type(value).__name__} tensor subclass; "
+                             "greedysnake stores plain tensors only. Return another optimizer from configure_optimizers "
+                             "(for 8-bit AdamW: bitsandbytes' AdamW8bit or snake_strategy.optimizers.FusedAdamW8bit)")
         if isinstance(value, torch.Tensor) and value.dim() > 0:
             tensors.append((key, tuple(value.shape), value.dtype))
         elif isinstance(value, (torch.Tensor, int, float, bool)):
             scalars.append(key)
         elif value is not None:
             raise ValueError(f"{class_name} keeps state['{key}'] as {type(value).__name__}; greedysnake stores "
-                             "optimizer state that is a tensor or a number per parameter only")
+                             "optimizer state that is a tensor or a number per parameter only: return another "
+                             "optimizer from configure_optimizers")
     return TensorState(tuple(tensors), tuple(scalars))
 
 

@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from snake_strategy.gpt import GPTModule
-from tests.helpers import (SMALL_GPT, assert_steps_close, fit_lightning, max_abs_diff, run_reference, run_snake,
-                           TOLERANCES, token_loader)
+from tests.helpers import (SMALL_GPT, TOLERANCES, assert_steps_close, fit_lightning, fit_snake, max_abs_diff,
+                           run_reference, run_snake, token_loader)
 
 STEPS, MICRO, MICRO_SIZE = 5, 4, 2
 SSD = {"weights": "ssd", "optimizer": "ssd", "gradients": "host"}
@@ -170,3 +170,17 @@ def test_norm_clipping(name, clip, tmp_path):
     got, _ = run_snake(SMALL_GPT, STEPS, MICRO, MICRO_SIZE, "64-true", module_cls=cls, trainer_extra=extra,
                        storage=dict(SSD, ssd_dir=str(tmp_path / "ssd")), schedule_extra=schedule)
     assert_steps_close(got, ref, "64-true", steps=STEPS, atol=own_spread(name, ref, extra))
+
+
+def test_a_probed_plan_times_the_optimizers_own_step(tmp_path):
+    """With hardware="probe" the prediction's optimizer term is the user's class's measured rate (Muon's
+    Newton-Schulz iterations: far below the fused Adam kernel the machine probe measures)."""
+    from snake_strategy.planning.hardware import probe_hardware
+    fused_rate = probe_hardware(str(tmp_path)).optimizer_params_per_s
+    cls = module_class("muon")
+    run = fit_snake(lambda: cls(SMALL_GPT, learning_rate=1e-3),
+                    token_loader(16, 8, SMALL_GPT.context_len, SMALL_GPT.vocab_size), steps=1, record=None,
+                    hardware="probe", storage={"ssd_dir": str(tmp_path / "ssd")}, schedule={"num_micro_batches": 4})
+    muon_rate = run.strategy.hardware_profile.optimizer_params_per_s
+    assert muon_rate < fused_rate / 5, (muon_rate, fused_rate)
+    assert "Muon: momentum_buffer float32" in run.strategy.plan.describe()

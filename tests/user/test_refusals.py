@@ -229,7 +229,31 @@ class CoupledSGD(torch.optim.Optimizer):
                 p.add_(p.grad / (1 + total), alpha=-group["lr"])
 
 
+class _Boxed(torch.Tensor):
+    """A tensor subclass, as torchao keeps its quantized optimizer states."""
+
+
+class BoxedStateSGD(torch.optim.Optimizer):
+    """SGD with momentum kept in a tensor subclass."""
+
+    def __init__(self, params, lr=0.1):
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if "buf" not in state:
+                    state["buf"] = torch.Tensor._make_subclass(_Boxed, torch.zeros_like(p))
+                state["buf"].mul_(0.9).add_(p.grad)
+                p.add_(state["buf"], alpha=-group["lr"])
+
+
 @pytest.mark.parametrize("make,words", [
+    (lambda ps: BoxedStateSGD(ps), ["BoxedStateSGD", "tensor subclass", "FusedAdamW8bit"]),
     (lambda ps: torch.optim.LBFGS(ps, lr=0.1), ["LBFGS", "closure"]),
     (lambda ps: torch.optim.SparseAdam(list(ps), lr=0.1), ["SparseAdam", "sparse"]),
     (lambda ps: CoupledSGD(ps), ["CoupledSGD", "couples parameters"]),
