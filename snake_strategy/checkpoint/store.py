@@ -26,7 +26,6 @@ import os
 import shutil
 import sys
 import time
-import zlib
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 

@@ -14,6 +14,7 @@ returns it from ``configure_optimizers``, and plain Lightning trains it the same
 """
 from __future__ import annotations
 
+import importlib.util
 from typing import Any
 
 import torch
@@ -33,7 +34,8 @@ class FusedAdamW8bit(torch.optim.Optimizer):
                  weight_decay: float = 1e-2, min_8bit_size: int = 4096) -> None:
         if lr < 0 or eps < 0 or weight_decay < 0 or not all(0 <= b < 1 for b in betas):
             raise ValueError(f"FusedAdamW8bit: invalid lr={lr}, betas={betas}, eps={eps} or weight_decay={weight_decay}")
-        import bitsandbytes.functional  # noqa: F401 - the optional extra: pip install 'snake_strategy[optim8bit]'
+        if importlib.util.find_spec("bitsandbytes") is None:
+            raise ValueError("FusedAdamW8bit quantizes with bitsandbytes' kernels: pip install 'snake_strategy[optim8bit]'")
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
                                       min_8bit_size=min_8bit_size))
 
