@@ -179,6 +179,20 @@ def _plot(report: dict, path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+def _summary_line(c: dict) -> str:
+    """One case's line of the final summary: a scale run, a loss-curve run, or a failure."""
+    if "error" in c:
+        return f"FAILED {c['args']}: {c['error'][-800:]}"
+    if "curves" in c:
+        return (f"{c['case']:>13}: loss {c['first_loss']:.3f} -> {c['final_loss']['lightning']:.4f} (Lightning) / "
+                f"{c['final_loss']['greedysnake']:.4f} (greedysnake), max |diff| {c['max_abs_loss_diff']:.2e}; "
+                f"Lightning against itself (2x4 vs 4x2 micro-batches) {c.get('own_spread', float('nan')):.2e}")
+    return (f"{c['case']:>13}: {c['s_per_step']:.1f} s/step ({c.get('speedup_vs_adamw', float('nan')):.2f}x AdamW), "
+            f"SSD {c['ssd_read_bytes_per_step'] / 2**30:.2f} GiB read + {c['ssd_write_bytes_per_step'] / 2**30:.2f} "
+            f"GiB written, {c['state_bytes_per_param']:.3g} B/param of state, peak RSS "
+            f"{c['peak_rss_bytes'] / 2**30:.2f} of {c['host_budget_bytes'] / 2**30:.2f} GiB")
+
+
 def _subprocess(args: list[str]) -> dict:
     proc = subprocess.Popen([sys.executable, __file__, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     result = None
@@ -234,21 +248,8 @@ def main(argv: list[str] | None = None) -> int:
                 c["speedup_vs_adamw"] = base["s_per_step"] / c["s_per_step"]
         out.write_text(json.dumps(report, indent=1))  # after every case: a run cut short keeps what it measured
     _plot(report, out.with_suffix(".png"))
-    for c in report["cases"]:
-        if "error" in c:
-            print(f"FAILED {c['args']}: {c['error'][-800:]}")
-            continue
-        print(f"{c['case']:>13}: {c['s_per_step']:.1f} s/step ({c.get('speedup_vs_adamw', float('nan')):.2f}x AdamW), "
-              f"SSD {c['ssd_read_bytes_per_step'] / 2**30:.2f} GiB read + {c['ssd_write_bytes_per_step'] / 2**30:.2f} "
-              f"GiB written, {c['state_bytes_per_param']:.3g} B/param of state, peak RSS "
-              f"{c['peak_rss_bytes'] / 2**30:.2f} of {c['host_budget_bytes'] / 2**30:.2f} GiB")
-    for c in report["losses"]:
-        if "error" in c:
-            print(f"FAILED {c['args']}: {c['error'][-800:]}")
-            continue
-        print(f"{c['case']:>13}: loss {c['first_loss']:.3f} -> {c['final_loss']['lightning']:.4f} (Lightning) / "
-              f"{c['final_loss']['greedysnake']:.4f} (greedysnake), max |diff| {c['max_abs_loss_diff']:.2e}; "
-              f"Lightning against itself (2x4 vs 4x2 micro-batches) {c['own_spread']:.2e}")
+    for c in report["cases"] + report["losses"]:
+        print(_summary_line(c))
     return 0
 
 
