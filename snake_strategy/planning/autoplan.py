@@ -409,20 +409,24 @@ def first_prediction(plan: RunPlan, shape: ModelShape, alpha: float, hardware: H
                      master_dtype: torch.dtype = torch.float32) -> tuple[StepPrediction, HardwareProfile]:
     """The planner's roofline for this run from ``shape`` (the engine's, for the first micro-batch): the
     prediction and the machine's profile. ``hardware="probe"`` measures the machine (cached on disk, a
-    scratch file in ``ssd_path``); ``at_model_shape`` probes the compute roof at this model's own matmul and,
-    for an ``optimizer`` off the fused Adam path, that optimizer's own rate at the same matrix."""
+    scratch file in ``ssd_path``); ``at_model_shape`` probes the compute roof at this model's own matmul. An
+    ``optimizer`` off the fused Adam path is timed at the same matrix (probed or default profile alike)."""
+    # The profile's optimizer rate is fused Adam's (probed or the default): another class is timed itself,
+    # unless the caller gave a profile of its own.
+    time_optimizer = (hardware in ("probe", None) and optimizer is not None and plan.optimizer is not None
+                      and plan.optimizer.kind != FUSED_ADAM)
     if hardware == "probe":
         hardware = probe_hardware(ssd_path, device)
     elif hardware is None:
         hardware = HardwareProfile(device_is_cpu=device.type == "cpu")
+    out_dim, in_dim = largest_block_matrix
     if at_model_shape and shape.tokens_per_micro:
         # The compute roof at this model's own matmul shape (tokens x in) @ (in x out).
-        out_dim, in_dim = largest_block_matrix
         hardware = dataclasses.replace(
             hardware, flops_per_s=matmul_flops_per_s(shape.tokens_per_micro, in_dim, out_dim, device))
-        if optimizer is not None and plan.optimizer is not None and plan.optimizer.kind != FUSED_ADAM:
-            rate = optimizer_params_per_s(optimizer, (out_dim, in_dim), master_dtype)
-            hardware = dataclasses.replace(hardware, optimizer_params_per_s=rate)
+    if time_optimizer:
+        rate = optimizer_params_per_s(optimizer, (out_dim, in_dim), master_dtype)
+        hardware = dataclasses.replace(hardware, optimizer_params_per_s=rate)
     prediction = predict(shape, hardware, plan.storage, plan.schedule.kind, alpha, plan.step_mode == "speculative")
     log.info("planner: predicted floor %.3f s/step (%s-bound; compute %.3f s, ssd %.3f s, optimizer %.3f s)",
              prediction.roofline_s, prediction.bound, prediction.compute_s, prediction.ssd_s, prediction.optimizer_s)
