@@ -120,18 +120,22 @@ def test_two_ranks_equal_one_rank_vertical_ssd_alpha(tmp_path):
         == one[0]["stats"][-1]["ssd_plan"]["optimizer_moments"]
 
 
-@pytest.mark.parametrize("shard", [True, False])
-def test_two_ranks_equal_one_rank_with_sgd(tmp_path, shard):
+@pytest.mark.parametrize("shard,optimizer", [(True, "sgd_nesterov"), (False, "sgd_nesterov"), (True, "sgd")])
+def test_two_ranks_equal_one_rank_with_sgd(tmp_path, shard, optimizer):
     """An element-wise optimizer other than Adam (SGD, Nesterov momentum): its momentum partitioned by element
-    ranges like Adam's moments (or replicated), two ranks equal to one process."""
-    common = dict(steps=3, kind="vertical", alpha=0.25, storage=SSD, shard=shard, optimizer="sgd_nesterov")
+    ranges like Adam's moments (or replicated), two ranks equal to one process; and SGD without momentum,
+    which keeps no state at all, partitioned."""
+    common = dict(steps=3, kind="vertical", alpha=0.25, storage=SSD, shard=shard, optimizer=optimizer)
     one = run_worker(tmp_path, "one", world=1, micro=4, **common)
     two = run_worker(tmp_path, "two", world=2, micro=2, **common)
     _check_ranks_agree(two)
     assert max_abs_diff(one[0]["state"], two[0]["state"]) < 1e-10
     layout = two[0]["stats"][-1]["layout"]
     shards = [shard_bounds(u["train_end"], 2, 0) if shard else (0, u["train_end"]) for u in layout]
-    assert [u["momentum_buffer_ssd"] for u in layout] == [-(-8 * (hi - lo) // 4096) * 4096 for lo, hi in shards]
+    if optimizer == "sgd_nesterov":
+        assert [u["momentum_buffer_ssd"] for u in layout] == [-(-8 * (hi - lo) // 4096) * 4096 for lo, hi in shards]
+    else:
+        assert not any(key.startswith("momentum_buffer") for key in layout[0])
 
 
 def test_partitioned_state_of_a_per_tensor_optimizer_is_refused(tmp_path):

@@ -33,6 +33,7 @@ def _groups(module, lr):
 
 
 OPTIMIZERS = {
+    "sgd": lambda m: torch.optim.SGD(_groups(m, 0.05), lr=0.05),  # no momentum: no state at all
     "sgd_nesterov": lambda m: torch.optim.SGD(_groups(m, 0.05), lr=0.05, momentum=0.9, nesterov=True),
     "sgd_dampening": lambda m: torch.optim.SGD(_groups(m, 0.05), lr=0.05, momentum=0.9, dampening=0.1),
     "adam_amsgrad": lambda m: torch.optim.Adam(_groups(m, 1e-3), lr=1e-3, amsgrad=True),

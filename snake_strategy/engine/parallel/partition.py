@@ -76,10 +76,7 @@ class ShardView:
 
 def shard_range(unit) -> tuple[int, int]:
     """[lo, hi) of a unit's trainable elements this rank steps: its shard, or all of them unpartitioned."""
-    view = next(iter(unit.state.values()), None)
-    if isinstance(view, ShardView):
-        return view.base, view.end
-    return 0, unit.train_end
+    return unit.shard if unit.shard is not None else (0, unit.train_end)
 
 
 class Partition:

@@ -80,7 +80,7 @@ def build_model(module: nn.Module, optimizer: torch.optim.Optimizer, plan: RunPl
                 state[slot.name] = ShardView(state[slot.name], lo)
         grads = tiers.tensor(name, "gradients", t, dtypes.master)
         unit = UnitStore(layout, weights, master, state, grads, forward_cut(spec, layout, forward_part_end(t, alpha)),
-                         fmt, tail, slot_offsets=offsets)
+                         fmt, tail, slot_offsets=offsets, shard=(lo, hi) if shard is not None else None)
         unit.store_weights(flat)
         tracker.advance(1, weight_bytes(layout) + int(t * state_bytes_per_elem))
         return unit

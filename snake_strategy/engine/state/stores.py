@@ -40,6 +40,9 @@ class UnitStore:
     # Optimizers stepped per tensor: per slot, where each trainable parameter's piece starts in it (page
     # aligned); a slot not listed is indexed like the unit's elements (element-wise state).
     slot_offsets: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    # Partitioned optimizer state (engine/parallel/partition.py): the elements [lo, hi) this rank steps and
+    # keeps the state of; None: all trainable ones. Kept here, not read off a slot: an optimizer may keep none.
+    shard: tuple[int, int] | None = None
 
     def slot_range(self, name: str, lo: int, hi: int) -> tuple[int, int]:
         """The elements of slot ``name`` that hold the state of unit elements [lo, hi) (parameter bounds
