@@ -55,10 +55,9 @@ def pin_units(engine: SnakeEngine, tmp: Path, tracker: Any, write_raw: Callable[
     extra: list[dict] = []
     methods: Counter = Counter()
     for u in range(engine.num_units):
-        numel = engine.unit_numel(u)
         pieces = {}
         for state, tier in engine.unit_tiers(u).items():
-            numel = engine.unit_numel(u) if state == "master" else tier.numel  # a per-tensor slot: its own length
+            numel = engine.unit_state_numel(u, state)
             head_end = min(tier.host_end, numel)
             name = f"units/unit{u:05d}.{state}.bin"
             if numel <= tier.host_end:  # nothing of it on the SSD: one written file, as a copy save
@@ -244,7 +243,7 @@ def state_bytes(engine: SnakeEngine) -> tuple[int, int]:
     ssd = other = 0
     for u in range(engine.num_units):
         for state, tier in engine.unit_tiers(u).items():
-            numel = engine.unit_numel(u) if state == "master" else tier.numel
+            numel = engine.unit_state_numel(u, state)
             head = min(getattr(tier, "host_end", numel), numel)
             other += head * tier.elem_bytes
             if numel > head:

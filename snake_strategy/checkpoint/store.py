@@ -69,12 +69,11 @@ def save(engine: SnakeEngine, checkpoint: dict[str, Any], path: str | os.PathLik
         engine.flush()  # pending deferred updates belong to the saved state
         phases_s = {"flush": time.perf_counter() - start_s}
         states = engine.state_names()
-        unit_bytes = sum(min(t.numel, engine.unit_numel(u)) * t.elem_bytes if name == "master" else t.numel * t.elem_bytes
+        unit_bytes = sum(engine.unit_state_numel(u, name) * t.elem_bytes
                          for u in range(engine.num_units) for name, t in engine.unit_tiers(u).items())
-        nonlayer_bytes = 3 * sum(p.numel() * p.element_size() for p in engine.nonlayer.master)
         # Bytes now in the checkpoint, linked or written (a zero-copy save writes only the non-SSD parts).
         tracker = or_quiet(progress).phase("checkpoint_save", len(states) * engine.num_units + 2, what="files",
-                                           total_bytes=unit_bytes + nonlayer_bytes)
+                                           total_bytes=unit_bytes + engine.nonlayer.nbytes)
         files, unit_extra, methods = {}, None, None
         if zero_copy:
             files, unit_extra, methods = pins.pin_units(engine, tmp, tracker, write_raw)

@@ -342,6 +342,12 @@ class SnakeEngine(EngineBase):
         """Elements of unit ``u``'s master vector and element-wise state (its trainable part, page-padded)."""
         return self.units[u].train_end
 
+    def unit_state_numel(self, u: int, name: str) -> int:
+        """Elements of unit ``u``'s state ``name`` that a checkpoint holds: the trainable part of the master
+        copy; all of an optimizer slot (a per-tensor slot has its own length, a partitioned one this rank's)."""
+        unit = self.units[u]
+        return unit.train_end if name == "master" else unit.state[name].numel
+
     def state_names(self) -> tuple[str, ...]:
         """The unit states a checkpoint holds: the master weights, then the optimizer's slots."""
         return ("master", *(slot.name for slot in self.plan.optimizer.slots))

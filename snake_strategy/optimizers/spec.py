@@ -22,6 +22,7 @@ stepping code (optimizers/stepping.py), not in slots.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -75,10 +76,6 @@ class TensorState:
     tensors: tuple[tuple[str, tuple[int, ...], torch.dtype], ...]
     scalars: tuple[str, ...]
 
-    @property
-    def nbytes(self) -> int:
-        return sum(_numel(shape) * dtype.itemsize for _, shape, dtype in self.tensors)
-
 
 @dataclass(frozen=True)
 class Slot:
@@ -109,15 +106,15 @@ class OptimizerSpec:
 
     def slot_numel(self, slot: Slot, group: int, shape: Sequence[int]) -> int:
         """Elements of ``slot`` a parameter of this group and shape keeps (0: it has none)."""
-        numel = _numel(shape)
+        numel = math.prod(shape)
         for key, s, dtype in self.state_of(group, shape).tensors:
             if key == slot.key and dtype == slot.dtype:
-                return _numel(s) if self.per_tensor else numel
+                return math.prod(s) if self.per_tensor else numel
         return 0
 
     def bytes_per_elem(self, shapes: Sequence[tuple[int, Sequence[int]]]) -> float:
         """Bytes of optimizer state per trainable element over these (group, shape) parameters."""
-        numel = sum(_numel(s) for _, s in shapes)
+        numel = sum(math.prod(s) for _, s in shapes)
         if not numel:
             return float(sum(slot.dtype.itemsize for slot in self.slots))
         total = sum(slot.dtype.itemsize * self.slot_numel(slot, g, s) for g, s in shapes for slot in self.slots)
@@ -221,10 +218,3 @@ def check_uncoupled(shadow: ShadowOptimizer, optimizer: torch.optim.Optimizer, d
         raise ValueError(f"{class_name}'s step of one parameter depends on the others stepped with it (state that "
                          "couples parameters); greedysnake steps each unit's parameters apart from the rest of the "
                          "model, so it cannot reproduce it. Use an optimizer whose state is per parameter")
-
-
-def _numel(shape: Sequence[int]) -> int:
-    n = 1
-    for d in shape:
-        n *= int(d)
-    return n

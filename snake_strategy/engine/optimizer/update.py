@@ -16,6 +16,7 @@ precede, so a redo of a step (a wrong speculation) starts from the same values a
 """
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -125,7 +126,7 @@ class ChunkUpdate:
             for key, shape, dtype in tensors:
                 slot = next(x for x in self.spec.slots if x.key == key and x.dtype == dtype)
                 start = unit.slot_offsets[slot.name][i] - bases[slot.name]
-                views[key] = state[slot.name][start:start + _numel(shape)].view(shape)
+                views[key] = state[slot.name][start:start + math.prod(shape)].view(shape)
             a = s.offset - lo
             self._step_one(u, i, hps[group], master[a:a + s.numel].view(s.shape),
                            grad[a:a + s.numel].view(s.shape), views, step_before)
@@ -146,10 +147,3 @@ class ChunkUpdate:
 
 def _copy(value: Any) -> Any:
     return value.detach().clone() if isinstance(value, Tensor) else value
-
-
-def _numel(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= int(d)
-    return n

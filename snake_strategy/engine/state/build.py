@@ -68,13 +68,10 @@ def build_model(module: nn.Module, optimizer: torch.optim.Optimizer, plan: RunPl
         state, offsets = {}, {}
         for slot in spec.slots:
             if spec.per_tensor:  # each parameter's piece of the slot starts on a page, as the parameters do
-                offsets[slot.name] = slot_offsets(spec, slot, layout)
-                numel = offsets[slot.name][-1]
-                offsets[slot.name] = offsets[slot.name][:-1]
+                offsets[slot.name], numel = slot_offsets(spec, slot, layout)
             else:
                 numel = hi - lo
-            state[slot.name] = tiers.tensor(name, slot.name, numel, slot.dtype,
-                                            storage.optimizer)
+            state[slot.name] = tiers.tensor(name, slot.name, numel, slot.dtype, storage.optimizer)
             state[slot.name].evict(torch.zeros(numel, dtype=slot.dtype))
             if shard is not None:
                 state[slot.name] = ShardView(state[slot.name], lo)
@@ -122,14 +119,15 @@ def build_model(module: nn.Module, optimizer: torch.optim.Optimizer, plan: RunPl
     return BuiltModel(blocks_prefix, layouts, units, nonlayer)
 
 
-def slot_offsets(spec: OptimizerSpec, slot: Slot, layout: UnitLayout) -> tuple[int, ...]:
-    """Where each trainable parameter's piece of a per-tensor slot starts (page-aligned), and its end."""
+def slot_offsets(spec: OptimizerSpec, slot: Slot, layout: UnitLayout) -> tuple[tuple[int, ...], int]:
+    """Where each trainable parameter's piece of a per-tensor slot starts (page-aligned), and the slot's
+    length (page-padded)."""
     offsets, offset = [], 0
     for s in layout.trainable_slots:
         offset = -(-offset // ALIGN_ELEMS) * ALIGN_ELEMS
         offsets.append(offset)
         offset += spec.slot_numel(slot, layout.group_of(s), s.shape)
-    return (*offsets, -(-offset // ALIGN_ELEMS) * ALIGN_ELEMS)
+    return tuple(offsets), -(-offset // ALIGN_ELEMS) * ALIGN_ELEMS
 
 
 def forward_cut(spec: OptimizerSpec, layout: UnitLayout, end: int) -> int:

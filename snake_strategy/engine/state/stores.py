@@ -194,6 +194,13 @@ class NonLayerState:
     def numel(self) -> int:
         return sum(p.numel() for p in self.params)
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes a checkpoint holds of this state: the master weights and the optimizer's tensors."""
+        tensors = [*self.master, *self.exp_avg, *self.exp_avg_sq,
+                   *(v for s in self.states if s for v in s.values() if isinstance(v, Tensor))]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
     def zero_grads(self) -> None:
         for g in self.grads:
             g.zero_()
