@@ -64,5 +64,8 @@ class ShadowOptimizer:
 
 
 def hyper_params(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
-    """A snapshot of every param group's hyper-parameters (everything but ``params``)."""
-    return [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
+    """A snapshot of every param group's hyper-parameters (everything but ``params``). torch 2.13's AdamW
+    groups say ``decoupled_weight_decay=True``; in older releases (pyproject allows torch>=2.4) only the
+    class said it, so it is added here, where the fused path (``AdamHyperParams.of``) reads it."""
+    implied = {"decoupled_weight_decay": True} if isinstance(optimizer, torch.optim.AdamW) else {}
+    return [{**implied, **{k: v for k, v in group.items() if k != "params"}} for group in optimizer.param_groups]
