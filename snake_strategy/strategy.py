@@ -15,6 +15,7 @@ import datetime
 import functools
 import logging
 import os
+import time
 from collections.abc import Generator
 from typing import Any, Callable
 
@@ -35,7 +36,9 @@ from snake_strategy.distributed import DataParallelMixin, build_engine, check_ra
 from snake_strategy.engine import EngineHooks, EngineRuntime, EvalEngine, SnakeEngine
 from snake_strategy.engine.state.weights_file import weights_file_name
 from snake_strategy.module import LayeredModule
-from snake_strategy.planning.autoplan import RunPlan, example_batch, first_prediction, resolve
+from snake_strategy.planning.autoplan import (RunPlan, example_batch, first_prediction, recalibrated, resolve,
+                                              with_prediction)
+from snake_strategy.planning.calibration import STEADY_STEP, MeasuredStep
 from snake_strategy.planning.planner import HardwareProfile, ModelShape, StepPrediction
 from snake_strategy.precision import GreedySnakePrecision
 from snake_strategy.progress import Progress
@@ -110,6 +113,7 @@ class GreedySnakeStrategy(DataParallelMixin, ParallelStrategy):
         self._init_data_parallel(process_group_backend, timeout)
         self.shard_optimizer_state = shard_optimizer_state
         self._predicted_at_step_one = False
+        self._step_start_s = 0.0  # when the running step's training_step began (the calibration's wall time)
         self._created_ssd_dirs: list[str] = []  # ssd_dir levels several ranks made, removed at close
         self._saver = checkpoint_saver.CheckpointSaver(self.progress)
         self._handback = WeightsHandback()
@@ -318,6 +322,7 @@ class GreedySnakeStrategy(DataParallelMixin, ParallelStrategy):
         batch = args[0] if args else kwargs["batch"]
         check_not_empty(batch, args[1] if len(args) > 1 else kwargs.get("batch_idx"), self.lightning_module)
         self._saver.step_started()  # until optimizer_step: a save asked for now waits for the step's end
+        self._step_start_s = time.perf_counter()
         loss = self.engine.train_step(batch)
         if not self._predicted_at_step_one:  # with what the first step measured (kept graphs, checkpoints)
             self._predicted_at_step_one = True
@@ -338,9 +343,20 @@ class GreedySnakeStrategy(DataParallelMixin, ParallelStrategy):
         if self.plan is not None:
             # "auto" decides the kept graphs at the first step
             kept = self.plan.kept_units if at_setup else engine.kept_units
-            self.plan = dataclasses.replace(self.plan, prediction=prediction, kept_units=kept)
+            self.plan = with_prediction(self.plan, self.model_shape, self.hardware_profile, prediction, engine.alpha,
+                                        kept)
+            engine.use_plan(self._rank_plan())  # the rate-dependent settings (prefetch depth), between steps
         return prediction
 
+    def _calibrate(self) -> None:
+        """After the first steady step: the prediction against what it measured, re-planned with the measured
+        rates when it missed (``autoplan.recalibrated``)."""
+        engine = self.engine
+        measured = MeasuredStep.from_stats(time.perf_counter() - self._step_start_s, engine.last_step)
+        self.plan = recalibrated(self.plan, self.model_shape, measured, engine.step_count, engine.alpha)
+        self.prediction = self.plan.prediction
+        self.progress.predictions["step"] = self.prediction.roofline_s
+        engine.use_plan(self._rank_plan())
     def _resolve_plan(self, optimizer: Any, clip: tuple[str, float] | None = None) -> None:
         """The planner turns the requested "auto" settings (and ``clip``: alpha, step mode) into concrete ones."""
         storage, schedule = self.requested
@@ -357,6 +373,9 @@ class GreedySnakeStrategy(DataParallelMixin, ParallelStrategy):
         # gradients and so changes nothing, then applies the engine's step over the tiers.
         result = super().optimizer_step(optimizer, closure, model, **kwargs)
         self.engine.optimizer_step()
+        # this process's steps (a resumed run counts from its own first step)
+        if self.engine.trace.last.index == STEADY_STEP and self.plan.prediction is not None:
+            self._calibrate()
         self._saver.step_ended()
         return result
 

@@ -313,10 +313,21 @@ class SnakeEngine(EngineBase):
         stats.optimizer_s = time.perf_counter() - start_s
         stats.optimizer_wait_s = wait_s
         stats.optimizer_busy_s = self.overlap.take_busy_s()
+        stats.ssd_busy_s = self.io.take_busy_s() if self.io is not None else 0.0
         stats.backpressure_wait_s += self.grad_pool.take_wait_s()
         stats.optimizer_traffic = traffic_delta(before, self.counters.snapshot())
         self._train_end_snapshot = None
         self.trace.end_step()
+
+    def use_plan(self, plan: RunPlan) -> None:
+        """Run ``plan`` from the next step on: the same plan re-planned with measured rates
+        (``autoplan.recalibrated``), whose only setting that may differ is the prefetch depth, which changes
+        no math. Called between steps."""
+        assert plan.storage == self.plan.storage, "a re-plan keeps the placement"
+        assert dataclasses.replace(plan.schedule, prefetch_depth=self.schedule.prefetch_depth) == self.schedule, \
+            "a re-plan changes only the prefetch depth"
+        self.weights.set_prefetch_depth(plan.schedule.prefetch_depth)
+        self.plan, self.schedule = plan, plan.schedule
 
     def flush(self) -> None:
         """Apply every pending optimizer update (call before anything reads weights outside training)."""

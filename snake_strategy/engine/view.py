@@ -42,6 +42,7 @@ class StepStats:
     optimizer_s: float = 0.0  # the optimizer step after the backward (the last backward parts)
     optimizer_wait_s: float = 0.0
     optimizer_busy_s: float = 0.0  # the optimizer worker's busy time during the step
+    ssd_busy_s: float = 0.0  # seconds the SSD moved any chunk, from the last step's end to this one's
     optimizer_traffic: dict[str, int] = field(default_factory=dict)  # moved by the optimizer worker
     loss_scale: float | None = None  # fp16: the scale this step's loss was multiplied by
     skipped: bool = False  # fp16: an inf/nan gradient; no parameter changed

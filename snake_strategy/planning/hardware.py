@@ -1,7 +1,10 @@
-"""A short probe of this machine's rates for the planner, cached on disk.
+"""A short probe of this machine's rates for the planner, cached on disk for a few hours.
 
 Measures (about 3 s in all): SSD O_DIRECT write and read GB/s through the package's own I/O engine,
-host memory copy GB/s, fp32 matmul FLOP/s at transformer-like shapes, and fused AdamW params/s.
+host memory copy GB/s, fp32 matmul FLOP/s at transformer-like shapes, and fused AdamW params/s. The
+cache expires after ``PROBE_MAX_AGE_S``: a shared machine's rates move by 1.5x from one day to the next,
+so a prediction takes the rates of the day (and the steps' own measurements then correct it,
+planning/calibration.py).
 """
 from __future__ import annotations
 
@@ -21,6 +24,7 @@ from snake_strategy.storage import IOEngine, SsdDirectory, aligned_empty
 from snake_strategy.storage.aligned import padded_bytes
 
 DEFAULT_CACHE = os.path.join(os.path.expanduser("~"), ".cache", "snake_strategy", "hardware.json")
+PROBE_MAX_AGE_S = 6 * 3600.0
 
 
 def probe_hardware(ssd_dir: str | None = None, device: torch.device | None = None, probe_bytes: int = 256 * 2**20,
@@ -30,8 +34,9 @@ def probe_hardware(ssd_dir: str | None = None, device: torch.device | None = Non
     fs_device = os.stat(ssd_dir if ssd_dir and os.path.isdir(ssd_dir) else tempfile.gettempdir()).st_dev
     key = f"{socket.gethostname()}|fs{fs_device}|{device}|{torch.get_num_threads()}"
     cache = _load(cache_path)
-    if not refresh and key in cache:
-        return HardwareProfile(**cache[key])
+    entry = cache.get(key, {})
+    if not refresh and time.time() - entry.get("probed_at", 0.0) < PROBE_MAX_AGE_S:
+        return HardwareProfile(**entry["profile"])
     read_gbps, write_gbps = _probe_ssd(ssd_dir, probe_bytes)
     profile = HardwareProfile(
         ssd_read_gb_per_s=read_gbps, ssd_write_gb_per_s=write_gbps, host_copy_gb_per_s=_probe_copy(),
@@ -39,7 +44,7 @@ def probe_hardware(ssd_dir: str | None = None, device: torch.device | None = Non
         device_is_cpu=device.type == "cpu",
     )
     if cache_path:
-        cache[key] = asdict(profile)
+        cache[key] = {"probed_at": time.time(), "profile": asdict(profile)}
         os.makedirs(os.path.dirname(cache_path), exist_ok=True)
         with open(cache_path, "w") as f:
             json.dump(cache, f, indent=1)
@@ -51,8 +56,9 @@ def _load(path: str | None) -> dict:
         return {}
     try:
         with open(path) as f:
-            return json.load(f)
-    except (OSError, ValueError):
+            cache = json.load(f)
+        return {k: v for k, v in cache.items() if isinstance(v, dict) and "profile" in v}
+    except (OSError, ValueError, AttributeError):
         return {}  # a corrupt cache is only a cache: probe again
 
 

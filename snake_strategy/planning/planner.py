@@ -40,6 +40,9 @@ class HardwareProfile:
     flops_per_s: float = 75e9
     optimizer_params_per_s: float = 740e6
     device_is_cpu: bool = True
+    # Rates measured inside running steps (planning/calibration.py): compute and the optimizer already shared
+    # the cores there, so the CPU term (their sum) would count the sharing twice.
+    measured_in_step: bool = False
 
 
 @dataclass(frozen=True)
@@ -216,7 +219,7 @@ def predict(shape: ModelShape, hw: HardwareProfile, storage: StorageConfig, kind
     compute_s = step_flops(shape) / hw.flops_per_s
     optimizer_s = (sum(shape.trainable) + shape.nonlayer_params) / hw.optimizer_params_per_s
     bounds = {"compute": compute_s, "ssd": ssd_s, "host_copy": host_copy_s, "optimizer": optimizer_s}
-    if hw.device_is_cpu:
+    if hw.device_is_cpu and not hw.measured_in_step:
         bounds["cpu"] = compute_s + optimizer_s
     bound = max(bounds, key=bounds.get)
     return StepPrediction(compute_s, ssd_s, host_copy_s, optimizer_s, bounds[bound], bound, int(read), int(write))
@@ -265,18 +268,26 @@ def memory_inputs(shape: ModelShape, hw: HardwareProfile, storage: StorageConfig
         speculative=speculative, evaluating=evaluating)
 
 
-# Units fetched ahead of the one computing: from memory one unit ahead hides a copy; from the SSD a unit's
-# read outlasts a unit's compute on the measured machines (docs/LOG.md), so two.
+# Units fetched ahead of the one computing: from memory one unit ahead hides a copy; from the SSD two when
+# the disk is busier than compute (a unit's read then queues behind the optimizer's state traffic). The
+# placement's working set is sized for the deeper one, so the rates can choose either at any step.
 PREFETCH_FROM_MEMORY = 1
 PREFETCH_FROM_SSD = 2
 
 
-def prefetch_depth(storage: StorageConfig) -> tuple[int, str]:
-    """(units fetched ahead of the one computing, why) for this placement: the one rule, which the
-    placement's working set and the run both use (``autoplan.resolve`` records it in the plan)."""
-    if storage.weights.ssd > 0:
-        return PREFETCH_FROM_SSD, "weights on the SSD: a unit's read outlasts a unit's compute"
-    return PREFETCH_FROM_MEMORY, "weights in memory: one unit ahead hides a copy"
+def prefetch_depth(storage: StorageConfig, prediction: StepPrediction | None = None) -> tuple[int, str]:
+    """(units fetched ahead of the one computing, why) for this placement and, once the step's rates are
+    known, its ``prediction``: the one rule, which the placement's working set, the plan and the re-plan
+    after the first steady step use (``autoplan.resolve``, planning/calibration.py)."""
+    if storage.weights.ssd == 0:
+        return PREFETCH_FROM_MEMORY, "weights in memory: one unit ahead hides a copy"
+    if prediction is None:
+        return PREFETCH_FROM_SSD, "weights on the SSD, rates not known yet: the deeper prefetch"
+    if prediction.ssd_s > prediction.compute_s:
+        return PREFETCH_FROM_SSD, (f"weights on the SSD, which is busier than compute ({prediction.ssd_s:.2f} s "
+                                   f"against {prediction.compute_s:.2f} s per step): two units ahead")
+    return PREFETCH_FROM_MEMORY, (f"weights on the SSD, compute busier than the disk ({prediction.compute_s:.2f} s "
+                                  f"against {prediction.ssd_s:.2f} s per step): one unit ahead hides a read")
 
 
 def plan(shape: ModelShape, hw: HardwareProfile, host_budget_bytes: int, kind: str = "vertical",

@@ -84,6 +84,10 @@ class IOEngine:
         self._order = itertools.count()
         self._moving = 0  # chunks an I/O thread is transferring now (``idle``)
         self._moving_lock = threading.Lock()
+        # Seconds during which at least one chunk was moving: the disk's busy time, which the planner's
+        # SSD term is calibrated against (``take_busy_s``). Overlapping chunks count once.
+        self._busy_s = 0.0
+        self._busy_since = 0.0
         self._threads = [threading.Thread(target=self._work, name=f"snake-io_{i}", daemon=True)
                          for i in range(num_threads)]
         for thread in self._threads:
@@ -123,6 +127,8 @@ class IOEngine:
             if not future.set_running_or_notify_cancel():
                 continue
             with self._moving_lock:
+                if self._moving == 0:
+                    self._busy_since = time.perf_counter()
                 self._moving += 1
             try:
                 self._transfer(*transfer)
@@ -133,6 +139,8 @@ class IOEngine:
             finally:
                 with self._moving_lock:
                     self._moving -= 1
+                    if self._moving == 0:
+                        self._busy_s += time.perf_counter() - self._busy_since
 
     def _transfer(self, fn, direction: str, fd: int, offset: int, piece: torch.Tensor, what: str,
                   priority: int) -> None:
@@ -144,6 +152,16 @@ class IOEngine:
         if start_s is not None:
             trace.span("io", f"ssd {direction} {what}".rstrip(), start_s, direction=direction, state=what,
                        bytes=piece.numel(), priority=priority)
+
+    def take_busy_s(self) -> float:
+        """Seconds the disk was busy (any chunk moving) since the last call, the running stretch included."""
+        with self._moving_lock:
+            now = time.perf_counter()
+            busy = self._busy_s + (now - self._busy_since if self._moving else 0.0)
+            self._busy_s = 0.0
+            if self._moving:
+                self._busy_since = now
+        return busy
 
     def idle(self) -> bool:
         """Whether no transfer is queued or moving right now: the disk is free for work that must not slow

@@ -93,8 +93,22 @@ class BufferPool:
             if id(buffer) not in self._out:
                 raise AssertionError(f"pool {self.name}: releasing a buffer that is not out")
             self._out.discard(id(buffer))
-            self._free.append((buffer, ready))
+            if self._allocated > self.capacity:  # shrunk by ``resize`` while it was out
+                self._allocated -= 1
+            else:
+                self._free.append((buffer, ready))
             self._cond.notify()
+
+    def resize(self, capacity: int) -> None:
+        """Hold at most ``capacity`` buffers from now on; free buffers beyond it go back to the OS (buffers out
+        stay valid and are dropped when given back while the pool is over its capacity)."""
+        assert capacity >= 1, f"pool {self.name} needs capacity >= 1"
+        with self._cond:
+            self.capacity = capacity
+            while self._free and self._allocated > capacity:
+                self._free.pop()
+                self._allocated -= 1
+            self._cond.notify_all()
 
     def take_wait_s(self) -> float:
         with self._cond:

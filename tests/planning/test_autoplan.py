@@ -63,7 +63,8 @@ def test_default_run_is_planned_reported_and_exact():
     assert all(getattr(plan.storage, state) == TierShares() for state in ("weights", "optimizer", "checkpoints"))
     assert "independent samples" in plan.reasons["batched_backward"]
     assert plan.prediction is not None and plan.prediction.roofline_s > 0  # filled at the first step
-    assert "predicted floor" in plan.describe() and plan.as_dict()["schedule"]["kind"] == "vertical"
+    assert "s/step (" in plan.describe() and "step 2" in plan.describe()  # checked against the first steady step
+    assert plan.as_dict()["schedule"]["kind"] == "vertical" and plan.as_dict()["calibration"]["step"] == 2
     assert strategy.schedule is s and strategy.storage is plan.storage  # the run's concrete settings
 
 

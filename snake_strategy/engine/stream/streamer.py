@@ -152,6 +152,14 @@ class WeightStreamer:
         if first_error is not None:
             raise first_error
 
+    def set_prefetch_depth(self, depth: int) -> None:
+        """Fetch ``depth`` units ahead from the next step on (a re-plan, planning/calibration.py): called between
+        steps, when nothing is prefetched; the pool keeps ``1 + depth`` buffers."""
+        assert not self._prefetched, "the prefetch depth changes between steps"
+        self._depth = depth
+        if self.pool is not None:
+            self.pool.resize(1 + depth)
+
     def take_wait_s(self) -> tuple[float, float]:
         """(seconds blocked on fetches, of which waiting for a free buffer) since the last call."""
         wait, self.wait_s = self.wait_s, 0.0

@@ -1,0 +1,154 @@
+"""The planner against the truth: predicted and measured step time, planned host bytes and the peak RSS
+of the steps, on the defaults (``GreedySnakeStrategy()``: every setting the planner's).
+
+    python benchmarks/prediction.py                                # r1, io_bound, gpt_1b (+ clip, bf16)
+    python benchmarks/prediction.py --cases gpt_4b --steps 5       # inside a 16 GiB memory cgroup
+
+Each case is a child process (a clean peak RSS). Per step it keeps the wall time and the engine's measured
+busy times (``StepStats``: compute, SSD, optimizer worker); per run the prediction made before step 1
+(from the hardware probe), the corrected one (``plan.prediction`` after the steps: the first steady step's
+measured rates), the bound each names, the plan's host bytes against the peak RSS of the steps
+(``VmHWM``, reset after setup) and the budget. Writes ``benchmarks/results/prediction/<name>.json``.
+Not part of the test suite (gpt_4b: ~15 minutes).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from common import results_dir, ssd_bytes
+
+RESULTS = results_dir("prediction")
+
+# The presets' data as the other benchmarks feed them: context, samples per micro-batch, micro-batches.
+CASES = {
+    "r1": dict(preset="r1", context_len=128, micro_batch_size=2, num_micro=4),
+    "io_bound": dict(preset="io_bound", context_len=32, micro_batch_size=1, num_micro=8),
+    "gpt_1b": dict(preset="gpt_1b", context_len=128, micro_batch_size=1, num_micro=4),
+    "gpt_1b_clip": dict(preset="gpt_1b", context_len=128, micro_batch_size=1, num_micro=4, clip=1.0),
+    "gpt_1b_bf16": dict(preset="gpt_1b", context_len=128, micro_batch_size=1, num_micro=4, precision="bf16-mixed"),
+    "gpt_4b": dict(preset="gpt_4b", context_len=128, micro_batch_size=1, num_micro=4),
+}
+
+
+def _vm_status(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def run_case(name: str, steps: int, ssd_root: str | None) -> dict:
+    import lightning as L
+    import torch
+    from torch.utils.data import DataLoader, Subset
+
+    import snake_strategy
+    from snake_strategy.data import ByteWindows, load_corpus
+    from snake_strategy.gpt import GPTModule, preset
+
+    case = CASES[name]
+    cfg = preset(case["preset"])
+    cfg.context_len = case["context_len"]
+    torch.manual_seed(0)
+    module = GPTModule(cfg, learning_rate=1e-4)
+    strategy = snake_strategy.GreedySnakeStrategy(
+        storage={"ssd_dir": tempfile.mkdtemp(prefix="snake-pred-", dir=ssd_root)},
+        schedule={"num_micro_batches": case["num_micro"]})
+    step_s, stats, marks = [], [], {}
+
+    class Probe(L.Callback):
+        def on_train_start(self, trainer, pl_module):
+            marks["setup_prediction"] = trainer.strategy.plan.prediction
+            marks["setup_rss"] = _vm_status("VmRSS")
+            Path("/proc/self/clear_refs").write_text("5")  # VmHWM from here: the steps' peak
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            marks["start"] = time.perf_counter()
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            step_s.append(time.perf_counter() - marks["start"])
+            s = trainer.strategy.engine.last_step
+            stats.append(s)
+            compute = s.train_s - s.io_wait_s - s.backpressure_wait_s
+            print(f"{name} step {len(step_s)}: {step_s[-1]:.1f} s (compute {compute:.1f}, ssd busy {s.ssd_busy_s:.1f}, "
+                  f"optimizer busy {s.optimizer_busy_s:.1f}, io wait {s.io_wait_s:.1f}, optimizer tail {s.optimizer_s:.1f}),"
+                  f" RSS peak {_vm_status('VmHWM') / 2**30:.2f} GiB", flush=True)
+
+        def on_train_end(self, trainer, pl_module):
+            engine = trainer.strategy.engine
+            engine.flush()
+            marks["peak"] = _vm_status("VmHWM")
+            marks["engine_host"] = sum(engine.host_bytes_plan(engine.checkpoint_bytes).values())
+
+    batch = case["micro_batch_size"] * case["num_micro"]
+    windows = ByteWindows(load_corpus("stdlib"), case["context_len"])
+    loader = DataLoader(Subset(windows, range(batch * steps)), batch_size=batch, shuffle=False)
+    trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=1, max_steps=steps, logger=False,
+                        precision=case.get("precision", "32-true"), gradient_clip_val=case.get("clip"),
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        limit_val_batches=0, num_sanity_val_steps=0, callbacks=[Probe()])
+    trainer.fit(module, train_dataloaders=loader)
+    plan = strategy.plan
+    setup = marks["setup_prediction"]
+    steady = step_s[1:] or step_s
+    measured = statistics.median(steady)
+    return dict(
+        case=name, **case, steps=steps, step_s=step_s, s_per_step=measured,
+        tokens_per_step=batch * case["context_len"],
+        setup_prediction=setup.as_dict() if setup else None,
+        prediction=plan.prediction.as_dict() if plan.prediction else None,
+        setup_error=(setup.roofline_s / measured - 1) if setup else None,
+        error=(plan.prediction.roofline_s / measured - 1) if plan.prediction else None,
+        stats=[s.as_dict() for s in stats],
+        ssd_read_bytes_per_step=statistics.median(ssd_bytes(s.step_traffic(), "read") for s in stats[1:] or stats),
+        ssd_write_bytes_per_step=statistics.median(ssd_bytes(s.step_traffic(), "write") for s in stats[1:] or stats),
+        host_budget_bytes=plan.host_budget_bytes, plan_host_bytes=plan.host_bytes,
+        engine_host_bytes=marks["engine_host"],
+        setup_rss_bytes=marks["setup_rss"], peak_rss_bytes=marks["peak"], describe=plan.describe(),
+        plan=plan.as_dict())
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--cases", default="r1,io_bound,gpt_1b,gpt_1b_clip,gpt_1b_bf16")
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--ssd-root", default=None)
+    p.add_argument("--name", default=None, help="results file name (default: the cases joined by '+')")
+    p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--out", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.worker:
+        Path(args.out).write_text(json.dumps(run_case(args.worker, args.steps, args.ssd_root)))
+        return
+    results = []
+    for name in args.cases.split(","):
+        with tempfile.NamedTemporaryFile(suffix=".json") as out:
+            cmd = [sys.executable, __file__, "--worker", name, "--out", out.name, "--steps", str(args.steps)]
+            cmd += ["--ssd-root", args.ssd_root] if args.ssd_root else []
+            rc = subprocess.run(cmd).returncode
+            if rc != 0:
+                results.append(dict(case=name, failed=rc))
+                continue
+            results.append(json.loads(Path(out.name).read_text()))
+        r = results[-1]
+        pred = r["prediction"]
+        print(f"== {name}: measured {r['s_per_step']:.2f} s/step; predicted {pred['roofline_s']:.2f} ({pred['bound']}-bound, "
+              f"error {100 * r['error']:+.0f}%), at setup {r['setup_prediction']['roofline_s']:.2f} "
+              f"({r['setup_prediction']['bound']}, {100 * r['setup_error']:+.0f}%); host plan "
+              f"{r['engine_host_bytes'] / 2**30:.2f} GiB, peak RSS {r['peak_rss_bytes'] / 2**30:.2f} GiB, budget "
+              f"{r['host_budget_bytes'] / 2**30:.2f} GiB", flush=True)
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = RESULTS / f"{args.name or '+'.join(args.cases.split(','))}.json"
+    path.write_text(json.dumps(dict(cases=results), indent=1))
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
