@@ -101,15 +101,15 @@ def ratios(points: list[dict]) -> list[dict]:
 
 
 def table(report: dict) -> str:
-    rows = [f"{'system':<14}{'M':>4}{'tokens':>8}{'tokens/s':>10}{'s/step':>9}{'predicted':>10}{'bound':>7}"
+    rows = [f"{'system':<14}{'M':>4}{'tokens':>8}{'tokens/s':>10}{'s/step':>9}{'predicted':>10}{'bound':>10}"
             f"{'compute':>9}{'ssd':>8}{'optim':>8}{'read GB':>9}{'write GB':>9}{'peak RSS':>10}"]
     for p in report["points"]:
         if p["status"] != "ok":
             rows.append(f"{p['system']:<14}{p['num_micro']:>4}  {p['status']}: {p['error'][:120]}")
             continue
         pred = f"{p['predicted_roofline_s']:>10.2f}" if "predicted_roofline_s" in p else f"{'-':>10}"
-        terms = (f"{p['predicted_bound']:>7}{p['predicted_compute_s']:>9.2f}{p['predicted_ssd_s']:>8.2f}"
-                 f"{p['predicted_optimizer_s']:>8.2f}") if "predicted_roofline_s" in p else f"{'':>32}"
+        terms = (f"{p['predicted_bound']:>10}{p['predicted_compute_s']:>9.2f}{p['predicted_ssd_s']:>8.2f}"
+                 f"{p['predicted_optimizer_s']:>8.2f}") if "predicted_roofline_s" in p else f"{'':>35}"
         rows.append(f"{p['system']:<14}{p['num_micro']:>4}{p['tokens_per_step']:>8}{p['tokens_per_s']:>10.1f}"
                     f"{p['s_per_step']:>9.2f}{pred}{terms}{p['ssd_read_bytes_per_step'] / 1e9:>9.2f}"
                     f"{p['ssd_write_bytes_per_step'] / 1e9:>9.2f}{p['peak_rss_bytes'] / 2**30:>8.2f}Gi")
