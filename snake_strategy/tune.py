@@ -74,6 +74,8 @@ def planner_runs(axis: str, value: Any, plan: dict[str, Any]) -> bool:
                 and not schedule["split_backward"])
     if axis == "host_shares":
         return storage[value]["ssd"] == 1.0
+    if axis == "keep_activations" and value == 0 and plan.get("kept_units") is not None:
+        return not plan["kept_units"]  # "auto" that kept no graph at the first step runs what 0 runs
     return schedule[axis] == value
 
 

@@ -41,6 +41,9 @@ def test_grid_variants_set_one_setting_each():
     assert by_name["batching=unbatched"].schedule == {"batched_forward": False, "batched_backward": False}
     assert by_name["weights=ssd"].storage == {"weights": {"ssd": 1.0}} and not by_name["weights=ssd"].schedule
     assert by_name["keep_activations=0"].schedule == {"keep_activations": 0}
+    # "auto" that kept no graph at the first step already runs what 0 runs; one that kept some does not
+    assert [v.name for v in build_grid(["keep_activations"], {**_plan(), "kept_units": []})] == []
+    assert [v.name for v in build_grid(["keep_activations"], {**_plan(), "kept_units": [3]})] == ["keep_activations=0"]
     # a plan running the split backward is not "batched" nor "unbatched" in the grid's sense
     split = _plan(batched=False)
     split["schedule"]["split_backward"] = True
@@ -66,12 +69,13 @@ def test_rank_and_summary():
 
 
 def test_cli_sweeps_two_configurations_on_tiny(tmp_path):
-    """One real sweep (two child runs of two steps, ~15 s): the default and blocks_per_unit=2, each
-    measured, predicted and planned, the settings each ran with in its plan."""
+    """One real sweep (two child runs of two steps, ~10 s): the default and blocks_per_unit=2, each
+    measured, predicted and planned, the settings each ran with in its plan. Nominal rates: no probe of
+    the disk in the suite."""
     out = tmp_path / "tune.json"
     proc = subprocess.run([sys.executable, "-m", "snake_strategy.tune", "--preset", "tiny", "--num-micro", "2",
                            "--steps", "2", "--grid", "blocks_per_unit", "--ssd-dir", str(tmp_path),
-                           "--json-out", str(out)], cwd=REPO, capture_output=True, text=True, timeout=300)
+                           "--hardware", "nominal", "--json-out", str(out)], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(out.read_text())
     runs = {r["name"]: r for r in report["runs"]}
