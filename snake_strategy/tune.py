@@ -270,7 +270,6 @@ def run_variant(spec: dict[str, Any], v: Variant, label: str, timeout_s: float |
 
 def sweep(args: argparse.Namespace) -> dict[str, Any]:
     axes = [a for a in args.grid.split(",") if a]
-    build_grid(axes)  # refuses an unknown axis before the first run
     spec = base_spec(args)
     if args.hardware == "probe":
         # Probed once here (cached on disk per filesystem), so that no run's peak RSS holds the probe's buffers.
@@ -308,7 +307,8 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parser().parse_args(argv)
+    p = parser()
+    args = p.parse_args(argv)
     if args.child is not None:
         Path(args.json_out).write_text(json.dumps(train_once(json.loads(args.child))))
         return 0
@@ -317,7 +317,11 @@ def main(argv: list[str] | None = None) -> int:
         args.context_len = preset(args.preset).context_len
     for name in ("context_len", "micro_batch_size", "num_micro", "steps"):
         if getattr(args, name) < 1:
-            raise SystemExit(f"--{name.replace('_', '-')} must be >= 1")
+            p.error(f"--{name.replace('_', '-')} must be >= 1")
+    try:
+        build_grid([a for a in args.grid.split(",") if a])
+    except ValueError as err:
+        p.error(str(err))
     report = dict(preset=args.preset, **sweep(args))
     print(table(report["runs"]))
     if args.json_out:
