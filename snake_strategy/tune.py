@@ -107,6 +107,7 @@ def train_once(spec: dict[str, Any]) -> dict[str, Any]:
     from torch.utils.data import DataLoader, Subset
 
     from snake_strategy import GreedySnakeStrategy, ScheduleConfig
+    from snake_strategy.planning.planner import HardwareProfile
     from snake_strategy.data import ByteWindows, load_corpus
     from snake_strategy.gpt import GPTModule, preset
 
@@ -135,7 +136,8 @@ def train_once(spec: dict[str, Any]) -> dict[str, Any]:
         schedule = ScheduleConfig(num_micro_batches=num_micro, **spec["schedule"])
         storage = {"placement": "auto", "ssd_dir": spec["ssd_dir"], "host_budget_bytes": spec["host_budget_bytes"],
                    **spec["storage"]}
-        hardware = "probe" if spec["hardware"] == "probe" else None
+        # nominal: the profile's stated figures (``HardwareProfile()``), not this machine's
+        hardware = "probe" if spec["hardware"] == "probe" else HardwareProfile()
         strategy = GreedySnakeStrategy(storage=storage, schedule=schedule, hardware=hardware)
         trainer = L.Trainer(strategy=strategy, accelerator=spec["accelerator"], devices=1, max_steps=steps,
                             logger=False, enable_checkpointing=False, enable_progress_bar=False,
