@@ -345,6 +345,9 @@ class GreedySnakeStrategy(DataParallelMixin, ParallelStrategy):
             kept = self.plan.kept_units if at_setup else engine.kept_units
             self.plan = with_prediction(self.plan, self.model_shape, self.hardware_profile, prediction, engine.alpha,
                                         kept)
+            if not at_setup:  # the first step measured the activations: what the steps hold
+                self.plan = dataclasses.replace(
+                    self.plan, step_host_bytes=sum(engine.host_bytes_plan(engine.checkpoint_bytes).values()))
             engine.use_plan(self._rank_plan())  # the rate-dependent settings (prefetch depth), between steps
         return prediction
 

@@ -40,7 +40,7 @@ from snake_strategy.engine.runtime import EngineRuntime
 from snake_strategy.engine.stream.forward_only import stream_blocks, streamed_forward
 from snake_strategy.engine.view import StepStats
 from snake_strategy.engine.stream.streamer import WeightStreamer
-from snake_strategy.planning.memory import pool_sizes
+from snake_strategy.planning.memory import loss_head_bytes, pool_sizes
 from snake_strategy.optimizers import hyper_params, optimizer_kind
 from snake_strategy.planning.autoplan import RunPlan
 from snake_strategy.planning.planner import ModelShape
@@ -87,6 +87,7 @@ class SnakeEngine(EngineBase):
                              "GreedySnakeStrategy(shard_optimizer_state=False) (each rank keeps the whole state)")
         self.partition = Partition(world_size, rank, self.counters, self.dtypes, self.device) if sharded else None
         self.checkpoint_bytes = 0  # one unit input of one micro-batch, known after the first forward
+        self.logits_bytes = 0  # the loss head's output of one micro-batch, known at the first step
         self.global_batch_size: int | None = None  # samples per full step (set from the loader or batch 1)
         self.runner: StepRunner | None = None  # built last (_build); the kept graphs it measures count in the budget
         self._train_end_snapshot: dict | None = None
@@ -171,10 +172,20 @@ class SnakeEngine(EngineBase):
         return self.partition.rank if self.partition is not None else 0
 
     def measured_host_items(self) -> dict[str, int]:
-        """The kept graphs, measured at the first step."""
+        """The kept graphs and the loss head's in-step tensors, known at the first step."""
+        items = {}
         if self.runner is not None and self.runner.kept.planned_bytes:
-            return {"kept_graphs": self.runner.kept.planned_bytes}
-        return {}
+            items["kept_graphs"] = self.runner.kept.planned_bytes
+        if self.logits_bytes:
+            s = self.schedule
+            items["loss_head"] = loss_head_bytes(
+                self.logits_bytes, s.num_micro_batches if s.batched_backward or s.batched_forward else 1)
+        return items
+
+    def _head_linears(self) -> list[nn.Linear]:
+        """The output projections: the Linear layers outside the blocks (their matmul runs for every token)."""
+        block_ids = {id(p) for p in self.module.blocks.parameters()}
+        return [m for m in self.module.modules() if isinstance(m, nn.Linear) and id(m.weight) not in block_ids]
 
     def _free_host_bytes(self, checkpoint_bytes: int) -> int | None:
         """What the plan's budget leaves once the plan with checkpoints of this size is placed (kept graphs
@@ -185,12 +196,8 @@ class SnakeEngine(EngineBase):
 
     def model_shape(self, micro_batch: Any) -> ModelShape:
         """The planner's view of this model for the given micro-batch (shapes only, no compute)."""
-        block_ids = {id(p) for p in self.module.blocks.parameters()}
-        head = {id(m.weight): m.weight.numel() for m in self.module.modules()
-                if isinstance(m, nn.Linear) and id(m.weight) not in block_ids}
-        tensors = batch_tensors(micro_batch)
-        tokens = max((t.numel() for t in tensors if not t.is_floating_point()), default=0) or tensors[0].shape[0]
-        return dataclasses.replace(self.shape, head_params=sum(head.values()), tokens_per_micro=tokens,
+        head = {id(m.weight): m.weight.numel() for m in self._head_linears()}
+        return dataclasses.replace(self.shape, head_params=sum(head.values()), tokens_per_micro=_tokens(micro_batch),
                                    checkpoint_bytes=self.checkpoint_bytes, first_backward_unit=self.runner.first_backward,
                                    kept_units=len(self.runner.kept.units or ()))
 
@@ -237,6 +244,8 @@ class SnakeEngine(EngineBase):
         if not self._backward_planned:
             self.runner.find_backward_floor(micro_batches[0])  # which units need a backward (frozen parameters)
             self._tasks, self._backward_planned = {}, True
+            # the loss head's output of one micro-batch, fp32 (the loss is taken in fp32): in the budget from now on
+            self.logits_bytes = _tokens(micro_batches[0]) * sum(m.out_features for m in self._head_linears()) * 4
         if self.storage.host_budget_bytes is not None and not self.checkpoint_bytes:
             # The checkpoints' size is known only now: check the budget before any block runs. The RNG
             # stream is restored, so an embedding's dropout masks are the same with or without a budget.
@@ -445,3 +454,9 @@ class SnakeEngine(EngineBase):
         frozen = sum(shape.unit_params) - sum(shape.trainable) + shape.nonlayer_frozen_params
         return ((sum(shape.trainable) + shape.nonlayer_params) * self.dtypes.bytes_per("master")
                 + frozen * self.dtypes.bytes_per("compute"))
+
+
+def _tokens(micro_batch: Any) -> int:
+    """Tokens of a micro-batch: its largest integer tensor (the token ids), else its first tensor's rows."""
+    tensors = batch_tensors(micro_batch)
+    return max((t.numel() for t in tensors if not t.is_floating_point()), default=0) or tensors[0].shape[0]

@@ -51,7 +51,7 @@ from snake_strategy.config import STATES, ScheduleConfig, StorageConfig, TierSha
 from snake_strategy.contract import check_trainable
 from snake_strategy.planning.calibration import REPLAN_MISS, Knee, MeasuredStep, calibrated, knee, missed
 from snake_strategy.planning.hardware import matmul_flops_per_s, optimizer_params_per_s, probe_hardware
-from snake_strategy.planning.host_memory import SOURCE_AVAILABLE, host_budget
+from snake_strategy.planning.host_memory import SOURCE_AVAILABLE, host_budget, process_baseline_bytes
 from snake_strategy.planning.memory import (MemoryInputs, format_plan, host_plan, rollback_copied_elems,
                                             rollback_held_bytes)
 from snake_strategy.planning.planner import (HardwareProfile, ModelShape, StepPrediction, choose_alpha, memory_inputs,
@@ -104,6 +104,11 @@ class RunPlan:
     placement_budget_bytes: int = 0
     device_is_cpu: bool = True  # on a CPU "device" the device shares live in host memory too
     evaluating: bool = False  # the forward-only engine's plan: only the compute weights are stored
+    # The process's resident memory at setup besides the module's tensors (interpreter, libraries): the plan's
+    # host bytes come on top of it, so their sum is the process's expected peak (``expected_peak_bytes``).
+    process_baseline_bytes: int = 0
+    # The engine's host items once the first step measured the checkpoints and kept graphs: what the steps hold.
+    step_host_bytes: int | None = None
     hardware: HardwareProfile | None = dataclasses.field(default=None, repr=False)  # the prediction's rates
     knee: Knee | None = None  # where this run turns compute-bound (with the prediction)
     # The prediction against the first steady step (planning/calibration.py): measured, error, the corrected
@@ -161,6 +166,9 @@ class RunPlan:
                 f"{step}, prefetch {s.prefetch_depth}, keep activations {kept}; {places}; host "
                 f"{self.host_bytes / 2**30:.2f} of {self.host_budget_bytes / 2**30:.2f} GiB (bounded by "
                 f"{self.host_budget_source}: {self.host_budget_detail})")
+        if self.step_host_bytes is not None:
+            text += f", {self.step_host_bytes / 2**30:.2f} GiB in the steps with the activations"
+        text += f", above the process's {self.process_baseline_bytes / 2**30:.2f} GiB at setup"
         if self.optimizer is not None:
             text += f"; {self.optimizer.describe(self.shape.state_bytes)}"
         if self.prediction is not None:
@@ -182,7 +190,9 @@ class RunPlan:
                             for k, v in dataclasses.asdict(self.storage).items()},
                 "reasons": dict(self.reasons), "host_budget_bytes": self.host_budget_bytes,
                 "host_budget_source": self.host_budget_source, "host_budget_detail": self.host_budget_detail,
-                "host_bytes": self.host_bytes, "kept_units": self.kept_units, "step_mode": self.step_mode,
+                "host_bytes": self.host_bytes, "step_host_bytes": self.step_host_bytes,
+                "process_baseline_bytes": self.process_baseline_bytes,
+                "kept_units": self.kept_units, "step_mode": self.step_mode,
                 "rollback_bytes": self.rollback_bytes,
                 "rollback_held_bytes": self.rollback_held_bytes,
                 "placement_budget_bytes": self.placement_budget_bytes, "evaluating": self.evaluating,
@@ -277,7 +287,9 @@ def resolve(module: nn.Module, optimizer: torch.optim.Optimizer | None, storage:
     if schedule.split_backward:
         log.info("schedule.split_backward=true: LayerPipe's split backward (input gradients per micro-batch, Linear "
                  "weight gradients as one product per unit)")
-    run_plan = RunPlan(storage, concrete, reasons, budget, 0, bounded.source, bounded.detail, layouts=layouts,
+    run_plan = RunPlan(storage, concrete, reasons, budget, 0, bounded.source, bounded.detail,
+                       process_baseline_bytes=process_baseline_bytes([*module.parameters(), *module.buffers()]),
+                       layouts=layouts,
                        shape=shape, optimizer=spec, step_mode=step_mode, placement_budget_bytes=placement_budget,
                        device_is_cpu=device.type == "cpu", evaluating=evaluating)
     inputs = run_plan.memory_inputs()

@@ -135,6 +135,33 @@ def host_budget(given_bytes: int | None, processes_per_node: int = 1, cgroup_roo
     return HostBudget(tightest.budget_bytes, tightest.source, tightest.detail, given_bytes is not None)
 
 
+def resident_bytes(status_path: str = "/proc/self/status") -> int:
+    """This process's resident set size now (``VmRSS``), 0 where the kernel does not say."""
+    try:
+        with open(status_path) as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def process_baseline_bytes(tensors) -> int:
+    """What this process holds at setup besides ``tensors`` (the module's parameters and buffers, which the
+    engine takes into its tiers): the interpreter, torch, Lightning, the data pipeline. The budget is what the
+    run may fill on top of it, so the process's peak is about the plan's host bytes plus this."""
+    seen, held = set(), 0
+    for t in tensors:
+        if t.device.type != "cpu":
+            continue  # meta tensors hold nothing; device tensors are not host memory
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in seen:
+            seen.add(storage.data_ptr())
+            held += storage.nbytes()
+    return max(0, resident_bytes() - held)
+
+
 def _self_and_ancestors(leaf: str, root: str) -> list[str]:
     out, directory = [], os.path.normpath(leaf)
     stop = os.path.normpath(root)

@@ -35,6 +35,10 @@ WORKSPACE_CHECKPOINTS_PER_BLOCK = 24
 # of the worker threads, Lightning's per-step objects. Peak RSS <= baseline at setup + plan + this
 # (tests/planning/test_memory_model.py measures it).
 RSS_SLACK_BYTES = 96 * 2**20
+# The loss head's in-step tensors, in multiples of its output (the logits of the micro-batches one task
+# runs): the logits, the log-probabilities and their gradient. Measured: fp32 cross-entropy over 512 x
+# 50257 logits peaks 2.5 logits above the head's weight gradient (docs/dev/LOG.md, issue 35).
+LOSS_HEAD_LOGITS_COPIES = 3
 # Pinned staging buffers of the weight streamer on CUDA, each the largest unit's SSD share: one is
 # filled from the SSD while the other's bytes cross PCIe.
 WEIGHT_STAGING_BUFFERS = 2
@@ -358,6 +362,11 @@ def _host_plan(inputs: MemoryInputs) -> dict[str, int]:
         plan["compute_workspace"] = (WORKSPACE_CHECKPOINTS_PER_BLOCK * inputs.blocks_per_unit
                                      * inputs.micro_per_backward_task * ckpt)
     return plan
+
+
+def loss_head_bytes(logits_bytes_per_micro: int, micro_per_task: int) -> int:
+    """Host bytes the loss head holds inside a step (measured at the first step: the head's output size)."""
+    return LOSS_HEAD_LOGITS_COPIES * logits_bytes_per_micro * micro_per_task
 
 
 def ssd_plan(inputs: MemoryInputs) -> dict[str, int]:

@@ -11,7 +11,7 @@ import lightning as L
 
 import snake_strategy
 from snake_strategy.gpt import GPTConfig
-from snake_strategy.planning.memory import RSS_SLACK_BYTES
+from snake_strategy.planning.memory import LOSS_HEAD_LOGITS_COPIES, RSS_SLACK_BYTES
 from tests.helpers import SMALL_GPT, run_snake
 
 RSS_SCRIPT = r"""
@@ -105,6 +105,7 @@ def test_budget_check_planner_and_activation_store_share_one_memory_model(tmp_pa
         def on_train_batch_end(self, trainer, *args):
             engine = trainer.strategy.engine
             seen["budget"] = engine.host_bytes_plan(engine.checkpoint_bytes)
+            seen["measured"] = engine.measured_host_items()
             seen["tiers"] = [engine.activations.tier_of(m) for m in range(6)]
             seen["shape"] = trainer.strategy.model_shape
             seen["ssd_ckpt_writes"] = engine.last_step.traffic.get("ssd/checkpoints/write", 0)
@@ -113,7 +114,9 @@ def test_budget_check_planner_and_activation_store_share_one_memory_model(tmp_pa
     run_snake(SMALL_GPT, 1, 6, 1, "32-true", storage=storage, callbacks=[Capture()])
     shape = seen["shape"]
     planned = host_plan(memory_inputs(shape, HardwareProfile(), seen["storage"], "vertical", seen["alpha"]))
-    assert planned == seen["budget"]
+    # Besides the plan, what the first step measured: here the loss head's logits (unbatched: one micro-batch's)
+    assert seen["measured"] == {"loss_head": LOSS_HEAD_LOGITS_COPIES * shape.tokens_per_micro * SMALL_GPT.vocab_size * 4}
+    assert {**planned, **seen["measured"]} == seen["budget"]
     tiers = checkpoint_tiers(seen["storage"], 6)
     assert seen["tiers"] == tiers and tiers.count("ssd") == 3
     # The store really put those micro-batches on the SSD: one checkpoint per (unit, ssd micro-batch).

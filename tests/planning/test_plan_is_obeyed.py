@@ -35,7 +35,8 @@ class _Engine(L.Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         engine = trainer.strategy.engine
         model = engine.host_bytes_plan()  # no checkpoints: the plan is made before their size is known
-        model.pop("kept_graphs", None)  # measured at the first step, in the budget the plan left
+        for measured in engine.measured_host_items():  # known at the first step, in the budget the plan left
+            model.pop(measured)
         self.allocated, self.model = _allocated(engine), sum(model.values())
         self.weight_buffers = engine.weights.pool.capacity
         self.speculated, self.kept_tasks = engine.last_step.speculation, engine.last_step.kept_tasks
