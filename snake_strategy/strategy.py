@@ -36,8 +36,8 @@ from snake_strategy.distributed import DataParallelMixin, build_engine, check_ra
 from snake_strategy.engine import EngineHooks, EngineRuntime, EvalEngine, SnakeEngine
 from snake_strategy.engine.state.weights_file import weights_file_name
 from snake_strategy.module import LayeredModule
-from snake_strategy.planning.autoplan import (RunPlan, example_batch, first_prediction, recalibrated, resolve,
-                                              with_prediction)
+from snake_strategy.planning.autoplan import RunPlan, example_batch, resolve
+from snake_strategy.planning.prediction import first_prediction, recalibrated, with_prediction
 from snake_strategy.planning.calibration import STEADY_STEP, MeasuredStep
 from snake_strategy.planning.planner import HardwareProfile, ModelShape, StepPrediction
 from snake_strategy.precision import GreedySnakePrecision

@@ -49,16 +49,15 @@ from torch import nn
 
 from snake_strategy.config import STATES, ScheduleConfig, StorageConfig, TierShares
 from snake_strategy.contract import check_trainable
-from snake_strategy.planning.calibration import REPLAN_MISS, Knee, MeasuredStep, calibrated, knee, missed
-from snake_strategy.planning.hardware import matmul_flops_per_s, optimizer_params_per_s, probe_hardware
+from snake_strategy.planning.calibration import Knee
 from snake_strategy.planning.host_memory import SOURCE_AVAILABLE, host_budget, process_baseline_bytes
 from snake_strategy.planning.memory import (MemoryInputs, format_plan, host_plan, rollback_copied_elems,
                                             rollback_held_bytes)
 from snake_strategy.planning.planner import (HardwareProfile, ModelShape, StepPrediction, choose_alpha, memory_inputs,
-                                             plan, predict, prefetch_depth)
+                                             plan, prefetch_depth)
 from snake_strategy.precision import DtypePolicy
 from snake_strategy.progress import format_bytes
-from snake_strategy.optimizers.spec import FUSED_ADAM, PER_TENSOR, OptimizerSpec, inspect_optimizer, optimizer_kind
+from snake_strategy.optimizers.spec import PER_TENSOR, OptimizerSpec, inspect_optimizer, optimizer_kind
 from snake_strategy.units import UnitLayout, WeightFormat, build_layouts
 
 log = logging.getLogger(__name__)
@@ -431,77 +430,6 @@ def example_batch(trainer: Any) -> Any | None:
     except Exception as err:  # a dataset that cannot be indexed cheaply: predict at the first step instead
         log.debug("no example batch at setup (%s): the prediction comes at the first step", err)
         return None
-
-
-def first_prediction(plan: RunPlan, shape: ModelShape, alpha: float, hardware: HardwareProfile | str | None,
-                     device: torch.device, ssd_path: str | None, largest_block_matrix: tuple[int, int],
-                     at_model_shape: bool, optimizer: torch.optim.Optimizer | None = None,
-                     master_dtype: torch.dtype = torch.float32) -> tuple[StepPrediction, HardwareProfile]:
-    """The planner's roofline for this run from ``shape`` (the engine's, for the first micro-batch): the
-    prediction and the machine's profile. ``hardware`` None or ``"probe"`` measures the machine (cached on
-    disk for a few hours, a scratch file in ``ssd_path``) and the compute roof at this model's own matmul
-    with the rows one task multiplies (every micro-batch's tokens under batched passes); an ``optimizer``
-    off the fused Adam path is timed at the same matrix. A ``HardwareProfile`` is taken as given."""
-    probing = hardware in ("probe", None)
-    time_optimizer = (probing and optimizer is not None and plan.optimizer is not None
-                      and plan.optimizer.kind != FUSED_ADAM)
-    if probing:
-        hardware = probe_hardware(ssd_path, device)
-    out_dim, in_dim = largest_block_matrix
-    if at_model_shape and probing and shape.tokens_per_micro:
-        s = plan.schedule
-        rows = shape.tokens_per_micro * (s.num_micro_batches if s.batched_forward else 1)
-        # The compute roof at this model's own matmul shape (rows x in) @ (in x out).
-        hardware = dataclasses.replace(hardware, flops_per_s=matmul_flops_per_s(rows, in_dim, out_dim, device))
-    if time_optimizer:
-        rate = optimizer_params_per_s(optimizer, (out_dim, in_dim), master_dtype)
-        hardware = dataclasses.replace(hardware, optimizer_params_per_s=rate)
-    prediction = predict(shape, hardware, plan.storage, plan.schedule.kind, alpha, plan.step_mode == "speculative")
-    log.info("planner: predicted floor %.3f s/step (%s-bound; compute %.3f s, ssd %.3f s, optimizer %.3f s)",
-             prediction.roofline_s, prediction.bound, prediction.compute_s, prediction.ssd_s, prediction.optimizer_s)
-    return prediction, hardware
-
-
-def with_prediction(plan: RunPlan, shape: ModelShape, hardware: HardwareProfile, prediction: StepPrediction,
-                    alpha: float, kept_units: list[int] | None) -> RunPlan:
-    """The plan with this prediction (of ``hardware``'s rates), its knee and the settings that depend on
-    rates: the prefetch depth, unless given (``planner.prefetch_depth``; the engine follows at a step
-    boundary, ``SnakeEngine.use_plan``)."""
-    s, reasons = plan.schedule, dict(plan.reasons)
-    depth = s.prefetch_depth
-    if reasons.get("prefetch_depth") != "given" and not plan.evaluating:
-        depth, reasons["prefetch_depth"] = prefetch_depth(plan.storage, prediction)
-    speculative = plan.step_mode == "speculative"
-    return dataclasses.replace(plan, schedule=dataclasses.replace(s, prefetch_depth=depth), reasons=reasons,
-                               prediction=prediction, kept_units=kept_units, hardware=hardware,
-                               knee=knee(shape, hardware, plan.storage, s.kind, alpha, speculative))
-
-
-def recalibrated(plan: RunPlan, shape: ModelShape, measured: MeasuredStep, step: int, alpha: float) -> RunPlan:
-    """The plan after the first steady step (planning/calibration.py): the prediction kept when it is within
-    ``REPLAN_MISS`` of the measured step, else predicted again with the measured rates and the rate-dependent
-    settings chosen again with them (logged once, with the reason). ``plan.calibration`` records either."""
-    before = plan.prediction
-    assert before is not None and plan.hardware is not None, "a plan is predicted before it is calibrated"
-    error = missed(before, measured)
-    record: dict[str, Any] = {"step": step, "measured": dataclasses.asdict(measured), "predicted_s": before.roofline_s,
-                              "predicted_bound": before.bound, "error": error, "replanned": False, "changes": {}}
-    if abs(error) <= REPLAN_MISS:
-        return dataclasses.replace(plan, calibration=record)
-    hardware = calibrated(plan.hardware, shape, before, measured)
-    prediction = predict(shape, hardware, plan.storage, plan.schedule.kind, alpha, plan.step_mode == "speculative")
-    after = with_prediction(plan, shape, hardware, prediction, alpha, plan.kept_units)
-    changes = {"prefetch_depth": [plan.schedule.prefetch_depth, after.schedule.prefetch_depth]} \
-        if after.schedule.prefetch_depth != plan.schedule.prefetch_depth else {}
-    record.update(replanned=True, changes=changes, corrected_s=prediction.roofline_s, corrected_bound=prediction.bound)
-    log.info(
-        "planner: step %d took %.2f s, the prediction was %.2f s (%s-bound, %+.0f%%): re-planned with the measured "
-        "rates (compute %.3g FLOP/s, optimizer %.3g params/s, SSD x%.2f): %.2f s/step, %s-bound; %s", step,
-        measured.step_s, before.roofline_s, before.bound, 100 * error, hardware.flops_per_s,
-        hardware.optimizer_params_per_s, hardware.ssd_read_gb_per_s / plan.hardware.ssd_read_gb_per_s,
-        prediction.roofline_s, prediction.bound,
-        "; ".join(f"{k} {a} -> {b} ({after.reasons[k]})" for k, (a, b) in changes.items()) or "the settings stay")
-    return dataclasses.replace(after, calibration=record)
 
 
 def _split_text(split: TierShares) -> str:

@@ -1,0 +1,92 @@
+"""The run's prediction on its plan: made before step 1 from the hardware probe and again after step 1
+(``first_prediction``, ``with_prediction``: the prediction, the knee and the settings that depend on rates),
+then checked against the first steady step and re-planned with the measured rates when it missed
+(``recalibrated``; the rates themselves: planning/calibration.py). The strategy calls these three at those
+points and hands the engine the plan it then runs (``SnakeEngine.use_plan``).
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any
+
+import torch
+
+from snake_strategy.optimizers.spec import FUSED_ADAM
+from snake_strategy.planning.autoplan import RunPlan
+from snake_strategy.planning.calibration import REPLAN_MISS, MeasuredStep, calibrated, knee, missed
+from snake_strategy.planning.hardware import matmul_flops_per_s, optimizer_params_per_s, probe_hardware
+from snake_strategy.planning.planner import HardwareProfile, ModelShape, StepPrediction, predict, prefetch_depth
+
+log = logging.getLogger(__name__)
+
+
+def first_prediction(plan: RunPlan, shape: ModelShape, alpha: float, hardware: HardwareProfile | str | None,
+                     device: torch.device, ssd_path: str | None, largest_block_matrix: tuple[int, int],
+                     at_model_shape: bool, optimizer: torch.optim.Optimizer | None = None,
+                     master_dtype: torch.dtype = torch.float32) -> tuple[StepPrediction, HardwareProfile]:
+    """The planner's roofline for this run from ``shape`` (the engine's, for the first micro-batch): the
+    prediction and the machine's profile. ``hardware`` None or ``"probe"`` measures the machine (cached on
+    disk for a few hours, a scratch file in ``ssd_path``) and the compute roof at this model's own matmul
+    with the rows one task multiplies (every micro-batch's tokens under batched passes); an ``optimizer``
+    off the fused Adam path is timed at the same matrix. A ``HardwareProfile`` is taken as given."""
+    probing = hardware in ("probe", None)
+    time_optimizer = (probing and optimizer is not None and plan.optimizer is not None
+                      and plan.optimizer.kind != FUSED_ADAM)
+    if probing:
+        hardware = probe_hardware(ssd_path, device)
+    out_dim, in_dim = largest_block_matrix
+    if at_model_shape and probing and shape.tokens_per_micro:
+        s = plan.schedule
+        rows = shape.tokens_per_micro * (s.num_micro_batches if s.batched_forward else 1)
+        # The compute roof at this model's own matmul shape (rows x in) @ (in x out).
+        hardware = dataclasses.replace(hardware, flops_per_s=matmul_flops_per_s(rows, in_dim, out_dim, device))
+    if time_optimizer:
+        rate = optimizer_params_per_s(optimizer, (out_dim, in_dim), master_dtype)
+        hardware = dataclasses.replace(hardware, optimizer_params_per_s=rate)
+    prediction = predict(shape, hardware, plan.storage, plan.schedule.kind, alpha, plan.step_mode == "speculative")
+    log.info("planner: predicted floor %.3f s/step (%s-bound; compute %.3f s, ssd %.3f s, optimizer %.3f s)",
+             prediction.roofline_s, prediction.bound, prediction.compute_s, prediction.ssd_s, prediction.optimizer_s)
+    return prediction, hardware
+
+
+def with_prediction(plan: RunPlan, shape: ModelShape, hardware: HardwareProfile, prediction: StepPrediction,
+                    alpha: float, kept_units: list[int] | None) -> RunPlan:
+    """The plan with this prediction (of ``hardware``'s rates), its knee and the settings that depend on
+    rates: the prefetch depth, unless given (``planner.prefetch_depth``; the engine follows at a step
+    boundary, ``SnakeEngine.use_plan``)."""
+    s, reasons = plan.schedule, dict(plan.reasons)
+    depth = s.prefetch_depth
+    if reasons.get("prefetch_depth") != "given" and not plan.evaluating:
+        depth, reasons["prefetch_depth"] = prefetch_depth(plan.storage, prediction)
+    speculative = plan.step_mode == "speculative"
+    return dataclasses.replace(plan, schedule=dataclasses.replace(s, prefetch_depth=depth), reasons=reasons,
+                               prediction=prediction, kept_units=kept_units, hardware=hardware,
+                               knee=knee(shape, hardware, plan.storage, s.kind, alpha, speculative))
+
+
+def recalibrated(plan: RunPlan, shape: ModelShape, measured: MeasuredStep, step: int, alpha: float) -> RunPlan:
+    """The plan after the first steady step (planning/calibration.py): the prediction kept when it is within
+    ``REPLAN_MISS`` of the measured step, else predicted again with the measured rates and the rate-dependent
+    settings chosen again with them (logged once, with the reason). ``plan.calibration`` records either."""
+    before = plan.prediction
+    assert before is not None and plan.hardware is not None, "a plan is predicted before it is calibrated"
+    error = missed(before, measured)
+    record: dict[str, Any] = {"step": step, "measured": dataclasses.asdict(measured), "predicted_s": before.roofline_s,
+                              "predicted_bound": before.bound, "error": error, "replanned": False, "changes": {}}
+    if abs(error) <= REPLAN_MISS:
+        return dataclasses.replace(plan, calibration=record)
+    hardware = calibrated(plan.hardware, shape, before, measured)
+    prediction = predict(shape, hardware, plan.storage, plan.schedule.kind, alpha, plan.step_mode == "speculative")
+    after = with_prediction(plan, shape, hardware, prediction, alpha, plan.kept_units)
+    changes = {"prefetch_depth": [plan.schedule.prefetch_depth, after.schedule.prefetch_depth]} \
+        if after.schedule.prefetch_depth != plan.schedule.prefetch_depth else {}
+    record.update(replanned=True, changes=changes, corrected_s=prediction.roofline_s, corrected_bound=prediction.bound)
+    log.info(
+        "planner: step %d took %.2f s, the prediction was %.2f s (%s-bound, %+.0f%%): re-planned with the measured "
+        "rates (compute %.3g FLOP/s, optimizer %.3g params/s, SSD x%.2f): %.2f s/step, %s-bound; %s", step,
+        measured.step_s, before.roofline_s, before.bound, 100 * error, hardware.flops_per_s,
+        hardware.optimizer_params_per_s, hardware.ssd_read_gb_per_s / plan.hardware.ssd_read_gb_per_s,
+        prediction.roofline_s, prediction.bound,
+        "; ".join(f"{k} {a} -> {b} ({after.reasons[k]})" for k, (a, b) in changes.items()) or "the settings stay")
+    return dataclasses.replace(after, calibration=record)
