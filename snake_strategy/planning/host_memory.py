@@ -61,16 +61,22 @@ class CgroupHeadroom:
     path: str  # the cgroup directory whose limit binds
 
 
-def available_memory_bytes(meminfo_path: str = "/proc/meminfo") -> int:
-    """MemAvailable (Linux), else the free physical pages: what a new allocation can get without swapping."""
+def _kib_field(path: str, field: str) -> int | None:
+    """A ``Name:   123 kB`` field of a /proc file, in bytes; None when the file or the field is missing."""
     try:
-        with open(meminfo_path) as f:
+        with open(path) as f:
             for line in f:
-                if line.startswith("MemAvailable:"):
+                if line.startswith(field + ":"):
                     return int(line.split()[1]) * 1024
     except OSError:
         pass
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return None
+
+
+def available_memory_bytes(meminfo_path: str = "/proc/meminfo") -> int:
+    """MemAvailable (Linux), else the free physical pages: what a new allocation can get without swapping."""
+    available = _kib_field(meminfo_path, "MemAvailable")
+    return available if available is not None else os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 def cgroup_headroom(cgroup_root: str | None = None, self_cgroup_path: str = "/proc/self/cgroup") -> CgroupHeadroom | None:
@@ -137,14 +143,7 @@ def host_budget(given_bytes: int | None, processes_per_node: int = 1, cgroup_roo
 
 def resident_bytes(status_path: str = "/proc/self/status") -> int:
     """This process's resident set size now (``VmRSS``), 0 where the kernel does not say."""
-    try:
-        with open(status_path) as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
+    return _kib_field(status_path, "VmRSS") or 0
 
 
 def process_baseline_bytes(tensors) -> int:
