@@ -6,7 +6,8 @@
     python -m snake_strategy.tune --preset r1 --grid alpha,prefetch_depth
 
 The default configuration is ``GreedySnakeStrategy()`` given only the micro-batch count, the SSD directory
-and the host budget: every other setting is the planner's. Each other configuration changes ONE setting of
+and the host budget: every other setting is the planner's. It runs first and again last, and is ranked by
+the mean of the two (a machine that drifts during the sweep shows in the two). Each other configuration changes ONE setting of
 it (``--grid`` picks which: alpha, prefetch depth, kept activations, batched passes, blocks per unit, a
 state moved wholly to the SSD); values the default already runs are not run twice. Every configuration
 trains ``--steps`` steps of the preset's GPT on the standard library's bytes in its own child process (a
@@ -199,6 +200,20 @@ def run_in_child(spec: dict[str, Any], timeout_s: float | None = None) -> dict[s
         shutil.rmtree(ssd_dir, ignore_errors=True)
 
 
+def both_defaults(first: dict[str, Any], again: dict[str, Any]) -> dict[str, Any]:
+    """The default's record from its run before and after the sweep: s/step and the prediction error are the
+    means of the two (one run that failed leaves the other), both runs' s/step kept."""
+    ok = [r for r in (first, again) if r["status"] == "ok"]
+    if not ok:
+        return first
+    merged = dict(ok[0], s_per_step_runs=[r["s_per_step"] for r in ok],
+                  s_per_step=statistics.mean(r["s_per_step"] for r in ok))
+    if all(r.get("predicted_s_per_step") for r in ok):
+        merged["prediction_error"] = statistics.mean(r["prediction_error"] for r in ok)
+        merged["predicted_s_per_step"] = statistics.mean(r["predicted_s_per_step"] for r in ok)
+    return merged
+
+
 def rank(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The measured runs fastest first, then the refused and failed ones in their order."""
     measured = sorted((r for r in runs if r["status"] == "ok"), key=lambda r: r["s_per_step"])
@@ -279,8 +294,12 @@ def sweep(args: argparse.Namespace) -> dict[str, Any]:
         probe_hardware(args.ssd_dir)
     default = run_variant(spec, Variant(DEFAULT_NAME), "1", args.timeout_s)  # the grid depends on its plan
     variants = build_grid(axes, default.get("plan"))
-    total = len(variants) + 1
-    runs = [default] + [run_variant(spec, v, f"{i}/{total}", args.timeout_s) for i, v in enumerate(variants, 2)]
+    total = len(variants) + 2
+    runs = [run_variant(spec, v, f"{i}/{total}", args.timeout_s) for i, v in enumerate(variants, 2)]
+    # The default again at the end: a machine that drifts during the sweep shows, and the default is ranked by
+    # the mean of its two runs (the others ran between them).
+    again = run_variant(spec, Variant(DEFAULT_NAME), f"{total}/{total}", args.timeout_s)
+    runs.insert(0, both_defaults(default, again))
     return dict(settings={k: v for k, v in spec.items() if k not in ("schedule", "storage")}, axes=axes,
                 summary=summarize(runs), runs=rank(runs))
 

@@ -82,12 +82,18 @@ def test_cli_sweeps_two_configurations_on_tiny(tmp_path):
     assert set(runs) == {DEFAULT_NAME, "blocks_per_unit=2"}, proc.stderr[-3000:]
     for run in runs.values():
         assert run["status"] == "ok", run
-        assert len(run["step_s"]) == len(run["losses"]) == 2 and run["s_per_step"] == run["step_s"][1]
-        assert run["predicted_s_per_step"] > 0 and run["bound"]
-        assert run["prediction_error"] == pytest.approx(run["predicted_s_per_step"] / run["s_per_step"] - 1)
+        assert len(run["step_s"]) == len(run["losses"]) == 2 and run["predicted_s_per_step"] > 0 and run["bound"]
         assert run["peak_rss_bytes"] > run["planned_host_bytes"] > 0
+    other = runs["blocks_per_unit=2"]
+    assert other["s_per_step"] == other["step_s"][1]
+    assert other["prediction_error"] == pytest.approx(other["predicted_s_per_step"] / other["s_per_step"] - 1)
+    # the default ran first and again last: ranked by the mean of the two
+    default = runs[DEFAULT_NAME]
+    assert len(default["s_per_step_runs"]) == 2 and default["s_per_step"] == pytest.approx(
+        sum(default["s_per_step_runs"]) / 2)
     assert runs["blocks_per_unit=2"]["plan"]["schedule"]["blocks_per_unit"] == 2
     assert runs[DEFAULT_NAME]["plan"]["schedule"]["blocks_per_unit"] == 1
     assert report["summary"]["measured"] == 2 and "default_rank" in report["summary"]
-    assert "default ranks" in proc.stdout and "[2/2] blocks_per_unit=2" in proc.stderr
+    assert "default ranks" in proc.stdout and "[2/3] blocks_per_unit=2" in proc.stderr
+    assert "[3/3] default" in proc.stderr
     assert not [p for p in tmp_path.iterdir() if p.name != "tune.json"]  # every run's SSD folder removed
