@@ -353,7 +353,7 @@ class GreedySnakeStrategy(DataParallelMixin, ParallelStrategy):
 
     def _calibrate(self) -> None:
         """After the first steady step: the prediction against what it measured, re-planned with the measured
-        rates when it missed (``autoplan.recalibrated``)."""
+        rates when it missed (``planning.prediction.recalibrated``)."""
         engine = self.engine
         measured = MeasuredStep.from_stats(time.perf_counter() - self._step_start_s, engine.last_step)
         self.plan = recalibrated(self.plan, self.model_shape, measured, engine.step_count, engine.alpha)

@@ -330,7 +330,7 @@ class SnakeEngine(EngineBase):
 
     def use_plan(self, plan: RunPlan) -> None:
         """Run ``plan`` from the next step on: the same plan re-planned with measured rates
-        (``autoplan.recalibrated``), whose only setting that may differ is the prefetch depth, which changes
+        (``planning.prediction.recalibrated``), whose only setting that may differ is the prefetch depth, which changes
         no math. Called between steps."""
         assert plan.storage == self.plan.storage, "a re-plan keeps the placement"
         assert dataclasses.replace(plan.schedule, prefetch_depth=self.schedule.prefetch_depth) == self.schedule, \

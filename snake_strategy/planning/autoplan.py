@@ -104,7 +104,7 @@ class RunPlan:
     device_is_cpu: bool = True  # on a CPU "device" the device shares live in host memory too
     evaluating: bool = False  # the forward-only engine's plan: only the compute weights are stored
     # The process's resident memory at setup besides the module's tensors (interpreter, libraries): the plan's
-    # host bytes come on top of it, so their sum is the process's expected peak (``expected_peak_bytes``).
+    # host bytes come on top of it, so their sum is the process's expected peak.
     process_baseline_bytes: int = 0
     # The engine's host items once the first step measured the checkpoints and kept graphs: what the steps hold.
     step_host_bytes: int | None = None

@@ -14,7 +14,7 @@ versions) the rates are taken from it:
 These rates were measured while compute and the optimizer shared the cores, so the corrected profile
 says so (``HardwareProfile.measured_in_step``) and the CPU-sharing term is not added again. When the
 prediction missed the measured step by more than ``REPLAN_MISS``, the settings that depend on rates are
-chosen again with the corrected ones (``replan``): today the prefetch depth (``planner.prefetch_depth``),
+chosen again with the corrected ones (``planning.prediction.recalibrated``): today the prefetch depth (``planner.prefetch_depth``),
 which the engine changes at a step boundary without touching the math. Everything else the planner chose
 does not depend on rates (the placement fills the budget by bytes moved per byte stored, alpha is the
 forward's share of the compute), so the corrected prediction is the only other change.

@@ -27,9 +27,10 @@ def first_prediction(plan: RunPlan, shape: ModelShape, alpha: float, hardware: H
                      master_dtype: torch.dtype = torch.float32) -> tuple[StepPrediction, HardwareProfile]:
     """The planner's roofline for this run from ``shape`` (the engine's, for the first micro-batch): the
     prediction and the machine's profile. ``hardware`` None or ``"probe"`` measures the machine (cached on
-    disk for a few hours, a scratch file in ``ssd_path``) and the compute roof at this model's own matmul
-    with the rows one task multiplies (every micro-batch's tokens under batched passes); an ``optimizer``
-    off the fused Adam path is timed at the same matrix. A ``HardwareProfile`` is taken as given."""
+    disk for a few hours, a scratch file in ``ssd_path``); ``at_model_shape`` (the strategy's
+    ``hardware="probe"``) also probes the compute roof at this model's own matmul with the rows one task
+    multiplies (every micro-batch's tokens under batched passes); an ``optimizer`` off the fused Adam path is
+    timed at the same matrix. A ``HardwareProfile`` is taken as given."""
     probing = hardware in ("probe", None)
     time_optimizer = (probing and optimizer is not None and plan.optimizer is not None
                       and plan.optimizer.kind != FUSED_ADAM)
