@@ -11,7 +11,8 @@ and ``horizontal`` (``ScheduleConfig(kind=...)``, every other schedule field its
 planner places the states in the same budget), ``zero_infinity`` (``benchmarks/zero_infinity.py``, weights
 and optimizer on NVMe; skipped with a note when DeepSpeed is not installed). Every point is its own child
 process (``snake_strategy.tune.run_in_child``), the systems of one micro-batch count back to back so
-that machine drift hits them alike. Per point: s/step (median of steps 2..N), tokens/s, the engine's SSD
+that machine drift hits them alike; ``--rounds N`` runs them N times in alternating order (ABBA) and takes
+the median. Per point: s/step (median of steps 2..N), tokens/s, the engine's SSD
 bytes per step, the peak RSS, the plan's predicted s/step, bound and floor terms. Per micro-batch count:
 auto's tokens/s over horizontal's and over ZeRO-Infinity's, measured and predicted (ZeRO-Infinity's
 prediction is the horizontal plan's: the same order of weight fetches).
@@ -31,7 +32,7 @@ from pathlib import Path
 
 from common import results_dir
 
-from snake_strategy.tune import Variant, run_variant
+from snake_strategy.tune import Variant, merge_runs, run_order, run_variant
 
 HERE = Path(__file__).resolve().parent
 RESULTS = results_dir("throughput_curve")
@@ -70,6 +71,7 @@ def point(system: str, num_micro: int, result: dict) -> dict:
         return dict(p, error=result["error"])
     p.update({k: result[k] for k in ("tokens_per_step", "tokens_per_s", "s_per_step", "step_s", "peak_rss_bytes",
                                      "ssd_read_bytes_per_step", "ssd_write_bytes_per_step")})
+    p["s_per_step_runs"] = result.get("s_per_step_runs", [result["s_per_step"]])
     prediction = result.get("prediction")
     if prediction:
         p.update({f"predicted_{k}": prediction[k] for k in PREDICTION_TERMS})
@@ -167,6 +169,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--context-len", type=int, default=128)
     p.add_argument("--steps", type=int, default=3, help="steps per point; s/step is the median of steps 2..N")
     p.add_argument("--host-budget-bytes", type=int, default=None, help="storage.host_budget_bytes of every point")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="runs of every system at each point, every other round in reverse order; a point's s/step "
+                        "is the median of its runs")
     p.add_argument("--ssd-root", default=None, help="directory for the SSD tiers (default: the temp dir)")
     p.add_argument("--name", default=None, help="result file name (default: the preset's)")
     args = p.parse_args(argv)
@@ -188,15 +193,17 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     points = []
     for num_micro in micro_counts:
-        for system in systems:
+        runs: dict[str, list[dict]] = {}
+        for system in run_order(systems, args.rounds)[:len(systems) * args.rounds]:
             if system == "zero_infinity":
                 result = run_zero_infinity(args, num_micro)
             else:
                 given = {} if system == "auto" else {"kind": system}
                 result = run_variant(dict(spec, num_micro=num_micro), Variant(f"{system} M={num_micro}", given),
                                      f"M={num_micro}", None)
-            points.append(point(system, num_micro, result))
-    report = dict(preset=args.preset, settings=dict(spec, num_micro=micro_counts, systems=systems),
+            runs.setdefault(system, []).append(result)
+        points += [point(system, num_micro, merge_runs(runs[system])) for system in systems]
+    report = dict(preset=args.preset, settings=dict(spec, num_micro=micro_counts, systems=systems, rounds=args.rounds),
                   wall_s=time.perf_counter() - start, points=points, ratios=ratios(points), notes=notes)
     print(table(report))
     RESULTS.mkdir(parents=True, exist_ok=True)

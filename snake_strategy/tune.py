@@ -6,16 +6,19 @@
     python -m snake_strategy.tune --preset r1 --grid alpha,prefetch_depth
 
 The default configuration is ``GreedySnakeStrategy()`` given only the micro-batch count, the SSD directory
-and the host budget: every other setting is the planner's. It runs first and again last, and is ranked by
-the mean of the two (a machine that drifts during the sweep shows in the two). Each other configuration changes ONE setting of
+and the host budget: every other setting is the planner's. Each other configuration changes ONE setting of
 it (``--grid`` picks which: alpha, prefetch depth, kept activations, batched passes, blocks per unit, a
 state moved wholly to the SSD); values the default already runs are not run twice. Every configuration
 trains ``--steps`` steps of the preset's GPT on the standard library's bytes in its own child process (a
 clean peak RSS, nothing shared), and reports the measured s/step (median of steps 2..N), the plan's
 predicted s/step and bound, the prediction's error, the peak RSS through the steps and the planned host
 bytes. A configuration the strategy refuses (a ``ValueError``, e.g. one that does not fit the host
-budget) is recorded with its message. The table ranks the runs by s/step and says how far the default is
-from the best; ``--json-out`` keeps every run's concrete plan (``strategy.plan.as_dict()``).
+budget) is recorded with its message.
+
+Step times on a shared or thermally throttled machine drift by more than the settings differ, so the
+configurations run in rounds (``--rounds``), every other round in reverse order, and each is ranked by the
+median of its runs. With one round the default runs first and again last and is ranked by the mean of the
+two. The table ranks the runs by s/step and says how far the default is from the best; ``--json-out`` keeps every run's concrete plan (``strategy.plan.as_dict()``).
 
 ``run_in_child`` is the runner ``benchmarks/throughput_curve.py`` uses as well.
 """
@@ -200,18 +203,29 @@ def run_in_child(spec: dict[str, Any], timeout_s: float | None = None) -> dict[s
         shutil.rmtree(ssd_dir, ignore_errors=True)
 
 
-def both_defaults(first: dict[str, Any], again: dict[str, Any]) -> dict[str, Any]:
-    """The default's record from its run before and after the sweep: s/step and the prediction error are the
-    means of the two (one run that failed leaves the other), both runs' s/step kept."""
-    ok = [r for r in (first, again) if r["status"] == "ok"]
+def merge_runs(records: list[dict[str, Any]]) -> dict[str, Any]:
+    """One configuration's record from its repeated runs: s/step and the prediction are the medians over the
+    runs that measured (the median of two is their mean), every run's s/step kept in ``s_per_step_runs``; with
+    none measured, the first run's record (refused or failed)."""
+    ok = [r for r in records if r["status"] == "ok"]
     if not ok:
-        return first
+        return records[0]
     merged = dict(ok[0], s_per_step_runs=[r["s_per_step"] for r in ok],
-                  s_per_step=statistics.mean(r["s_per_step"] for r in ok))
+                  s_per_step=statistics.median(r["s_per_step"] for r in ok))
+    if "tokens_per_step" in merged:
+        merged["tokens_per_s"] = merged["tokens_per_step"] / merged["s_per_step"]
     if all(r.get("predicted_s_per_step") for r in ok):
-        merged["prediction_error"] = statistics.mean(r["prediction_error"] for r in ok)
-        merged["predicted_s_per_step"] = statistics.mean(r["predicted_s_per_step"] for r in ok)
+        merged["prediction_error"] = statistics.median(r["prediction_error"] for r in ok)
+        merged["predicted_s_per_step"] = statistics.median(r["predicted_s_per_step"] for r in ok)
     return merged
+
+
+def run_order(names: list[str], rounds: int) -> list[str]:
+    """The order the runs go in: round by round, every other round reversed, so that a machine drifting
+    during the sweep weighs on every configuration alike. The first name (the default) runs first; with one
+    round it runs again last, so that it is still measured at both ends."""
+    order = [n for r in range(rounds) for n in (names if r % 2 == 0 else names[::-1])]
+    return order + names[:1] if rounds == 1 else order
 
 
 def rank(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -292,16 +306,15 @@ def sweep(args: argparse.Namespace) -> dict[str, Any]:
         # Probed once here (cached on disk per filesystem), so that no run's peak RSS holds the probe's buffers.
         from snake_strategy.planning.hardware import probe_hardware
         probe_hardware(args.ssd_dir)
-    default = run_variant(spec, Variant(DEFAULT_NAME), "1", args.timeout_s)  # the grid depends on its plan
-    variants = build_grid(axes, default.get("plan"))
-    total = len(variants) + 2
-    runs = [run_variant(spec, v, f"{i}/{total}", args.timeout_s) for i, v in enumerate(variants, 2)]
-    # The default again at the end: a machine that drifts during the sweep shows, and the default is ranked by
-    # the mean of its two runs (the others ran between them).
-    again = run_variant(spec, Variant(DEFAULT_NAME), f"{total}/{total}", args.timeout_s)
-    runs.insert(0, both_defaults(default, again))
+    first = run_variant(spec, Variant(DEFAULT_NAME), "1", args.timeout_s)  # the grid depends on its plan
+    variants = {v.name: v for v in [Variant(DEFAULT_NAME), *build_grid(axes, first.get("plan"))]}
+    order = run_order(list(variants), args.rounds)  # begins with the default's run above
+    records: dict[str, list[dict[str, Any]]] = {DEFAULT_NAME: [first]}
+    for i, name in enumerate(order[1:], 2):
+        records.setdefault(name, []).append(run_variant(spec, variants[name], f"{i}/{len(order)}", args.timeout_s))
+    runs = [merge_runs(records[name]) for name in variants]
     return dict(settings={k: v for k, v in spec.items() if k not in ("schedule", "storage")}, axes=axes,
-                summary=summarize(runs), runs=rank(runs))
+                rounds=args.rounds, summary=summarize(runs), runs=rank(runs))
 
 
 def parser() -> argparse.ArgumentParser:
@@ -313,6 +326,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--micro-batch-size", type=int, default=1)
     p.add_argument("--num-micro", type=int, default=8, help="micro-batches per optimizer step")
     p.add_argument("--steps", type=int, default=4, help="optimizer steps per run; s/step is the median of 2..N")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="runs of every configuration, in alternating order; each is ranked by the median of its "
+                        "runs (1: the default alone runs twice, first and last)")
     p.add_argument("--host-budget-bytes", type=int, default=None,
                    help="storage.host_budget_bytes of every run (default: the planner's from the machine)")
     p.add_argument("--ssd-dir", default=None, help="directory for the SSD tier (each run gets a fresh folder in it)")
@@ -336,7 +352,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.context_len is None:
         from snake_strategy.gpt import preset
         args.context_len = preset(args.preset).context_len
-    for name in ("context_len", "micro_batch_size", "num_micro", "steps"):
+    for name in ("context_len", "micro_batch_size", "num_micro", "steps", "rounds"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
     try:

@@ -40,7 +40,7 @@ from snake_strategy.engine.runtime import EngineRuntime
 from snake_strategy.engine.stream.forward_only import stream_blocks, streamed_forward
 from snake_strategy.engine.view import StepStats
 from snake_strategy.engine.stream.streamer import WeightStreamer
-from snake_strategy.planning.memory import loss_head_bytes, pool_sizes
+from snake_strategy.planning.memory import UNPLANNED_SHARE, loss_head_bytes, pool_sizes
 from snake_strategy.optimizers import hyper_params, optimizer_kind
 from snake_strategy.planning.autoplan import RunPlan
 from snake_strategy.planning.planner import ModelShape
@@ -188,11 +188,12 @@ class SnakeEngine(EngineBase):
         return [m for m in self.module.modules() if isinstance(m, nn.Linear) and id(m.weight) not in block_ids]
 
     def _free_host_bytes(self, checkpoint_bytes: int) -> int | None:
-        """What the plan's budget leaves once the plan with checkpoints of this size is placed (kept graphs
-        fill it); None when the plan has no budget."""
+        """What the plan's budget leaves once the plan with checkpoints of this size is placed, less
+        ``memory.UNPLANNED_SHARE`` of it (kept graphs fill it); None when the plan has no budget."""
         if not self.plan.host_budget_bytes:
             return None
-        return self.plan.host_budget_bytes - sum(self.host_bytes_plan(checkpoint_bytes).values())
+        room = int(self.plan.host_budget_bytes * (1 - UNPLANNED_SHARE))
+        return room - sum(self.host_bytes_plan(checkpoint_bytes).values())
 
     def model_shape(self, micro_batch: Any) -> ModelShape:
         """The planner's view of this model for the given micro-batch (shapes only, no compute)."""

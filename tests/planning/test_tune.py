@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from snake_strategy.tune import AXES, DEFAULT_NAME, build_grid, rank, summarize, table
+from snake_strategy.tune import AXES, DEFAULT_NAME, build_grid, merge_runs, rank, run_order, summarize, table
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -66,6 +66,18 @@ def test_rank_and_summary():
     assert "refused: does not fit the host budget" in text
     # the default refused: no rank for it, the best is still named
     assert "default_rank" not in summarize([_run(DEFAULT_NAME, status="refused"), _run("alpha=0.0", 1.0, 1.0)])
+
+
+def test_rounds_alternate_and_rank_by_the_median():
+    """Rounds run every configuration again, every other round reversed; one round runs the default at both
+    ends. A configuration's s/step is the median of its measured runs; a failed run does not count."""
+    names = [DEFAULT_NAME, "a", "b"]
+    assert run_order(names, 1) == [DEFAULT_NAME, "a", "b", DEFAULT_NAME]
+    assert run_order(names, 3) == [DEFAULT_NAME, "a", "b", "b", "a", DEFAULT_NAME, DEFAULT_NAME, "a", "b"]
+    merged = merge_runs([_run("a", 2.0, 2.2), _run("a", status="failed"), _run("a", 1.0, 1.0), _run("a", 1.5, 1.2)])
+    assert merged["s_per_step"] == 1.5 and merged["s_per_step_runs"] == [2.0, 1.0, 1.5]
+    assert merged["predicted_s_per_step"] == 1.2 and merged["prediction_error"] == pytest.approx(0.0)
+    assert merge_runs([_run("a", status="refused")])["status"] == "refused"
 
 
 def test_cli_sweeps_two_configurations_on_tiny(tmp_path):
