@@ -191,6 +191,8 @@ def main(argv: list[str] | None = None) -> int:
                 steps=args.steps, host_budget_bytes=args.host_budget_bytes, ssd_dir=args.ssd_root, hardware="probe",
                 accelerator="auto", learning_rate=3e-4, schedule={}, storage={})
     start = time.perf_counter()
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    name = args.name or args.preset
     points = []
     for num_micro in micro_counts:
         runs: dict[str, list[dict]] = {}
@@ -203,12 +205,11 @@ def main(argv: list[str] | None = None) -> int:
                                      f"M={num_micro}", None)
             runs.setdefault(system, []).append(result)
         points += [point(system, num_micro, merge_runs(runs[system])) for system in systems]
-    report = dict(preset=args.preset, settings=dict(spec, num_micro=micro_counts, systems=systems, rounds=args.rounds),
-                  wall_s=time.perf_counter() - start, points=points, ratios=ratios(points), notes=notes)
+        # written after every point, so that a long curve stopped half-way keeps what it measured
+        report = dict(preset=args.preset, settings=dict(spec, num_micro=micro_counts, systems=systems, rounds=args.rounds),
+                      wall_s=time.perf_counter() - start, points=points, ratios=ratios(points), notes=notes)
+        (RESULTS / f"{name}.json").write_text(json.dumps(report, indent=1))
     print(table(report))
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    name = args.name or args.preset
-    (RESULTS / f"{name}.json").write_text(json.dumps(report, indent=1))
     plot(report, RESULTS / f"{name}.png")
     print(f"wrote {RESULTS / name}.json and .png")
     return 0
