@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -48,17 +49,22 @@ def run_zero_infinity(args: argparse.Namespace, num_micro: int) -> dict:
            str(args.context_len), "--micro-batch-size", str(args.micro_batch_size), "--num-micro", str(num_micro),
            "--steps", str(args.steps), "--nvme-dir", nvme, "--json-out", str(out)]
     start = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout_s)
+    except subprocess.TimeoutExpired:
+        proc = subprocess.CompletedProcess(cmd, 1, "", f"timed out after {args.timeout_s} s")
     wall = time.perf_counter() - start
     if proc.returncode != 0 or not out.exists():
         lines = (proc.stderr or proc.stdout).strip().splitlines()
-        result = dict(status="failed", error=lines[-1] if lines else f"exit status {proc.returncode}")
+        result = dict(status="failed", error=lines[-1] if lines else f"exit status {proc.returncode}",
+                      output_tail=(proc.stderr or proc.stdout)[-3000:])
     else:
         zi = json.loads(out.read_text())
         # its SSD bytes are the process's block-device counters (/proc/self/io), not an engine's traffic
         result = dict(status="ok", **{k: zi[k] for k in ("s_per_step", "step_s", "tokens_per_step", "tokens_per_s",
                                                          "peak_rss_bytes", "ssd_read_bytes_per_step",
                                                          "ssd_write_bytes_per_step")})
+    shutil.rmtree(nvme, ignore_errors=True)  # DeepSpeed's swap files: the model's state, GBs
     print(f"[M={num_micro}] zero_infinity: {result.get('s_per_step', result.get('error'))} ({wall:.0f} s)",
           file=sys.stderr, flush=True)
     return dict(name=f"zero_infinity M={num_micro}", wall_s=wall, **result)
@@ -172,6 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=1,
                    help="runs of every system at each point, every other round in reverse order; a point's s/step "
                         "is the median of its runs")
+    p.add_argument("--timeout-s", type=float, default=None, help="give up on a point's run after this long")
     p.add_argument("--ssd-root", default=None, help="directory for the SSD tiers (default: the temp dir)")
     p.add_argument("--name", default=None, help="result file name (default: the preset's)")
     args = p.parse_args(argv)
@@ -202,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 given = {} if system == "auto" else {"kind": system}
                 result = run_variant(dict(spec, num_micro=num_micro), Variant(f"{system} M={num_micro}", given),
-                                     f"M={num_micro}", None)
+                                     f"M={num_micro}", args.timeout_s)
             runs.setdefault(system, []).append(result)
         points += [point(system, num_micro, merge_runs(runs[system])) for system in systems]
         # written after every point, so that a long curve stopped half-way keeps what it measured
