@@ -178,6 +178,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=1,
                    help="runs of every system at each point, every other round in reverse order; a point's s/step "
                         "is the median of its runs")
+    p.add_argument("--append", action="store_true",
+                   help="keep the points of the result file already there that this run does not measure")
     p.add_argument("--timeout-s", type=float, default=None, help="give up on a point's run after this long")
     p.add_argument("--ssd-root", default=None, help="directory for the SSD tiers (default: the temp dir)")
     p.add_argument("--name", default=None, help="result file name (default: the preset's)")
@@ -201,6 +203,13 @@ def main(argv: list[str] | None = None) -> int:
     RESULTS.mkdir(parents=True, exist_ok=True)
     name = args.name or args.preset
     points = []
+    if args.append and (RESULTS / f"{name}.json").exists():
+        # another run's points on the same axes (a long preset measured in parts); this run's replace its own
+        earlier = json.loads((RESULTS / f"{name}.json").read_text())
+        mine = {(s, m) for s in systems for m in micro_counts}
+        points = [p for p in earlier["points"] if (p["system"], p["num_micro"]) not in mine]
+        notes += [n for n in earlier.get("notes", []) if n not in notes]
+        notes.append(f"points from more than one run: {earlier['settings']} and this run's")
     for num_micro in micro_counts:
         runs: dict[str, list[dict]] = {}
         for system in run_order(systems, args.rounds)[:len(systems) * args.rounds]:
@@ -212,6 +221,7 @@ def main(argv: list[str] | None = None) -> int:
                                      f"M={num_micro}", args.timeout_s)
             runs.setdefault(system, []).append(result)
         points += [point(system, num_micro, merge_runs(runs[system])) for system in systems]
+        points.sort(key=lambda p: (p["num_micro"], SYSTEMS.index(p["system"])))
         # written after every point, so that a long curve stopped half-way keeps what it measured
         report = dict(preset=args.preset, settings=dict(spec, num_micro=micro_counts, systems=systems, rounds=args.rounds),
                       wall_s=time.perf_counter() - start, points=points, ratios=ratios(points), notes=notes)
