@@ -268,8 +268,14 @@ def resolve(module: nn.Module, optimizer: torch.optim.Optimizer | None, storage:
     step_mode = "speculative" if speculative else "deferred" if global_decision else "overlapped"
     rollback_given = storage.rollback  # None: placed after the states (placement sets every field)
     given_depth = schedule.prefetch_depth  # None: each candidate placement gets its own (planner.prefetch_depth)
-    storage, placed = _place(shape, hardware, storage, kind, alpha, placement_budget, given_depth, speculative,
-                             evaluating)
+    try:
+        storage, placed = _place(shape, hardware, storage, kind, alpha, placement_budget, given_depth, speculative,
+                                 evaluating)
+    except ValueError as err:
+        # the placement's figure alone reads as the user's setting: say what it is a share of, and whence
+        raise ValueError(f"{err}. The placement gets {1 - ACTIVATION_RESERVE_SHARE:.0%} of the host budget "
+                         f"{budget / 2**30:.2f} GiB (the rest is kept for the activations), bounded by "
+                         f"{bounded.source}: {bounded.detail}") from None
     reasons.update(placed)
     if given_depth is not None:
         depth, reasons["prefetch_depth"] = given_depth, "given"

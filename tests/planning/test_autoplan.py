@@ -102,6 +102,10 @@ def test_a_tight_budget_moves_state_to_the_ssd_and_stays_within_it(tmp_path):
     assert tight.host_bytes <= budget * (1 - autoplan.ACTIVATION_RESERVE_SHARE)
     assert tight.schedule.prefetch_depth == (2 if tight.storage.weights.ssd > 0 else 1)
     assert "exceeds" in tight.reasons["weights"]
+    # Not even the working set fits: the refusal says what the placement's figure is a share of, and whence.
+    with pytest.raises(ValueError, match=r"cannot hold the working set .*The placement gets 75% of the host budget "
+                                         r"0\.00 GiB .*bounded by storage\.host_budget_bytes"):
+        _resolve(storage=StorageConfig(placement="auto", host_budget_bytes=4096, ssd_dir=str(tmp_path)), config=wide)
     # The run itself: exact, inside the budget (checked again with the activations at the first step).
     ref = run_reference(wide, STEPS, MICRO, MICRO_SIZE, "64-true")
     ssd_dir = str(tmp_path / "run")
