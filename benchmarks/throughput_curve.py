@@ -56,8 +56,11 @@ def run_zero_infinity(args: argparse.Namespace, num_micro: int) -> dict:
     wall = time.perf_counter() - start
     if proc.returncode != 0 or not out.exists():
         lines = (proc.stderr or proc.stdout).strip().splitlines()
-        result = dict(status="failed", error=lines[-1] if lines else f"exit status {proc.returncode}",
-                      output_tail=(proc.stderr or proc.stdout)[-3000:])
+        error = lines[-1] if lines else f"exit status {proc.returncode}"
+        if proc.returncode < 0:  # its last line is whatever it printed before the signal, not the cause
+            error = f"killed by signal {-proc.returncode}" + (" (SIGKILL: the OOM killer when memory ran out)"
+                                                              if proc.returncode == -9 else "")
+        result = dict(status="failed", error=error, output_tail=(proc.stderr or proc.stdout)[-3000:])
     else:
         zi = json.loads(out.read_text())
         # its SSD bytes are the process's block-device counters (/proc/self/io), not an engine's traffic
