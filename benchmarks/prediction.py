@@ -87,7 +87,8 @@ def run_case(name: str, steps: int, ssd_root: str | None) -> dict:
             engine = trainer.strategy.engine
             engine.flush()
             marks["peak"] = _vm_status("VmHWM")
-            marks["engine_host"] = sum(engine.host_bytes_plan(engine.checkpoint_bytes).values())
+            marks["engine_items"] = engine.host_bytes_plan(engine.checkpoint_bytes)
+            marks["engine_host"] = sum(marks["engine_items"].values())
 
     batch = case["micro_batch_size"] * case["num_micro"]
     windows = ByteWindows(load_corpus("stdlib"), case["context_len"])
@@ -114,7 +115,7 @@ def run_case(name: str, steps: int, ssd_root: str | None) -> dict:
         ssd_read_bytes_per_step=statistics.median(ssd_bytes(s.step_traffic(), "read") for s in stats[1:] or stats),
         ssd_write_bytes_per_step=statistics.median(ssd_bytes(s.step_traffic(), "write") for s in stats[1:] or stats),
         host_budget_bytes=plan.host_budget_bytes, plan_host_bytes=plan.host_bytes,
-        engine_host_bytes=marks["engine_host"],
+        engine_host_bytes=marks["engine_host"], engine_host_items=marks["engine_items"],
         setup_rss_bytes=marks["setup_rss"], peak_rss_bytes=marks["peak"], describe=plan.describe(),
         plan=plan.as_dict())
 
