@@ -215,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
         notes.append(f"points from more than one run: {earlier['settings']} and this run's")
     for num_micro in micro_counts:
         runs: dict[str, list[dict]] = {}
-        for system in run_order(systems, args.rounds)[:len(systems) * args.rounds]:
+        for system in run_order(systems, args.rounds):
             if system == "zero_infinity":
                 result = run_zero_infinity(args, num_micro)
             else:

@@ -18,7 +18,8 @@ budget) is recorded with its message.
 Step times on a shared or thermally throttled machine drift by more than the settings differ, so the
 configurations run in rounds (``--rounds``), every other round in reverse order, and each is ranked by the
 median of its runs. With one round the default runs first and again last and is ranked by the mean of the
-two. The table ranks the runs by s/step and says how far the default is from the best; ``--json-out`` keeps every run's concrete plan (``strategy.plan.as_dict()``).
+two. The table ranks the runs by s/step and says how far the default is from the best; ``--json-out`` keeps
+every run's concrete plan (``strategy.plan.as_dict()``).
 
 ``run_in_child`` is the runner ``benchmarks/throughput_curve.py`` uses as well.
 """
@@ -222,10 +223,8 @@ def merge_runs(records: list[dict[str, Any]]) -> dict[str, Any]:
 
 def run_order(names: list[str], rounds: int) -> list[str]:
     """The order the runs go in: round by round, every other round reversed, so that a machine drifting
-    during the sweep weighs on every configuration alike. The first name (the default) runs first; with one
-    round it runs again last, so that it is still measured at both ends."""
-    order = [n for r in range(rounds) for n in (names if r % 2 == 0 else names[::-1])]
-    return order + names[:1] if rounds == 1 else order
+    during the sweep weighs on every configuration alike."""
+    return [n for r in range(rounds) for n in (names if r % 2 == 0 else names[::-1])]
 
 
 def rank(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -309,6 +308,8 @@ def sweep(args: argparse.Namespace) -> dict[str, Any]:
     first = run_variant(spec, Variant(DEFAULT_NAME), "1", args.timeout_s)  # the grid depends on its plan
     variants = {v.name: v for v in [Variant(DEFAULT_NAME), *build_grid(axes, first.get("plan"))]}
     order = run_order(list(variants), args.rounds)  # begins with the default's run above
+    if args.rounds == 1:
+        order.append(DEFAULT_NAME)  # measured at both ends of the sweep all the same
     records: dict[str, list[dict[str, Any]]] = {DEFAULT_NAME: [first]}
     for i, name in enumerate(order[1:], 2):
         records.setdefault(name, []).append(run_variant(spec, variants[name], f"{i}/{len(order)}", args.timeout_s))
