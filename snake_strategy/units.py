@@ -31,11 +31,13 @@ def named_tensors(flat: Tensor, slots: Iterable[tuple[str, Sequence[int], int, i
     return {name: flat[offset - base:offset - base + numel].view(tuple(shape)) for name, shape, offset, numel in slots}
 
 
-def nonlayer_numel(module: nn.Module) -> tuple[int, int]:
-    """(trainable, frozen) elements of the parameters outside ``module.blocks`` (embedding, head, norms)."""
+def nonlayer_numel(module: nn.Module) -> tuple[int, int, int]:
+    """(trainable, frozen, largest trainable) elements of the parameters outside ``module.blocks``
+    (embedding, head, norms)."""
     block_ids = {id(p) for p in module.blocks.parameters()}
     nonlayer = [p for p in module.parameters() if id(p) not in block_ids]
-    return sum(p.numel() for p in nonlayer if p.requires_grad), sum(p.numel() for p in nonlayer if not p.requires_grad)
+    trainable = [p.numel() for p in nonlayer if p.requires_grad]
+    return sum(trainable), sum(p.numel() for p in nonlayer if not p.requires_grad), max(trainable, default=0)
 
 
 @dataclass(frozen=True)

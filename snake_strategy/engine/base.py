@@ -112,9 +112,15 @@ class EngineBase:
         """This rank's share of partitioned optimizer moments (0: not partitioned)."""
         return 0
 
+    @property
+    def loss_logits_bytes(self) -> int:
+        """The loss head's output over one backward task's micro-batches, once measured (0: none or unknown)."""
+        return 0
+
     def memory_inputs(self, checkpoint_bytes: int = 0) -> MemoryInputs:
         """The plan's memory inputs for this rank (``RunPlan.memory_inputs``)."""
-        return self.plan.memory_inputs(checkpoint_bytes, shard_rank=self.shard_rank)
+        return self.plan.memory_inputs(checkpoint_bytes, shard_rank=self.shard_rank,
+                                       loss_logits_bytes=self.loss_logits_bytes)
 
     def measured_host_items(self) -> dict[str, int]:
         """Host memory the plan cannot know beforehand, measured by the run (none by default)."""
@@ -123,7 +129,8 @@ class EngineBase:
     def host_bytes_plan(self, checkpoint_bytes: int = 0) -> dict[str, int]:
         """Host memory the run needs, by item: the plan's (``RunPlan.host_items``, per rank with partitioned
         moments) and what the run measured (``measured_host_items``)."""
-        return {**self.plan.host_items(checkpoint_bytes, shard_rank=self.shard_rank), **self.measured_host_items()}
+        return {**self.plan.host_items(checkpoint_bytes, shard_rank=self.shard_rank,
+                                       loss_logits_bytes=self.loss_logits_bytes), **self.measured_host_items()}
 
     def check_host_budget(self, checkpoint_bytes: int = 0) -> None:
         self.plan.check_host_budget(self.host_bytes_plan(checkpoint_bytes))

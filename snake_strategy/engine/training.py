@@ -40,7 +40,7 @@ from snake_strategy.engine.runtime import EngineRuntime
 from snake_strategy.engine.stream.forward_only import stream_blocks, streamed_forward
 from snake_strategy.engine.view import StepStats
 from snake_strategy.engine.stream.streamer import WeightStreamer
-from snake_strategy.planning.memory import UNPLANNED_SHARE, loss_head_bytes, pool_sizes
+from snake_strategy.planning.memory import UNPLANNED_SHARE, pool_sizes
 from snake_strategy.optimizers import hyper_params, optimizer_kind
 from snake_strategy.planning.autoplan import RunPlan
 from snake_strategy.planning.planner import ModelShape
@@ -171,16 +171,16 @@ class SnakeEngine(EngineBase):
     def shard_rank(self) -> int:
         return self.partition.rank if self.partition is not None else 0
 
+    @property
+    def loss_logits_bytes(self) -> int:
+        s = self.schedule
+        return self.logits_bytes * (s.num_micro_batches if s.batched_backward or s.batched_forward else 1)
+
     def measured_host_items(self) -> dict[str, int]:
-        """The kept graphs and the loss head's in-step tensors, known at the first step."""
-        items = {}
+        """The kept graphs, known at the first step."""
         if self.runner is not None and self.runner.kept.planned_bytes:
-            items["kept_graphs"] = self.runner.kept.planned_bytes
-        if self.logits_bytes:
-            s = self.schedule
-            items["loss_head"] = loss_head_bytes(
-                self.logits_bytes, s.num_micro_batches if s.batched_backward or s.batched_forward else 1)
-        return items
+            return {"kept_graphs": self.runner.kept.planned_bytes}
+        return {}
 
     def _head_linears(self) -> list[nn.Linear]:
         """The output projections: the Linear layers outside the blocks (their matmul runs for every token)."""
@@ -189,10 +189,11 @@ class SnakeEngine(EngineBase):
 
     def _free_host_bytes(self, checkpoint_bytes: int) -> int | None:
         """What the plan's budget leaves once the plan with checkpoints of this size is placed, less
-        ``memory.UNPLANNED_SHARE`` of it (kept graphs fill it); None when the plan has no budget."""
+        ``memory.UNPLANNED_SHARE`` of it and less what the process held at setup (kept graphs fill it, and
+        an optional speed-up must not take the process above the budget); None when the plan has no budget."""
         if not self.plan.host_budget_bytes:
             return None
-        room = int(self.plan.host_budget_bytes * (1 - UNPLANNED_SHARE))
+        room = int(self.plan.host_budget_bytes * (1 - UNPLANNED_SHARE)) - self.plan.process_baseline_bytes
         return room - sum(self.host_bytes_plan(checkpoint_bytes).values())
 
     def model_shape(self, micro_batch: Any) -> ModelShape:

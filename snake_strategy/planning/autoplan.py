@@ -114,9 +114,10 @@ class RunPlan:
     # prediction and the settings re-planned with the measured rates. None before that step.
     calibration: dict[str, Any] | None = None
 
-    def memory_inputs(self, checkpoint_bytes: int = 0, shard_rank: int = 0) -> MemoryInputs:
-        """What the memory model sees of this plan, with checkpoints of ``checkpoint_bytes`` (known after the
-        first forward) on rank ``shard_rank`` of partitioned moments: the plan's and the engine's numbers."""
+    def memory_inputs(self, checkpoint_bytes: int = 0, shard_rank: int = 0, loss_logits_bytes: int = 0) -> MemoryInputs:
+        """What the memory model sees of this plan, with checkpoints of ``checkpoint_bytes`` and the loss head's
+        output of ``loss_logits_bytes`` per backward task (both known after the first step) on rank
+        ``shard_rank`` of partitioned moments: the plan's and the engine's numbers."""
         assert self.shape is not None, "a plan from planning.autoplan.resolve carries the model's shape"
         s = self.schedule
         return memory_inputs(
@@ -125,11 +126,11 @@ class RunPlan:
             self.step_mode == "speculative", blocks_per_unit=s.blocks_per_unit,
             # the split backward keeps every micro-batch's Linear inputs and output gradients until W(u)
             micro_per_backward_task=s.num_micro_batches if s.batched_backward or s.split_backward else 1,
-            shard_rank=shard_rank, evaluating=self.evaluating)
+            shard_rank=shard_rank, evaluating=self.evaluating, loss_logits_bytes=loss_logits_bytes)
 
-    def host_items(self, checkpoint_bytes: int = 0, shard_rank: int = 0) -> dict[str, int]:
+    def host_items(self, checkpoint_bytes: int = 0, shard_rank: int = 0, loss_logits_bytes: int = 0) -> dict[str, int]:
         """Host bytes of this plan, item by item (``memory.host_plan``)."""
-        return host_plan(self.memory_inputs(checkpoint_bytes, shard_rank))
+        return host_plan(self.memory_inputs(checkpoint_bytes, shard_rank, loss_logits_bytes))
 
     def check_host_budget(self, items: dict[str, int]) -> None:
         """The host-budget check of both engines: ``items`` (their host plan, ``host_items`` and what the

@@ -37,12 +37,16 @@ WORKSPACE_CHECKPOINTS_PER_BLOCK = 24
 RSS_SLACK_BYTES = 96 * 2**20
 # Of the host budget, the share kept graphs leave unfilled: with the budget full, that slack grows with the
 # run. Measured at gpt_4b in a 16 GiB container: peak RSS 0.15 GiB (1.1% of the plan) above baseline + plan
-# (docs/dev/LOG.md, issue 35). With this share left, the peak stays within baseline + budget.
+# (docs/dev/LOG.md, issue 35). Kept graphs also leave the process's baseline out (engine/training.py), so
+# filling the budget never takes the process's peak above it.
 UNPLANNED_SHARE = 0.02
 # The loss head's in-step tensors, in multiples of its output (the logits of the micro-batches one task
 # runs): the logits, the log-probabilities and their gradient. Measured: fp32 cross-entropy over 512 x
-# 50257 logits peaks 2.5 logits above the head's weight gradient (docs/dev/LOG.md, issue 35).
-LOSS_HEAD_LOGITS_COPIES = 3
+# 50257 logits, split in micro-batches as the engine computes it, holds 1.1-1.35 logits above the head's weight
+# gradient at its peak (glibc made to return every freed block), 1.55 in situ at r1 (docs/dev/LOG.md, issue
+# 35). The head runs before the blocks' backward in the last unit's task, so this and the blocks' workspace
+# are one item: the larger of the two.
+LOSS_HEAD_LOGITS_COPIES = 2
 # Pinned staging buffers of the weight streamer on CUDA, each the largest unit's SSD share: one is
 # filled from the SSD while the other's bytes cross PCIe.
 WEIGHT_STAGING_BUFFERS = 2
@@ -95,6 +99,12 @@ class MemoryInputs:
     blocks_per_unit: int = 1
     micro_per_backward_task: int = 1  # all of them when the backward is batched
     checkpoint_bytes: int = 0  # one unit input of one micro-batch; 0 while unknown
+    # The loss head's output (fp32 logits) over the micro-batches one backward task runs; 0 while unknown
+    # (the first step measures it).
+    loss_logits_bytes: int = 0
+    # The largest trainable non-layer parameter (the transient gradient of one non-layer backward); 0: take
+    # all of nonlayer_params.
+    nonlayer_largest: int = 0
     # Frozen parameters exist as compute weights only. Per unit, the elements that have a master copy,
     # moments and gradients (the trainable part, page-padded); empty: every element is trainable.
     unit_trainable: tuple[int, ...] = ()
@@ -328,14 +338,17 @@ def _host_plan(inputs: MemoryInputs) -> dict[str, int]:
     e_w = inputs.e_w
     # the fp32 tail of half-precision storage is always in memory (host, or the device when weights are)
     tail_in_memory = sum(inputs.weight_tail_bytes) if cpu or s.weights.device < 1.0 else 0
+    # one non-layer backward at a time (the head's in the last unit's task, the embedding's in the first's)
+    nonlayer_transient = inputs.nonlayer_largest or inputs.nonlayer_params
     plan = {
         "weights": int(sum(inputs.weight_elems) * e_w * _in_memory(s.weights, cpu)) + tail_in_memory,
         "optimizer_moments": int(inputs.state_vectors * sum(inputs.moment_elems) * e_m * _in_memory(s.optimizer, cpu)),
         "gradients": int(stored_gradient_elems(inputs) * e_m * _in_memory(s.gradients, cpu)),
-        # compute copy, master (when separate), 2 moments, gradient, one transient gradient from autograd
-        # (the non-layer master is separate only when the compute dtype differs: bf16-true)
-        "nonlayer_params_and_state": (inputs.nonlayer_params * (e_c + 4 * e_m + (e_m if e_c != e_m else 0))
-                                      + inputs.nonlayer_frozen * e_c),
+        # compute copy, master (when separate), 2 moments, gradient, and the transient gradient of the one
+        # non-layer backward running (the non-layer master is separate only when the compute dtype differs:
+        # bf16-true)
+        "nonlayer_params_and_state": (inputs.nonlayer_params * (e_c + 3 * e_m + (e_m if e_c != e_m else 0))
+                                      + nonlayer_transient * e_m + inputs.nonlayer_frozen * e_c),
         "weight_buffers": 0 if weights_in_place else pools.weight_buffers * inputs.weight_buffer_bytes,
         # + the horizontal schedule's partial sum, read back to be added (one unit, transient)
         "gradient_buffers": (pools.grad_buffers + (inputs.kind == "horizontal")) * unit_trained * e_m,
@@ -363,14 +376,11 @@ def _host_plan(inputs: MemoryInputs) -> dict[str, int]:
         if pools.checkpoint_staging:
             # staging of writes in flight + the reads of the next task
             plan["checkpoint_io_buffers"] = (pools.checkpoint_staging + inputs.micro_per_backward_task) * round_up(ckpt)
-        plan["compute_workspace"] = (WORKSPACE_CHECKPOINTS_PER_BLOCK * inputs.blocks_per_unit
-                                     * inputs.micro_per_backward_task * ckpt)
+        # the blocks' backward, or the loss head's tensors before it in the last unit's task
+        plan["compute_workspace"] = max(WORKSPACE_CHECKPOINTS_PER_BLOCK * inputs.blocks_per_unit
+                                        * inputs.micro_per_backward_task * ckpt,
+                                        LOSS_HEAD_LOGITS_COPIES * inputs.loss_logits_bytes)
     return plan
-
-
-def loss_head_bytes(logits_bytes_per_micro: int, micro_per_task: int) -> int:
-    """Host bytes the loss head holds inside a step (measured at the first step: the head's output size)."""
-    return LOSS_HEAD_LOGITS_COPIES * logits_bytes_per_micro * micro_per_task
 
 
 def ssd_plan(inputs: MemoryInputs) -> dict[str, int]:

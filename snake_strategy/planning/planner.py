@@ -63,6 +63,9 @@ class ModelShape:
     trainable_per_unit: tuple[int, ...] = ()
     first_backward_unit: int = 0
     nonlayer_frozen_params: int = 0
+    # The largest trainable non-layer parameter: one non-layer backward (the head's, the embedding's) holds
+    # its transient gradient at a time. 0: unknown (a shape on paper), taken as all of nonlayer_params.
+    nonlayer_largest_params: int = 0
     # Half-precision weight storage (mixed precision): elements of a unit's stored weight vector (0: all
     # its parameters) and the bytes of its full-precision tail, which stays in memory.
     weight_elems_per_unit: int = 0
@@ -90,12 +93,13 @@ class ModelShape:
         checkpoint sizes and the head are filled in from the first micro-batch (``dataclasses.replace``).
         ``weight_formats``: per unit, (stored weight elements, full-precision tail bytes) under half-precision
         weight storage. The planner at setup and the engine read the same shape from here."""
-        trainable, frozen = nonlayer_numel(module)
+        trainable, frozen, largest = nonlayer_numel(module)
         unit_params = tuple(layout.numel for layout in layouts)
         return cls(num_units=len(layouts), params_per_unit=max(unit_params, default=0), nonlayer_params=trainable,
                    head_params=0, tokens_per_micro=0, num_micro=num_micro, checkpoint_bytes=0,
                    weight_bytes=weight_bytes, master_bytes=master_bytes,
                    trainable_per_unit=tuple(layout.train_end for layout in layouts), nonlayer_frozen_params=frozen,
+                   nonlayer_largest_params=largest,
                    weight_elems_per_unit=max((e for e, _ in weight_formats), default=0),
                    weight_tail_bytes_per_unit=max((b for _, b in weight_formats), default=0),
                    unit_params=unit_params, unit_weight_elems=tuple(e for e, _ in weight_formats),
@@ -247,16 +251,18 @@ def choose_alpha(shape: ModelShape) -> float:
 
 def memory_inputs(shape: ModelShape, hw: HardwareProfile, storage: StorageConfig, kind: str, alpha: float,
                   prefetch_depth: int = 1, speculative: bool = False, *, blocks_per_unit: int = 1,
-                  micro_per_backward_task: int = 1, shard_rank: int = 0, evaluating: bool = False) -> MemoryInputs:
+                  micro_per_backward_task: int = 1, shard_rank: int = 0, evaluating: bool = False,
+                  loss_logits_bytes: int = 0) -> MemoryInputs:
     """The memory model's view of a run: the one place ``MemoryInputs`` is built, for the planner (a shape
     planned on paper: uniform units) and for the engine (its laid-out shape: exact units). ``speculative``:
     the speculative optimizer step's rollback state is counted (on ``storage.rollback``); ``evaluating``:
-    the forward-only engine's memory (the compute weights only)."""
+    the forward-only engine's memory (the compute weights only); ``loss_logits_bytes``: the loss head's output
+    over one backward task's micro-batches, once the first step has measured it."""
     L = shape.num_units
     uniform_elems = (shape.weight_elems_per_unit,) * L if shape.weight_elems_per_unit else ()
     return MemoryInputs(
         unit_params=shape.unit_params or (shape.params_per_unit,) * L, nonlayer_params=shape.nonlayer_params,
-        compute_bytes=shape.compute_bytes or shape.weight_bytes, master_bytes=shape.master_bytes,
+        nonlayer_largest=shape.nonlayer_largest_params, loss_logits_bytes=loss_logits_bytes, compute_bytes=shape.compute_bytes or shape.weight_bytes, master_bytes=shape.master_bytes,
         state_vectors=shape.state_bytes / shape.master_bytes,
         device_is_cpu=hw.device_is_cpu, unit_weight_elems=shape.unit_weight_elems or uniform_elems,
         weight_bytes=shape.weight_bytes if shape.compute_bytes else 0,

@@ -20,8 +20,12 @@ from torch.utils.data import DataLoader, TensorDataset
 import snake_strategy
 from snake_strategy.gpt import GPTConfig, GPTModule
 layers, width, ssd_dir, slow = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
-keep, budget_bytes = (sys.argv[5] if sys.argv[5] == "auto" else int(sys.argv[5])), int(sys.argv[6])
+keep = sys.argv[5] if sys.argv[5] == "auto" else int(sys.argv[5])
 cfg = GPTConfig(vocab_size=256, d_model=width, num_layers=layers, num_heads=4, context_len=32, tied_head=True)
+module = GPTModule(cfg)
+base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+# "+N": N bytes above what the process holds now (the budget bounds the process, its baseline included)
+budget_bytes = base + int(sys.argv[6][1:]) if sys.argv[6].startswith("+") else int(sys.argv[6])
 x = torch.randint(0, 256, (2 * 4, 33))
 loader = DataLoader(TensorDataset(x[:, :-1], x[:, 1:]), batch_size=4)
 storage = snake_strategy.StorageConfig(ssd_dir=ssd_dir, weights={"ssd": 1.0}, optimizer={"ssd": 1.0},
@@ -44,13 +48,11 @@ class Plan(L.Callback):
         # model's own size, not the engine's working set).
         trainer.strategy.engine.flush()
         peak.append(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
-module = GPTModule(cfg)
-base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 trainer = L.Trainer(strategy=strategy, accelerator="cpu", max_steps=2, logger=False, enable_checkpointing=False,
                     default_root_dir=ssd_dir + "-root",  # weights over the budget are written there after fit
                     enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0, callbacks=[Plan()])
 trainer.fit(module, train_dataloaders=loader)
-print(json.dumps({"peak": peak[0], "base": base, "planned": sum(plan.values()), "kept_graphs": plan.get("kept_graphs", 0),
+print(json.dumps({"peak": peak[0], "base": base, "budget": budget_bytes, "planned": sum(plan.values()), "kept_graphs": plan.get("kept_graphs", 0),
                   "kept_units": len(strategy.plan.kept_units or ()), "params": cfg.num_params(),
                   "backpressure_s": sum(waits)}))
 """
@@ -84,13 +86,15 @@ def test_peak_rss_does_not_grow_with_depth_when_a_consumer_is_slow(tmp_path, slo
 
 def test_kept_graphs_are_bounded_by_the_budget_not_by_depth(tmp_path):
     """keep_activations="auto" keeps units' forward graphs while the host budget has room: a deep model
-    under a tight budget keeps some of its units, not all, and its peak RSS stays within the plan (kept
-    graphs included) + slack. Peak RSS therefore grows with depth only up to the budget."""
-    budget_bytes = 40 * 2**20  # the plan without graphs is ~24 MiB here: room for about 8 units' graphs
-    run = _peak_rss(16, tmp_path, keep="auto", budget_bytes=budget_bytes)
+    under a tight budget keeps some of its units, not all, its peak RSS stays within the plan (kept graphs
+    included) + slack, and the graphs never take the process above the budget. Peak RSS therefore grows
+    with depth only up to the budget."""
+    # 40 MiB above the process at setup; the plan without graphs is ~24 MiB: room for about 8 units' graphs
+    run = _peak_rss(16, tmp_path, keep="auto", budget_bytes="+" + str(40 * 2**20))
     assert 0 < run["kept_units"] < 15, run  # 15 candidates (the last unit is fused): the budget decided
-    assert run["kept_graphs"] > 0 and run["planned"] <= budget_bytes, run
+    assert run["kept_graphs"] > 0 and run["planned"] <= run["budget"], run
     assert run["peak"] <= run["base"] + run["planned"] + RSS_SLACK_BYTES, run
+    assert run["peak"] <= run["budget"] + RSS_SLACK_BYTES, run
 
 
 def test_budget_check_planner_and_activation_store_share_one_memory_model(tmp_path):
@@ -113,10 +117,13 @@ def test_budget_check_planner_and_activation_store_share_one_memory_model(tmp_pa
 
     run_snake(SMALL_GPT, 1, 6, 1, "32-true", storage=storage, callbacks=[Capture()])
     shape = seen["shape"]
-    planned = host_plan(memory_inputs(shape, HardwareProfile(), seen["storage"], "vertical", seen["alpha"]))
-    # Besides the plan, what the first step measured: here the loss head's logits (unbatched: one micro-batch's)
-    assert seen["measured"] == {"loss_head": LOSS_HEAD_LOGITS_COPIES * shape.tokens_per_micro * SMALL_GPT.vocab_size * 4}
-    assert {**planned, **seen["measured"]} == seen["budget"]
+    # The first step measured the loss head's logits (unbatched: one micro-batch's) and keeps no graphs here.
+    logits_bytes = shape.tokens_per_micro * SMALL_GPT.vocab_size * 4
+    planned = host_plan(memory_inputs(shape, HardwareProfile(), seen["storage"], "vertical", seen["alpha"],
+                                      loss_logits_bytes=logits_bytes))
+    assert seen["measured"] == {}
+    assert planned == seen["budget"]
+    assert planned["compute_workspace"] >= LOSS_HEAD_LOGITS_COPIES * logits_bytes
     tiers = checkpoint_tiers(seen["storage"], 6)
     assert seen["tiers"] == tiers and tiers.count("ssd") == 3
     # The store really put those micro-batches on the SSD: one checkpoint per (unit, ssd micro-batch).
@@ -170,3 +177,28 @@ def _static_plan(cfg):
         return sum(engine.host_bytes_plan().values())
     finally:
         engine.close()
+
+
+def test_in_step_items_count_what_coincides():
+    """The plan's in-step transients are what can be live at once: the transient gradient of ONE non-layer
+    backward (the head's or the embedding's, in different tasks: the largest), and the larger of the loss
+    head's tensors and the blocks' backward workspace (the head runs first in the last unit's task)."""
+    import dataclasses
+
+    from snake_strategy.config import StorageConfig
+    from snake_strategy.planning.memory import WORKSPACE_CHECKPOINTS_PER_BLOCK, MemoryInputs, host_plan
+
+    inputs = MemoryInputs(unit_params=(4096,) * 3, nonlayer_params=3000, compute_bytes=4, master_bytes=4,
+                          device_is_cpu=True, storage=StorageConfig(), micro_per_backward_task=2,
+                          checkpoint_bytes=1000)
+    workspace = WORKSPACE_CHECKPOINTS_PER_BLOCK * 2 * 1000
+    whole = host_plan(inputs)
+    split = host_plan(dataclasses.replace(inputs, nonlayer_largest=1000))
+    # moments, gradient and compute copy for all 3000; the transient gradient for 3000 (unknown) or 1000
+    assert whole["nonlayer_params_and_state"] - split["nonlayer_params_and_state"] == 2000 * 4
+    assert whole["compute_workspace"] == workspace
+    small_head = host_plan(dataclasses.replace(inputs, loss_logits_bytes=workspace // (2 * LOSS_HEAD_LOGITS_COPIES)))
+    assert small_head["compute_workspace"] == workspace
+    big_head = host_plan(dataclasses.replace(inputs, loss_logits_bytes=workspace))
+    assert big_head["compute_workspace"] == LOSS_HEAD_LOGITS_COPIES * workspace
+    assert sum(big_head.values()) - sum(whole.values()) == (LOSS_HEAD_LOGITS_COPIES - 1) * workspace
