@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import shlex
 import shutil
 import subprocess
 import sys
@@ -47,7 +48,7 @@ def run_zero_infinity(args: argparse.Namespace, num_micro: int) -> dict:
     out = Path(nvme) / "result.json"
     cmd = [sys.executable, str(HERE / "zero_infinity.py"), "--preset", args.preset, "--context-len",
            str(args.context_len), "--micro-batch-size", str(args.micro_batch_size), "--num-micro", str(num_micro),
-           "--steps", str(args.steps), "--nvme-dir", nvme, "--json-out", str(out)]
+           "--steps", str(args.steps), "--nvme-dir", nvme, "--json-out", str(out), *shlex.split(args.zi_args)]
     start = time.perf_counter()
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout_s)
@@ -186,6 +187,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout-s", type=float, default=None, help="give up on a point's run after this long")
     p.add_argument("--ssd-root", default=None, help="directory for the SSD tiers (default: the temp dir)")
     p.add_argument("--name", default=None, help="result file name (default: the preset's)")
+    p.add_argument("--zi-args", default="",
+                   help="extra arguments of benchmarks/zero_infinity.py for its points, e.g. \"--param-buffers 12 "
+                        "--ds-overrides '{...}'\" (a model its defaults do not fit in memory)")
     args = p.parse_args(argv)
     systems = [s for s in args.systems.split(",") if s]
     unknown = [s for s in systems if s not in SYSTEMS]
@@ -226,7 +230,8 @@ def main(argv: list[str] | None = None) -> int:
         points += [point(system, num_micro, merge_runs(runs[system])) for system in systems]
         points.sort(key=lambda p: (p["num_micro"], SYSTEMS.index(p["system"])))
         # written after every point, so that a long curve stopped half-way keeps what it measured
-        report = dict(preset=args.preset, settings=dict(spec, num_micro=micro_counts, systems=systems, rounds=args.rounds),
+        report = dict(preset=args.preset, settings=dict(spec, num_micro=micro_counts, systems=systems, rounds=args.rounds,
+                                                        zi_args=args.zi_args),
                       wall_s=time.perf_counter() - start, points=points, ratios=ratios(points), notes=notes)
         (RESULTS / f"{name}.json").write_text(json.dumps(report, indent=1))
     print(table(report))

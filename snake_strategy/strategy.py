@@ -38,7 +38,7 @@ from snake_strategy.engine.state.weights_file import weights_file_name
 from snake_strategy.module import LayeredModule
 from snake_strategy.planning.autoplan import RunPlan, example_batch, resolve
 from snake_strategy.planning.prediction import first_prediction, recalibrated, with_prediction
-from snake_strategy.planning.calibration import STEADY_STEP, MeasuredStep
+from snake_strategy.planning.calibration import CALIBRATION_STEPS, STEADY_STEP, MeasuredStep
 from snake_strategy.planning.planner import HardwareProfile, ModelShape, StepPrediction
 from snake_strategy.precision import GreedySnakePrecision
 from snake_strategy.progress import Progress
@@ -114,6 +114,7 @@ class GreedySnakeStrategy(DataParallelMixin, ParallelStrategy):
         self.shard_optimizer_state = shard_optimizer_state
         self._predicted_at_step_one = False
         self._step_start_s = 0.0  # when the running step's training_step began (the calibration's wall time)
+        self._steady_steps: list[MeasuredStep] = []  # what the steady steps so far measured (the calibration's)
         self._created_ssd_dirs: list[str] = []  # ssd_dir levels several ranks made, removed at close
         self._saver = checkpoint_saver.CheckpointSaver(self.progress)
         self._handback = WeightsHandback()
@@ -352,17 +353,20 @@ class GreedySnakeStrategy(DataParallelMixin, ParallelStrategy):
         return prediction
 
     def _calibrate(self) -> None:
-        """After the first steady step: the prediction against what it measured, re-planned with the measured
-        rates when it missed (``planning.prediction.recalibrated``)."""
+        """After each of the first steady steps: the prediction against the median of what they measured,
+        re-planned with the measured rates when it missed (``planning.prediction.recalibrated``)."""
         engine = self.engine
-        measured = MeasuredStep.from_stats(time.perf_counter() - self._step_start_s, engine.last_step)
-        self.plan = recalibrated(self.plan, self.model_shape, measured, engine.step_count, engine.alpha)
+        self._steady_steps.append(MeasuredStep.from_stats(time.perf_counter() - self._step_start_s, engine.last_step))
+        self.plan = recalibrated(self.plan, self.model_shape, MeasuredStep.median(self._steady_steps),
+                                 engine.step_count, engine.alpha, len(self._steady_steps))
         self.prediction = self.plan.prediction
         self.progress.predictions["step"] = self.prediction.roofline_s
         engine.use_plan(self._rank_plan())
+
     def _resolve_plan(self, optimizer: Any, clip: tuple[str, float] | None = None) -> None:
         """The planner turns the requested "auto" settings (and ``clip``: alpha, step mode) into concrete ones."""
         storage, schedule = self.requested
+        self._steady_steps = []  # a new plan is calibrated by its own steps
         hardware = self.hardware if isinstance(self.hardware, HardwareProfile) else HardwareProfile()
         self.plan = resolve(self.lightning_module, optimizer, storage, schedule, self.precision_plugin.dtypes,
                             self.root_device, hardware, processes_per_node=self.num_processes,
@@ -377,7 +381,8 @@ class GreedySnakeStrategy(DataParallelMixin, ParallelStrategy):
         result = super().optimizer_step(optimizer, closure, model, **kwargs)
         self.engine.optimizer_step()
         # this process's steps (a resumed run counts from its own first step)
-        if self.engine.trace.last.index == STEADY_STEP and self.plan.prediction is not None:
+        if (STEADY_STEP <= self.engine.trace.last.index < STEADY_STEP + CALIBRATION_STEPS
+                and self.plan.prediction is not None):
             self._calibrate()
         self._saver.step_ended()
         return result

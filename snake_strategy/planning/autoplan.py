@@ -110,8 +110,9 @@ class RunPlan:
     step_host_bytes: int | None = None
     hardware: HardwareProfile | None = dataclasses.field(default=None, repr=False)  # the prediction's rates
     knee: Knee | None = None  # where this run turns compute-bound (with the prediction)
-    # The prediction against the first steady step (planning/calibration.py): measured, error, the corrected
-    # prediction and the settings re-planned with the measured rates. None before that step.
+    # The prediction against the first steady steps (planning/calibration.py): measured (their median), error,
+    # the corrected prediction and the settings re-planned with the measured rates; every check's error in
+    # "checks". None before the first steady step.
     calibration: dict[str, Any] | None = None
 
     def memory_inputs(self, checkpoint_bytes: int = 0, shard_rank: int = 0, loss_logits_bytes: int = 0) -> MemoryInputs:
@@ -175,8 +176,11 @@ class RunPlan:
             text += f"; predicted {self.prediction.roofline_s:.3f} s/step ({self.prediction.bound}-bound"
             c = self.calibration
             if c is not None and c["replanned"]:
+                measured = (f"{c['measured']['step_s']:.3f} s measured" if c.get("steps_measured", 1) == 1 else
+                            f"{c['measured']['step_s']:.3f} s the median of steps {c['step'] - c['steps_measured'] + 1}"
+                            f"-{c['step']}")
                 text += (f", corrected after step {c['step']} from the measured rates: {c['predicted_s']:.3f} s "
-                         f"({c['predicted_bound']}) predicted, {c['measured']['step_s']:.3f} s measured")
+                         f"({c['predicted_bound']}) predicted, {measured}")
             elif c is not None:
                 text += f", {100 * c['error']:+.0f}% against step {c['step']}"
             text += ")"

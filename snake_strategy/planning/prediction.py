@@ -1,6 +1,6 @@
 """The run's prediction on its plan: made before step 1 from the hardware probe and again after step 1
 (``first_prediction``, ``with_prediction``: the prediction, the knee and the settings that depend on rates),
-then checked against the first steady step and re-planned with the measured rates when it missed
+then checked against the first steady steps and re-planned with the measured rates when it missed
 (``recalibrated``; the rates themselves: planning/calibration.py). The strategy calls these three at those
 points and hands the engine the plan it then runs (``SnakeEngine.use_plan``).
 """
@@ -66,15 +66,22 @@ def with_prediction(plan: RunPlan, shape: ModelShape, hardware: HardwareProfile,
                                knee=knee(shape, hardware, plan.storage, s.kind, alpha, speculative))
 
 
-def recalibrated(plan: RunPlan, shape: ModelShape, measured: MeasuredStep, step: int, alpha: float) -> RunPlan:
-    """The plan after the first steady step (planning/calibration.py): the prediction kept when it is within
-    ``REPLAN_MISS`` of the measured step, else predicted again with the measured rates and the rate-dependent
-    settings chosen again with them (logged once, with the reason). ``plan.calibration`` records either."""
+def recalibrated(plan: RunPlan, shape: ModelShape, measured: MeasuredStep, step: int, alpha: float,
+                 steps_measured: int = 1) -> RunPlan:
+    """The plan after a steady step (planning/calibration.py), ``measured`` the median of the last
+    ``steps_measured`` steady steps: the prediction kept when it is within ``REPLAN_MISS`` of it, else
+    predicted again with the measured rates and the rate-dependent settings chosen again with them (logged,
+    with the reason). ``plan.calibration`` records the first check, or the last one that re-planned, with every
+    check's error in ``checks``."""
     before = plan.prediction
     assert before is not None and plan.hardware is not None, "a plan is predicted before it is calibrated"
     error = missed(before, measured)
-    record: dict[str, Any] = {"step": step, "measured": dataclasses.asdict(measured), "predicted_s": before.roofline_s,
-                              "predicted_bound": before.bound, "error": error, "replanned": False, "changes": {}}
+    checks = [*(plan.calibration or {}).get("checks", []), {"step": step, "error": error}]
+    if abs(error) <= REPLAN_MISS and plan.calibration is not None:
+        return dataclasses.replace(plan, calibration={**plan.calibration, "checks": checks})
+    record: dict[str, Any] = {"step": step, "steps_measured": steps_measured, "measured": dataclasses.asdict(measured),
+                              "predicted_s": before.roofline_s, "predicted_bound": before.bound, "error": error,
+                              "replanned": False, "changes": {}, "checks": checks}
     if abs(error) <= REPLAN_MISS:
         return dataclasses.replace(plan, calibration=record)
     hardware = calibrated(plan.hardware, shape, before, measured)
@@ -84,9 +91,9 @@ def recalibrated(plan: RunPlan, shape: ModelShape, measured: MeasuredStep, step:
         if after.schedule.prefetch_depth != plan.schedule.prefetch_depth else {}
     record.update(replanned=True, changes=changes, corrected_s=prediction.roofline_s, corrected_bound=prediction.bound)
     log.info(
-        "planner: step %d took %.2f s, the prediction was %.2f s (%s-bound, %+.0f%%): re-planned with the measured "
-        "rates (compute %.3g FLOP/s, optimizer %.3g params/s, SSD x%.2f): %.2f s/step, %s-bound; %s", step,
-        measured.step_s, before.roofline_s, before.bound, 100 * error, hardware.flops_per_s,
+        "planner: step %d took %.2f s (the median of %d steady steps), the prediction was %.2f s (%s-bound, %+.0f%%): "
+        "re-planned with the measured rates (compute %.3g FLOP/s, optimizer %.3g params/s, SSD x%.2f): %.2f s/step, "
+        "%s-bound; %s", step, measured.step_s, steps_measured, before.roofline_s, before.bound, 100 * error, hardware.flops_per_s,
         hardware.optimizer_params_per_s, hardware.ssd_read_gb_per_s / plan.hardware.ssd_read_gb_per_s,
         prediction.roofline_s, prediction.bound,
         "; ".join(f"{k} {a} -> {b} ({after.reasons[k]})" for k, (a, b) in changes.items()) or "the settings stay")

@@ -24,8 +24,10 @@ keep = sys.argv[5] if sys.argv[5] == "auto" else int(sys.argv[5])
 cfg = GPTConfig(vocab_size=256, d_model=width, num_layers=layers, num_heads=4, context_len=32, tied_head=True)
 module = GPTModule(cfg)
 base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-# "+N": N bytes above what the process holds now (the budget bounds the process, its baseline included)
-budget_bytes = base + int(sys.argv[6][1:]) if sys.argv[6].startswith("+") else int(sys.argv[6])
+# "+N": N bytes above what the process holds besides the module (the kept graphs leave that baseline out)
+from snake_strategy.planning.host_memory import process_baseline_bytes
+baseline = process_baseline_bytes([*module.parameters(), *module.buffers()])
+budget_bytes = baseline + int(sys.argv[6][1:]) if sys.argv[6].startswith("+") else int(sys.argv[6])
 x = torch.randint(0, 256, (2 * 4, 33))
 loader = DataLoader(TensorDataset(x[:, :-1], x[:, 1:]), batch_size=4)
 storage = snake_strategy.StorageConfig(ssd_dir=ssd_dir, weights={"ssd": 1.0}, optimizer={"ssd": 1.0},
