@@ -40,6 +40,7 @@ from snake_strategy.engine.runtime import EngineRuntime
 from snake_strategy.engine.stream.forward_only import stream_blocks, streamed_forward
 from snake_strategy.engine.view import StepStats
 from snake_strategy.engine.stream.streamer import WeightStreamer
+from snake_strategy.planning.host_memory import SOURCE_GIVEN
 from snake_strategy.planning.memory import UNPLANNED_SHARE, pool_sizes
 from snake_strategy.optimizers import hyper_params, optimizer_kind
 from snake_strategy.planning.autoplan import RunPlan
@@ -189,11 +190,15 @@ class SnakeEngine(EngineBase):
 
     def _free_host_bytes(self, checkpoint_bytes: int) -> int | None:
         """What the plan's budget leaves once the plan with checkpoints of this size is placed, less
-        ``memory.UNPLANNED_SHARE`` of it and less what the process held at setup (kept graphs fill it, and
-        an optional speed-up must not take the process above the budget); None when the plan has no budget."""
+        ``memory.UNPLANNED_SHARE`` of it (kept graphs fill it); None when the plan has no budget. A budget
+        derived from the machine (MemAvailable, the cgroup) also leaves out what the process held at setup:
+        it is the machine's share the run reports, and an optional speed-up must not take the process above
+        it. A given ``storage.host_budget_bytes`` is what the run may fill above that baseline."""
         if not self.plan.host_budget_bytes:
             return None
-        room = int(self.plan.host_budget_bytes * (1 - UNPLANNED_SHARE)) - self.plan.process_baseline_bytes
+        room = int(self.plan.host_budget_bytes * (1 - UNPLANNED_SHARE))
+        if self.plan.host_budget_source != SOURCE_GIVEN:
+            room -= self.plan.process_baseline_bytes
         return room - sum(self.host_bytes_plan(checkpoint_bytes).values())
 
     def model_shape(self, micro_batch: Any) -> ModelShape:

@@ -37,8 +37,8 @@ WORKSPACE_CHECKPOINTS_PER_BLOCK = 24
 RSS_SLACK_BYTES = 96 * 2**20
 # Of the host budget, the share kept graphs leave unfilled: with the budget full, that slack grows with the
 # run. Measured at gpt_4b in a 16 GiB container: peak RSS 0.15 GiB (1.1% of the plan) above baseline + plan
-# (docs/dev/LOG.md, issue 35). Kept graphs also leave the process's baseline out (engine/training.py), so
-# filling the budget never takes the process's peak above it.
+# (docs/dev/LOG.md, issue 35). Under a budget derived from the machine, kept graphs also leave the process's
+# baseline out (engine/training.py), so filling it never takes the process's peak above it.
 UNPLANNED_SHARE = 0.02
 # The loss head's in-step tensors, in multiples of its output (the logits of the micro-batches one task
 # runs): the logits, the log-probabilities and their gradient. Measured: fp32 cross-entropy over 512 x
