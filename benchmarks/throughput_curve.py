@@ -217,6 +217,7 @@ def main(argv: list[str] | None = None) -> int:
         points = [p for p in earlier["points"] if (p["system"], p["num_micro"]) not in mine]
         notes += [n for n in earlier.get("notes", []) if n not in notes]
         notes.append(f"points from more than one run: {earlier['settings']} and this run's")
+    settings = dict(spec, num_micro=micro_counts, systems=systems, rounds=args.rounds, zi_args=args.zi_args)
     for num_micro in micro_counts:
         runs: dict[str, list[dict]] = {}
         for system in run_order(systems, args.rounds):
@@ -230,8 +231,7 @@ def main(argv: list[str] | None = None) -> int:
         points += [point(system, num_micro, merge_runs(runs[system])) for system in systems]
         points.sort(key=lambda p: (p["num_micro"], SYSTEMS.index(p["system"])))
         # written after every point, so that a long curve stopped half-way keeps what it measured
-        report = dict(preset=args.preset, settings=dict(spec, num_micro=micro_counts, systems=systems, rounds=args.rounds,
-                                                        zi_args=args.zi_args),
+        report = dict(preset=args.preset, settings=settings,
                       wall_s=time.perf_counter() - start, points=points, ratios=ratios(points), notes=notes)
         (RESULTS / f"{name}.json").write_text(json.dumps(report, indent=1))
     print(table(report))

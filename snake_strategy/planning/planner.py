@@ -262,7 +262,8 @@ def memory_inputs(shape: ModelShape, hw: HardwareProfile, storage: StorageConfig
     uniform_elems = (shape.weight_elems_per_unit,) * L if shape.weight_elems_per_unit else ()
     return MemoryInputs(
         unit_params=shape.unit_params or (shape.params_per_unit,) * L, nonlayer_params=shape.nonlayer_params,
-        nonlayer_largest=shape.nonlayer_largest_params, loss_logits_bytes=loss_logits_bytes, compute_bytes=shape.compute_bytes or shape.weight_bytes, master_bytes=shape.master_bytes,
+        nonlayer_largest=shape.nonlayer_largest_params, loss_logits_bytes=loss_logits_bytes,
+        compute_bytes=shape.compute_bytes or shape.weight_bytes, master_bytes=shape.master_bytes,
         state_vectors=shape.state_bytes / shape.master_bytes,
         device_is_cpu=hw.device_is_cpu, unit_weight_elems=shape.unit_weight_elems or uniform_elems,
         weight_bytes=shape.weight_bytes if shape.compute_bytes else 0,

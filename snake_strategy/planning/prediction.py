@@ -93,8 +93,8 @@ def recalibrated(plan: RunPlan, shape: ModelShape, measured: MeasuredStep, step:
     log.info(
         "planner: step %d took %.2f s (the median of %d steady steps), the prediction was %.2f s (%s-bound, %+.0f%%): "
         "re-planned with the measured rates (compute %.3g FLOP/s, optimizer %.3g params/s, SSD x%.2f): %.2f s/step, "
-        "%s-bound; %s", step, measured.step_s, steps_measured, before.roofline_s, before.bound, 100 * error, hardware.flops_per_s,
-        hardware.optimizer_params_per_s, hardware.ssd_read_gb_per_s / plan.hardware.ssd_read_gb_per_s,
+        "%s-bound; %s", step, measured.step_s, steps_measured, before.roofline_s, before.bound, 100 * error,
+        hardware.flops_per_s, hardware.optimizer_params_per_s, hardware.ssd_read_gb_per_s / plan.hardware.ssd_read_gb_per_s,
         prediction.roofline_s, prediction.bound,
         "; ".join(f"{k} {a} -> {b} ({after.reasons[k]})" for k, (a, b) in changes.items()) or "the settings stay")
     return dataclasses.replace(after, calibration=record)

@@ -88,8 +88,8 @@ def own_spread(name: str, ref: list[dict], trainer_extra: dict | None = None, pr
     """The bound for ``name``: None (the default tolerance), or for an optimizer in NOISE_AMPLIFYING twice plain
     Lightning's own largest difference between its MICRO x MICRO_SIZE micro-batches and the same samples one
     at a time, in micro-batches of 2 x MICRO_SIZE, and as one batch (only the gradients' summation order
-    differs), floored at the default atol. Twice: the reference and the run under test are both one summation order among others, so
-    each within the spread d of the orders leaves them up to 2d apart. One order's distance is a sample, not
+    differs), floored at the default atol. Twice: the reference and the run under test are both one summation
+    order among others, so each within the spread d of the orders leaves them up to 2d apart. One order's distance is a sample, not
     the bound: on an AVX-512 CPU greedysnake's Adafactor landed 7.5e-10 from plain's, 1.2x the largest of
     three sampled orders (4.9e-10 to 6.3e-10; docs/dev/LOG.md, 2026-12-06)."""
     if name not in NOISE_AMPLIFYING:

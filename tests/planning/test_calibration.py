@@ -66,7 +66,8 @@ def test_prefetch_depth_follows_the_rates_only_with_weights_on_the_ssd():
 
 def test_the_steady_steps_median_sets_the_rates():
     """One slow step among the steady ones does not set the rates: the calibration takes every field's median."""
-    steps = [MeasuredStep(45.0, 44.0, 11.5, 15.5), MeasuredStep(37.0, 36.0, 9.5, 14.5), MeasuredStep(33.0, 33.0, 8.0, 12.0)]
+    steps = [MeasuredStep(45.0, 44.0, 11.5, 15.5), MeasuredStep(37.0, 36.0, 9.5, 14.5),
+             MeasuredStep(33.0, 33.0, 8.0, 12.0)]
     assert MeasuredStep.median(steps) == MeasuredStep(37.0, 36.0, 9.5, 14.5)
     assert MeasuredStep.median(steps[:2]) == MeasuredStep(41.0, 40.0, 10.5, 15.0)
     assert MeasuredStep.median(steps[:1]) == steps[0]
