@@ -322,7 +322,7 @@ class SnakeEngine(EngineBase):
             # fp16 overflow: drop every pending update; put back the backward parts stepped speculatively.
             self.overlap.drop_forward_parts()
         else:
-            self.nonlayer.step(self._hps, self.step_count)
+            self.nonlayer.step(self._hps)
             # Lightning steps the LR scheduler right after this returns: the forward parts keep this snapshot.
             self.overlap.defer_forward_parts(self._hps, self.step_count, factor, self.gradients.redo)
             self.step_count += 1
@@ -420,7 +420,7 @@ class SnakeEngine(EngineBase):
         the step counter and the loss scaler."""
         self.flush()
         return {**self.nonlayer.state_dict(), "loss_scaler": self.scaler.state_dict(), "step_count": self.step_count,
-                "optimizer_scalars": self.update.scalars.state_dict(self.step_count)}
+                "optimizer_scalars": self.update.scalars_state(self.step_count)}
 
     def load_nonlayer_state(self, state: dict[str, Any]) -> None:
         self.nonlayer.load_state_dict(state)
@@ -428,7 +428,7 @@ class SnakeEngine(EngineBase):
             self.scaler.load_state_dict(state["loss_scaler"])
         if "step_count" in state:
             self.step_count = int(state["step_count"])
-        self.update.scalars.load_state_dict(state.get("optimizer_scalars", {}), self.step_count)
+        self.update.load_scalars(state.get("optimizer_scalars", {}), self.step_count, [u.layout for u in self.units])
 
     def trainable_named_weights(self) -> Iterator[tuple[str, Tensor]]:
         """The trainable parameters by module name (EngineView), master values, one unit at a time."""

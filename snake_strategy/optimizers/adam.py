@@ -2,9 +2,9 @@
 
 For Adam and AdamW (without amsgrad or maximize) the engine does not build the user's optimizer per chunk
 (optimizers/stepping.py): it calls ``torch.optim.adam.adam(..., fused=True)`` on contiguous ranges of each
-unit's flat master vector, one range per parameter group, with the group's hyper-parameters. It is the
-same arithmetic as torch's Adam, and the fastest kernel torch has for it on a CPU
-(benchmarks/results/optimizer_kernels/).
+unit's flat master vector, one view per parameter with that parameter's own step count and its group's
+hyper-parameters. It is the same arithmetic as torch's Adam, and the fastest kernel torch has for it on a
+CPU (benchmarks/results/optimizer_kernels/).
 """
 from __future__ import annotations
 
@@ -38,14 +38,17 @@ def adam_step(
     grads: list[torch.Tensor],
     exp_avgs: list[torch.Tensor],
     exp_avg_sqs: list[torch.Tensor],
-    step_before: int,
+    steps_before: list[int],
     hp: AdamHyperParams,
 ) -> None:
-    """One in-place Adam(W) update of ``params`` (the ``step_before+1``-th step, for bias correction)."""
+    """One in-place Adam(W) update of ``params``, parameter k taking its ``steps_before[k]+1``-th step (bias
+    correction counts each parameter's own steps, as torch does: a parameter that sat a step out without a
+    gradient was not stepped, so its count is behind the others')."""
+    assert len(steps_before) == len(params), (len(steps_before), len(params))
     if not params:
         return
     # The fused kernel increments the step tensors itself, one per parameter.
-    steps = [torch.tensor(float(step_before), dtype=torch.float32, device=p.device) for p in params]
+    steps = [torch.tensor(float(n), dtype=torch.float32, device=p.device) for p, n in zip(params, steps_before)]
     functional_adam(
         params, grads, exp_avgs, exp_avg_sqs, [], steps,
         fused=True, amsgrad=False, beta1=hp.beta1, beta2=hp.beta2, lr=hp.lr,

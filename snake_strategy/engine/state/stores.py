@@ -185,6 +185,7 @@ class NonLayerState:
         self.fused_adam = spec is None or spec.kind == FUSED_ADAM
         self.exp_avg = [torch.zeros_like(m) for m in self.master] if self.fused_adam else []
         self.exp_avg_sq = [torch.zeros_like(m) for m in self.master] if self.fused_adam else []
+        self.steps = [0] * len(params)  # fused Adam: each parameter's own step count (torch counts per parameter)
         self._shadow = None if self.fused_adam else ShadowOptimizer(optimizer)
         self.states: list[dict[str, Any] | None] = [None] * len(params)  # never stepped: None
         self.grads = [torch.zeros_like(m) for m in self.master]
@@ -216,13 +217,15 @@ class NonLayerState:
         return [g for g, used in zip(self.grads, self.used) if used]
 
     @torch.no_grad()
-    def step(self, hps: list[dict[str, Any]], step_before: int) -> None:
+    def step(self, hps: list[dict[str, Any]]) -> None:
         for group, hp in enumerate(hps):
             idx = [i for i, g in enumerate(self.groups) if g == group and self.used[i]]
             if self.fused_adam:
                 adam_step([self.master[i] for i in idx], [self.grads[i] for i in idx],
-                          [self.exp_avg[i] for i in idx], [self.exp_avg_sq[i] for i in idx], step_before,
-                          AdamHyperParams.of(hp))
+                          [self.exp_avg[i] for i in idx], [self.exp_avg_sq[i] for i in idx],
+                          [self.steps[i] for i in idx], AdamHyperParams.of(hp))
+                for i in idx:
+                    self.steps[i] += 1
             elif idx:
                 after = self._shadow.step(hp, [self.master[i] for i in idx], [self.grads[i] for i in idx],
                                           [self.states[i] for i in idx])
@@ -241,7 +244,7 @@ class NonLayerState:
 
         if self.fused_adam:
             return {"names": list(self.names), "master": cpu(self.master), "exp_avg": cpu(self.exp_avg),
-                    "exp_avg_sq": cpu(self.exp_avg_sq)}
+                    "exp_avg_sq": cpu(self.exp_avg_sq), "steps": list(self.steps)}
         states = [None if s is None else {k: v.detach().cpu() if isinstance(v, Tensor) else v for k, v in s.items()}
                   for s in self.states]
         return {"names": list(self.names), "master": cpu(self.master), "optimizer_states": states}
@@ -255,6 +258,8 @@ class NonLayerState:
             if self.fused_adam:
                 self.exp_avg[i].copy_(state["exp_avg"][i])
                 self.exp_avg_sq[i].copy_(state["exp_avg_sq"][i])
+                # A checkpoint without per-parameter counts stepped every parameter at every step.
+                self.steps[i] = int(state["steps"][i]) if "steps" in state else int(state.get("step_count", 0))
             else:
                 saved = state["optimizer_states"][i]
                 self.states[i] = None if saved is None else {
