@@ -150,6 +150,8 @@ def inspect_optimizer(optimizer: torch.optim.Optimizer, kind: str, params: Seque
                                                  states[(g, shape)].scalars)
         if kind == PER_TENSOR and not isinstance(optimizer, TORCH_PER_TENSOR):
             check_uncoupled(shadow, optimizer, dtype, class_name)
+        for g in sorted({g for g, _ in params}):
+            shadow.check_nothing_lost(optimizer, g, dtype, class_name)
     dtypes_of: dict[str, list[torch.dtype]] = {}
     for state in states.values():
         for key, _, d in state.tensors:
