@@ -205,7 +205,12 @@ def materialize_unit_blocks(
                 raise ValueError("a block mixes meta and materialized parameters; build each block entirely "
                                  "in configure_model() or entirely in __init__()")
             real = copy.deepcopy(block).to_empty(device="cpu")
+            with torch.no_grad():
+                for p in real.parameters():
+                    p.fill_(float("nan"))  # what no initialiser writes stays NaN, and is refused below
             real.apply(init_fn)
+            for name, p in real.named_parameters():
+                check_initialised(f"blocks.{layout.first_block + len(real_blocks)}.{name}", p)
             real_blocks.append(real)
         else:
             real_blocks.append(block)
@@ -216,6 +221,17 @@ def materialize_unit_blocks(
                 # Keeps the Parameter object (the optimizer holds it); frees its storage.
                 torch.utils.swap_tensors(p, nn.Parameter(torch.empty_like(p, device="meta"), p.requires_grad))
     return flat
+
+
+def check_initialised(name: str, value: Tensor) -> None:
+    """Refuse a parameter built on the meta device that no initialiser wrote (still the NaN it was filled
+    with): its value from configure_model is gone, and plain Lightning would have trained from it."""
+    if value.is_floating_point() and bool(torch.isnan(value).any()):
+        raise ValueError(f"parameter '{name}' was built on the meta device (greedysnake runs configure_model there) "
+                         "and nothing initialised it: its module has no reset_parameters() and init_module_weights "
+                         "left it alone, so the value configure_model gave it is gone. Give that module a "
+                         "reset_parameters(), initialise the parameter in init_module_weights(module), or create it "
+                         "in __init__ (real memory: its value is kept)")
 
 
 def is_matmul_weight(block: nn.Module, name: str) -> bool:

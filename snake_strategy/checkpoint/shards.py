@@ -77,11 +77,14 @@ def save(engine: SnakeEngine, checkpoint: dict[str, Any], path: str | os.PathLik
             error = f"rank {rank} could not write its checkpoint shard in {tmp}: {err}"
         # Sync point: every shard is complete (or failed) before anything names them.
         reports: list[Any] = [None] * world
+        # Each rank steps, so counts, only the parameters in its shard: rank 0 records every rank's scalars.
         dist.all_gather_object(reports, {"files": files, "error": error, "rank": rank, "host": socket.gethostname(),
+                                         "optimizer_scalars": engine.optimizer_scalars(),
                                          "pid": os.getpid()})
         error = next((r["error"] for r in reports if r["error"] is not None), None)
         if rank == 0 and error is None:
             try:
+                engine.merge_optimizer_scalars([r["optimizer_scalars"] for r in reports])
                 _commit(engine, checkpoint, tmp, final, reports, world)
             except Exception as err:
                 error = f"rank 0 could not complete the checkpoint {final}: {err}"

@@ -422,6 +422,17 @@ class SnakeEngine(EngineBase):
         return {**self.nonlayer.state_dict(), "loss_scaler": self.scaler.state_dict(), "step_count": self.step_count,
                 "optimizer_scalars": self.update.scalars_state(self.step_count)}
 
+    def optimizer_scalars(self) -> dict[str, Any]:
+        """The units' per-parameter scalar optimizer state (step counts ...) before the next step; partitioned,
+        only those of the parameters this rank steps."""
+        self.flush()
+        return self.update.scalars_state(self.step_count)
+
+    def merge_optimizer_scalars(self, states: list[dict[str, Any]]) -> None:
+        """Add other ranks' ``optimizer_scalars`` (partitioned state: what a checkpoint records of them all)."""
+        for state in states:
+            self.update.scalars.merge(state, self.step_count)
+
     def load_nonlayer_state(self, state: dict[str, Any]) -> None:
         self.nonlayer.load_state_dict(state)
         if "loss_scaler" in state:

@@ -119,10 +119,10 @@ def _probe_adam(numel: int = 8 * 2**20) -> float:
     p, g = torch.zeros(numel), torch.ones(numel)
     m, v = torch.zeros(numel), torch.zeros(numel)
     hp = AdamHyperParams(1e-3, 0.9, 0.999, 1e-8, 0.0, True)
-    adam_step([p], [g], [m], [v], 0, hp)
+    adam_step([p], [g], [m], [v], [0], hp)
     start = time.perf_counter()
     for step in range(3):
-        adam_step([p], [g], [m], [v], step + 1, hp)
+        adam_step([p], [g], [m], [v], [step + 1], hp)
     return 3 * numel / (time.perf_counter() - start)
 
 

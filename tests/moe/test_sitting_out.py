@@ -97,3 +97,32 @@ def test_resume_across_a_step_an_expert_sat_out_is_bitwise(tmp_path):
     resumed = run("c", 6, ckpt_path=str(tmp_path / "ckpts" / saved))
     assert resumed.trainer.global_step == 6
     assert_bitwise(resumed.states[-1], straight)
+
+
+class BareScale(torch.nn.Module):
+    """A learned scale created with its value in the constructor and no reset_parameters (hand-written RMSNorm
+    style)."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.scale = torch.nn.Parameter(torch.ones(width))
+
+    def forward(self, hidden, route):
+        return hidden * self.scale
+
+
+def test_a_meta_built_parameter_nothing_initialises_is_refused(tmp_path):
+    """configure_model runs on the meta device: a parameter whose value only its constructor gave (no
+    reset_parameters, not in init_module_weights) would start from garbage. Refused before step 1, named."""
+
+    class Scaled(MoEStack):
+        def configure_model(self) -> None:
+            if not hasattr(self, "blocks"):
+                super().configure_model()
+                self.blocks.append(BareScale(self.width))
+
+    loader = routed_loader(1, MICRO * MICRO_SIZE, MICRO * MICRO_SIZE, {})
+    with pytest.raises(ValueError, match=r"'blocks\.3\.scale'.*reset_parameters") as err:
+        fit_snake(Scaled(), loader, steps=1, storage={"ssd_dir": str(tmp_path / "ssd")},
+                  schedule={"num_micro_batches": MICRO})
+    assert "nothing initialised it" in str(err.value)

@@ -24,7 +24,7 @@ from snake_strategy.progress import or_quiet
 from snake_strategy.sources.lora_init import adapter_initializer, nonlayer_adapter_values
 from snake_strategy.sources.pretrained import PretrainedSource
 from snake_strategy.storage.tiered import ALIGN_ELEMS, Tiers
-from snake_strategy.units import UnitLayout, WeightFormat, materialize_unit_blocks
+from snake_strategy.units import UnitLayout, WeightFormat, check_initialised, materialize_unit_blocks
 
 
 @dataclass
@@ -157,8 +157,10 @@ def materialize(module: nn.Module, layouts: list[UnitLayout], named: list[tuple[
     fresh = nonlayer_adapter_values(module, adapter_init, lambda name: name not in source) \
         if source is not None else {}
     for p in params:
-        # swap_tensors keeps the Parameter object the optimizer and tied modules refer to.
-        real = torch.empty_like(p, device=device) if p.is_meta else p.detach().to(device)
+        # swap_tensors keeps the Parameter object the optimizer and tied modules refer to. A meta one is
+        # NaN until an initialiser writes it (refused after the walk below if none does).
+        real = torch.full_like(p, float("nan"), device=device) if p.is_meta and p.is_floating_point() \
+            else torch.empty_like(p, device=device) if p.is_meta else p.detach().to(device)
         torch.utils.swap_tensors(p, nn.Parameter(real, requires_grad=p.requires_grad))
     block_buffers = {id(b) for b in module.blocks.buffers()}
     for name, buf in module.named_buffers():
@@ -188,6 +190,9 @@ def materialize(module: nn.Module, layouts: list[UnitLayout], named: list[tuple[
         if source is not None:
             for name, p in named:
                 p.copy_(fresh[name] if name in fresh else source.tensor(name, p.shape))
+        elif init_nonlayer:
+            for name, p in named:
+                check_initialised(name, p)
     return units
 
 
