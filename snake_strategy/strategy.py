@@ -349,7 +349,8 @@ class GreedySnakeStrategy(DataParallelMixin, ParallelStrategy):
             if not at_setup:  # the first step measured the activations: what the steps hold
                 self.plan = dataclasses.replace(
                     self.plan, step_host_bytes=sum(engine.host_bytes_plan(engine.checkpoint_bytes).values()))
-            engine.use_plan(self._rank_plan())  # the rate-dependent settings (prefetch depth), between steps
+            ran = engine.use_plan(self._rank_plan())  # the rate-dependent settings (prefetch depth), between steps
+            self.plan = dataclasses.replace(self.plan, schedule=ran.schedule)
         return prediction
 
     def _calibrate(self) -> None:
@@ -361,7 +362,7 @@ class GreedySnakeStrategy(DataParallelMixin, ParallelStrategy):
                                  engine.step_count, engine.alpha, len(self._steady_steps))
         self.prediction = self.plan.prediction
         self.progress.predictions["step"] = self.prediction.roofline_s
-        engine.use_plan(self._rank_plan())
+        self.plan = dataclasses.replace(self.plan, schedule=engine.use_plan(self._rank_plan()).schedule)
 
     def _resolve_plan(self, optimizer: Any, clip: tuple[str, float] | None = None) -> None:
         """The planner turns the requested "auto" settings (and ``clip``: alpha, step mode) into concrete ones."""

@@ -335,15 +335,28 @@ class SnakeEngine(EngineBase):
         self._train_end_snapshot = None
         self.trace.end_step()
 
-    def use_plan(self, plan: RunPlan) -> None:
+    def use_plan(self, plan: RunPlan) -> RunPlan:
         """Run ``plan`` from the next step on: the same plan re-planned with measured rates
         (``planning.prediction.recalibrated``), whose only setting that may differ is the prefetch depth, which changes
-        no math. Called between steps."""
+        no math. Called between steps. Returns the plan it runs: a deeper prefetch that the kept graphs
+        leave no room for keeps the current depth."""
         assert plan.storage == self.plan.storage, "a re-plan keeps the placement"
         assert dataclasses.replace(plan.schedule, prefetch_depth=self.schedule.prefetch_depth) == self.schedule, \
             "a re-plan changes only the prefetch depth"
+        if plan.schedule.prefetch_depth > self.schedule.prefetch_depth and self.runner is not None \
+                and self.runner.kept.planned_bytes:
+            # The kept graphs filled the budget the shallower depth left: a deeper prefetch's extra weight
+            # buffers would take the run above its host budget, so the depth stays.
+            current = self.plan
+            self.plan, self.schedule = plan, plan.schedule
+            left = self._free_host_bytes(self.checkpoint_bytes)
+            self.plan, self.schedule = current, current.schedule
+            if left is not None and left < 0:
+                plan = dataclasses.replace(plan, schedule=dataclasses.replace(
+                    plan.schedule, prefetch_depth=self.schedule.prefetch_depth))
         self.weights.set_prefetch_depth(plan.schedule.prefetch_depth)
         self.plan, self.schedule = plan, plan.schedule
+        return plan
 
     def flush(self) -> None:
         """Apply every pending optimizer update (call before anything reads weights outside training)."""
