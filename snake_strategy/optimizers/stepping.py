@@ -63,7 +63,6 @@ class ShadowOptimizer:
                 p.grad = None
         return [dict(twin.state[p]) for p in params]
 
-
     def check_nothing_lost(self, optimizer: torch.optim.Optimizer, group: int, dtype: torch.dtype,
                            class_name: str) -> None:
         """Refuse a class whose ``step`` changes its own attributes or its param group in a way the engine
@@ -80,48 +79,28 @@ class ShadowOptimizer:
         gen = torch.Generator().manual_seed(0)
         start = torch.randn(8, 8, generator=gen, dtype=dtype)
         grads = [torch.randn(8, 8, generator=gen, dtype=dtype) for _ in range(3)]
-        hps = {**{k: v for k, v in optimizer.param_groups[group].items() if k != "params"},
-               ATTRS: attributes(optimizer)}
+        hps = step_view(optimizer, group)
         plain_param, own_param, stepped = start.clone(), start.clone(), start.clone()
         plain = self._twin(hps, [plain_param], fresh=True)  # plain Lightning's optimizer object
         own = self._twin(hps, [own_param], fresh=True)  # the user's object under greedysnake: never a gradient
         state = None
         for step, grad in enumerate(grads, start=1):
-            plain_before = {**{k: v for k, v in plain.param_groups[0].items() if k != "params"},
-                            ATTRS: attributes(plain)}
+            plain_before = step_view(plain)
             with torch.no_grad():
                 plain_param.grad = grad.clone()
                 plain.step()
                 seen: list[dict[str, Any]] = []
-
-                def closure() -> None:  # where the engine takes the step's snapshot
-                    seen.append({**{k: v for k, v in own.param_groups[0].items() if k != "params"},
-                                 ATTRS: attributes(own)})
-
                 try:
-                    own.step(closure)
+                    own.step(lambda: seen.append(step_view(own)))  # the closure: where the engine takes its snapshot
                 except Exception as error:  # noqa: BLE001 - Lightning would call it so at every step
                     raise ValueError(f"{class_name}.step(closure) fails on parameters without a gradient, as "
                                      f"Lightning calls it under greedysnake: {type(error).__name__}: {error}") from error
                 snapshot = seen[0] if seen else hps
                 state = self.step(snapshot, [stepped], [grad.clone()], [state])[0]
-            plain_attrs, own_attrs = attributes(plain), attributes(own)
-            plain_group = {k: v for k, v in plain.param_groups[0].items() if k != "params"}
-            own_group = {k: v for k, v in own.param_groups[0].items() if k != "params"}
-            differs = [f"attribute '{k}' ({_short(plain_attrs.get(k))} in plain Lightning, {_short(own_attrs.get(k))} "
-                       "here)" for k in sorted(set(plain_attrs) | set(own_attrs))
-                       if not _equal(plain_attrs.get(k), own_attrs.get(k))]
-            differs += [f"param_groups[{group}]['{k}'] ({_short(plain_group.get(k))} in plain Lightning, "
-                        f"{_short(own_group.get(k))} here)" for k in sorted(set(plain_group) | set(own_group))
-                        if not _equal(plain_group.get(k), own_group.get(k))]
+            differs = _differences(step_view(plain), step_view(own), group, "{} in plain Lightning, {} here")
             if not differs and not torch.equal(stepped, plain_param):
                 # The copies started from other values than plain Lightning's object had before the step.
-                before, got = plain_before.pop(ATTRS), dict(snapshot)
-                got_attrs = got.pop(ATTRS)
-                differs = [f"attribute '{k}', changed before the closure runs" for k in sorted(set(before) | set(got_attrs))
-                           if not _equal(before.get(k), got_attrs.get(k))]
-                differs += [f"param_groups[{group}]['{k}'], changed before the closure runs"
-                            for k in sorted(set(plain_before) | set(got)) if not _equal(plain_before.get(k), got.get(k))]
+                differs = _differences(plain_before, snapshot, group, "changed before the closure runs")
             if differs or not torch.equal(stepped, plain_param):
                 what = "; ".join(differs) or "what its step computes"
                 raise ValueError(
@@ -131,6 +110,18 @@ class ShadowOptimizer:
                     "gradient, so the run would silently differ from plain Lightning. Keep per-parameter values "
                     "in self.state[p] (carried exactly and checkpointed), or change attributes only from what "
                     "does not depend on the gradients, inside or after the closure")
+
+
+def _differences(a: dict[str, Any], b: dict[str, Any], group: int, how: str) -> list[str]:
+    """The entries in which two ``step_view``s differ, named as a user reads them; ``how`` is formatted with
+    the two values."""
+    out = []
+    for where, x, y in (("attribute '{}'", a[ATTRS], b[ATTRS]),
+                        (f"param_groups[{group}]['{{}}']", {k: v for k, v in a.items() if k != ATTRS},
+                         {k: v for k, v in b.items() if k != ATTRS})):
+        out += [f"{where.format(k)} ({how.format(_short(x.get(k)), _short(y.get(k)))})"
+                for k in sorted(set(x) | set(y)) if not _equal(x.get(k), y.get(k))]
+    return out
 
 
 def _snapshot(values: dict[str, Any]) -> dict[str, Any]:
@@ -183,6 +174,12 @@ def attributes(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     cls = type(optimizer)
     return _snapshot({k: v for k, v in optimizer.__dict__.items()
                       if k not in ("state", "param_groups") and not callable(getattr(cls, k, None))})
+
+
+def step_view(optimizer: torch.optim.Optimizer, group: int = 0) -> dict[str, Any]:
+    """What a twin starts from: param group ``group``'s entries (but ``params``) and, under ``ATTRS``, the
+    optimizer's attributes (copies)."""
+    return {**{k: v for k, v in optimizer.param_groups[group].items() if k != "params"}, ATTRS: attributes(optimizer)}
 
 
 def hyper_params(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
