@@ -79,7 +79,7 @@ class EvalEngine(EngineBase):
         self.weights: WeightStreamer | None = None
         self._nonlayer: list[tuple[str, nn.Parameter]] = []
         if isinstance(source, (str, os.PathLike)):
-            source = PretrainedSource(source)
+            source = PretrainedSource(source, module)
         try:
             if isinstance(source, PretrainedSource):
                 source.check_unexpected(module)  # names only: refused before any unit is built

@@ -1,4 +1,5 @@
-"""HuggingFace causal LMs as layered modules: Llama, Mistral, Qwen2, Qwen3 and GPT-2, with no user glue.
+"""HuggingFace causal LMs as layered modules: Llama, Mistral, Qwen2, Qwen3, GPT-2 and the mixture-of-experts
+families Mixtral, Qwen3-MoE and OLMoE, with no user glue.
 
 ``HFCausalLM`` builds the HF model from its config (on the meta device under greedysnake), keeps the HF
 modules themselves and drives them stage by stage:
@@ -41,6 +42,7 @@ try:
 except ImportError as err:  # the adapter is an optional extra
     raise ImportError("snake_strategy.hf needs transformers>=5 and safetensors: pip install -e '.[hf]'") from err
 
+from snake_strategy.hf.checkpoint_keys import CheckpointKeys
 from snake_strategy.hf.generation import greedy_generate
 from snake_strategy.module import LayeredModule
 from snake_strategy.sources.lora_init import adapter_initializer, adapter_parameter_ids
@@ -48,6 +50,7 @@ from snake_strategy.sources.pretrained import PretrainedSource
 
 IGNORE_INDEX = -100  # HF's label value for "no loss here" (padding, prompts)
 ATTENTION_IMPLEMENTATIONS = ("sdpa", "eager")
+EXPERTS_IMPLEMENTATIONS = ("eager", "grouped_mm", "batched_mm")  # transformers' kernels for a layer's 3-D experts
 
 
 @dataclass(frozen=True)
@@ -70,6 +73,10 @@ FAMILIES: dict[str, Family] = {
     "mistral": Family("model", "embed_tokens", "layers", "norm", rotary="rotary_emb", sliding_without_layer_types=True),
     "qwen2": _LLAMA_LIKE,
     "qwen3": _LLAMA_LIKE,
+    # Mixture-of-experts families: the same layout; a layer's experts are 3-D parameters of its MLP.
+    "mixtral": Family("model", "embed_tokens", "layers", "norm", rotary="rotary_emb", sliding_without_layer_types=True),
+    "qwen3_moe": _LLAMA_LIKE,
+    "olmoe": _LLAMA_LIKE,
     "gpt2": Family("transformer", "wte", "h", "ln_f", positions="wpe", dropout="drop"),
 }
 
@@ -128,6 +135,18 @@ def family_of(config: PretrainedConfig) -> Family:
     return family
 
 
+def check_router_loss(config: PretrainedConfig) -> None:
+    """Refuse a config whose HF loss adds the router's load-balancing loss: it reads every layer's router
+    logits, a side output of the blocks that ``compute_loss`` does not receive, so training would drop it."""
+    coefficient = getattr(config, "router_aux_loss_coef", 0.0) or 0.0
+    if getattr(config, "output_router_logits", False) and coefficient != 0.0:
+        raise ValueError(
+            f"{config.model_type} config has output_router_logits=True and router_aux_loss_coef={coefficient}: "
+            "HF adds the router's load-balancing loss to the training loss, which snake_strategy.hf does not "
+            "compute yet (it needs every layer's router logits in the loss). Set output_router_logits=False "
+            "(the loss is then the cross entropy alone, as in HF) or router_aux_loss_coef=0")
+
+
 def layer_kinds(config: PretrainedConfig, family: Family) -> list[str]:
     """'full_attention' or 'sliding_attention' per decoder layer, as the HF model decides it."""
     n = config.num_hidden_layers
@@ -149,6 +168,10 @@ class HFCausalLM(LayeredModule):
             ``pretrained`` to the directory when it is unset (streamed in unit by unit).
         learning_rate, weight_decay, betas, eps: ``torch.optim.AdamW`` settings (one group).
         attn_implementation: "sdpa" or "eager" (both take the materialized masks of the side inputs).
+        experts_implementation: for the mixture-of-experts families, how a layer runs its stacked experts:
+            "eager" (a loop over the experts hit, any dtype), "grouped_mm" or "batched_mm"; None (the default)
+            is transformers' choice (grouped_mm where it can dispatch). Plain references in float64 need
+            "eager" (grouped matmuls have no float64 kernel); the strategy runs whatever is chosen here.
         path: a local model directory, the same as passing it as ``config`` (for Hydra's ``model.path=``).
         generate_in_predict: keyword arguments of ``generate`` (``max_new_tokens`` required; ``eos_token_id``,
             ``pad_token_id``): ``trainer.predict`` then returns generated tokens (prompt + new tokens, the
@@ -186,7 +209,8 @@ class HFCausalLM(LayeredModule):
     def __init__(self, config: PretrainedConfig | Mapping[str, Any] | str | os.PathLike | None = None,
                  learning_rate: float = 1e-4, weight_decay: float = 0.0, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, attn_implementation: str = "sdpa", path: str | os.PathLike | None = None,
-                 generate_in_predict: Mapping[str, Any] | None = None, ignore_unexpected_keys: bool = False) -> None:
+                 generate_in_predict: Mapping[str, Any] | None = None, ignore_unexpected_keys: bool = False,
+                 experts_implementation: str | None = None) -> None:
         super().__init__()
         if (config is None) == (path is None):
             raise ValueError("HFCausalLM needs exactly one of config=<PretrainedConfig or dict> or path=<local model "
@@ -195,9 +219,14 @@ class HFCausalLM(LayeredModule):
         if attn_implementation not in ATTENTION_IMPLEMENTATIONS:
             raise ValueError(f"attn_implementation='{attn_implementation}' is not supported; use one of "
                              f"{ATTENTION_IMPLEMENTATIONS} (the side inputs carry materialized masks)")
+        if experts_implementation is not None and experts_implementation not in EXPERTS_IMPLEMENTATIONS:
+            raise ValueError(f"experts_implementation='{experts_implementation}' is not supported; use one of "
+                             f"{EXPERTS_IMPLEMENTATIONS} or None (transformers' choice)")
         self.hf_config, self.weights_dir = resolve_config(config)
         self.family = family_of(self.hf_config)
+        check_router_loss(self.hf_config)
         self.attn_implementation = attn_implementation
+        self.experts_implementation = experts_implementation
         self.ignore_unexpected_keys = bool(ignore_unexpected_keys)
         self.learning_rate, self.weight_decay, self.betas, self.eps = learning_rate, weight_decay, tuple(betas), eps
         self.generate_in_predict = _generation_kwargs(generate_in_predict)
@@ -206,7 +235,8 @@ class HFCausalLM(LayeredModule):
                                    "weight_decay": weight_decay, "betas": list(betas), "eps": eps,
                                    "attn_implementation": attn_implementation,
                                    "generate_in_predict": self.generate_in_predict,
-                                   "ignore_unexpected_keys": self.ignore_unexpected_keys})
+                                   "ignore_unexpected_keys": self.ignore_unexpected_keys,
+                                   "experts_implementation": experts_implementation})
         self._build_on_meta()
 
     # ------------------------------------------------------------------ building
@@ -228,7 +258,9 @@ class HFCausalLM(LayeredModule):
         self._config_dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
         # Always construct on meta: HF's constructors would otherwise draw (and waste) random numbers.
         with torch.device("meta"):
-            hf = AutoModelForCausalLM.from_config(self.hf_config, attn_implementation=self.attn_implementation)
+            options = {} if self.experts_implementation is None else {"experts_implementation": self.experts_implementation}
+            hf = AutoModelForCausalLM.from_config(self.hf_config, attn_implementation=self.attn_implementation,
+                                                  **options)
         self.hf_config = hf.config
         fam = self.family
         hf_trunk = getattr(hf, fam.trunk)
@@ -251,6 +283,7 @@ class HFCausalLM(LayeredModule):
         self.lm_head = hf.lm_head
         self._tied = hf.lm_head.weight is getattr(trunk, fam.embed).weight
         self._hf_init_weights = hf._init_weights  # HF's per-module init (uses the config's ranges)
+        self._checkpoint_keys = CheckpointKeys(hf)  # the files' layout where it differs from the module's
         self._layer_kinds = set(layer_kinds(self.hf_config, fam))
         # Keys from_pretrained itself ignores in a checkpoint (not UNEXPECTED): the class's own patterns (old
         # GPT-2 files' attention-mask buffers) and, as transformers adds them, the buffers older versions saved.
@@ -301,7 +334,7 @@ class HFCausalLM(LayeredModule):
 
     @torch.no_grad()
     def _load_weights_dir(self) -> None:
-        source = PretrainedSource(self.weights_dir)
+        source = PretrainedSource(self.weights_dir, self)
         try:
             source.check_unexpected(self)
             fresh = adapter_parameter_ids(self)
@@ -322,6 +355,11 @@ class HFCausalLM(LayeredModule):
                              "Trainer(strategy='greedysnake') or a strategy that builds on a real device")
         if strategy.pretrained is None:
             strategy.pretrained = self.weights_dir  # the engine streams it in unit by unit at setup
+
+    def checkpoint_conversion(self, file_keys: list[str]) -> dict[str, Any]:
+        """The parameters a HF directory stores in another layout (per-expert matrices of a mixture-of-experts
+        layer) and how to build each from the files' tensors: read by ``PretrainedSource``."""
+        return self._checkpoint_keys.convert(file_keys)
 
     def init_module_weights(self, module: nn.Module) -> None:
         init = self.__dict__.get("_hf_init_weights")

@@ -9,7 +9,10 @@ Sources:
   ``model.safetensors.index.json``), read tensor by tensor with ``pread`` (see safetensors_io). Names
   are the module's parameter names; ``snake_strategy.hf.HFCausalLM`` names its parameters exactly as
   the HF checkpoint does, so no key map is needed. Checkpoints saved from the bare trunk (keys without
-  the ``model.``/``transformer.`` prefix, as the original GPT-2 files) are found too.
+  the ``model.``/``transformer.`` prefix, as the original GPT-2 files) are found too. Where the files
+  keep a layer in another layout than the module (a mixture-of-experts layer's per-expert matrices,
+  stacked into 3-D parameters in memory), the module's ``checkpoint_conversion(file_keys)`` says which
+  file tensors make each parameter and how to combine them (``HFCausalLM`` uses transformers' mapping).
 
 Either way resident memory holds one unit at a time (plus one tensor being copied).
 """
@@ -19,6 +22,7 @@ import logging
 import os
 import re
 from collections.abc import Callable, Mapping
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -31,13 +35,21 @@ log = logging.getLogger(__name__)
 
 
 class PretrainedSource:
-    def __init__(self, path: str | os.PathLike) -> None:
+    """``module``: the model the weights are for; its ``checkpoint_conversion`` (when it has one) maps
+    parameter names the files do not hold to the file tensors they are built from."""
+
+    def __init__(self, path: str | os.PathLike, module: nn.Module | None = None) -> None:
         path = os.fspath(path)
         self.path = path
         self.state: Mapping[str, Tensor] = {}
         self.directory: SafetensorsDirectory | None = None
+        # {parameter name: an object with ``sources`` (file keys) and ``combine(tensors) -> Tensor``}
+        self.converted: Mapping[str, Any] = {}
         if os.path.isdir(path):
             self.directory = SafetensorsDirectory(path)
+            conversion = getattr(module, "checkpoint_conversion", None)
+            if conversion is not None:
+                self.converted = conversion(self.directory.keys())
             return
         if not os.path.isfile(path):
             raise ValueError(f"pretrained='{path}' is not a file or a directory; pass a torch.save'd state dict, a Lightning "
@@ -56,6 +68,8 @@ class PretrainedSource:
 
     def _find(self, name: str) -> str | None:
         """The source's key for parameter ``name``, or None."""
+        if name in self.converted:
+            return name
         names = [name]
         if ".base_layer." in name:  # peft wraps a layer it adapts: "q_proj.weight" is now "q_proj.base_layer.weight"
             names.append(name.replace(".base_layer.", "."))
@@ -75,6 +89,7 @@ class PretrainedSource:
         ``_keys_to_ignore_on_load_unexpected``) are never counted. Returns the unexpected keys. Reads
         names only (headers), no tensor."""
         claimed = {self._find(name) for name in module.state_dict(keep_vars=True)}
+        claimed |= {key for name in claimed if name in self.converted for key in self.converted[name].sources}
         patterns = tuple(getattr(module, "ignored_checkpoint_keys", ()) or ())
         unexpected = sorted(name for name in self._names()
                             if name not in claimed and not any(re.search(p, name) for p in patterns))
@@ -98,7 +113,11 @@ class PretrainedSource:
         if found is None:
             raise ValueError(f"pretrained='{self.path}' has no entry '{name}' (it has e.g. "
                              f"{sorted(self._names())[:5]}); the weights must come from the same model class")
-        value = self.directory.read(found) if self.directory is not None else self.state[found]
+        if found in self.converted:
+            recipe = self.converted[found]
+            value = recipe.combine([self.directory.read(key) for key in recipe.sources])
+        else:
+            value = self.directory.read(found) if self.directory is not None else self.state[found]
         if shape is not None and value.shape != shape:
             raise ValueError(f"pretrained '{name}' has shape {tuple(value.shape)}, the model expects {tuple(shape)}")
         return value

@@ -7,6 +7,7 @@ import torch  # noqa: E402
 from torch.utils.data import Dataset  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 from transformers import GPT2Config, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config  # noqa: E402
+from transformers import MixtralConfig, OlmoeConfig, Qwen3MoeConfig  # noqa: E402
 
 from snake_strategy.hf import HFCausalLM  # noqa: E402
 
@@ -28,15 +29,26 @@ def tiny_config(family: str):
         return Qwen2Config(use_sliding_window=True, sliding_window=5, max_window_layers=1, **llama_like)
     if family == "qwen3":  # tied embeddings, q/k norms
         return Qwen3Config(head_dim=8, tie_word_embeddings=True, **llama_like)
+    # Mixture of experts: 4 experts, top 2, so every token leaves two experts out.
+    if family == "mixtral":
+        return MixtralConfig(num_local_experts=4, num_experts_per_tok=2, **llama_like)
+    if family == "qwen3_moe":  # experts narrower than the dense MLP would be, q/k norms
+        return Qwen3MoeConfig(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, head_dim=8,
+                              **llama_like)
+    if family == "olmoe":
+        return OlmoeConfig(num_experts=4, num_experts_per_tok=2, **llama_like)
     raise AssertionError(family)
 
 
 FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "gpt2"]
+MOE_FAMILIES = ["mixtral", "qwen3_moe", "olmoe"]
 
 
 def hf_model(family: str, seed: int = 0) -> torch.nn.Module:
+    """The raw HF model in float64; MoE families run their experts eagerly (grouped matmuls have no float64 kernel)."""
     torch.manual_seed(seed)
-    return AutoModelForCausalLM.from_config(tiny_config(family)).double()
+    options = {"experts_implementation": "eager"} if family in MOE_FAMILIES else {}
+    return AutoModelForCausalLM.from_config(tiny_config(family), **options).double()
 
 
 def batches(num: int, size: int, seed: int = 7) -> list[dict[str, torch.Tensor]]:

@@ -95,7 +95,7 @@ def build_model(module: nn.Module, optimizer: torch.optim.Optimizer, plan: RunPl
     if dtypes.weights != dtypes.master:
         state_bytes_per_elem += dtypes.bytes_per("master")
     progress = or_quiet(runtime.progress)
-    source = PretrainedSource(runtime.pretrained) if runtime.pretrained else None
+    source = PretrainedSource(runtime.pretrained, module) if runtime.pretrained else None
     if source is not None:
         try:
             source.check_unexpected(module)  # names only: refused before any unit is built
