@@ -329,6 +329,7 @@ class SnakeEngine(EngineBase):
         stats.optimizer_s = time.perf_counter() - start_s
         stats.optimizer_wait_s = wait_s
         stats.optimizer_busy_s = self.overlap.take_busy_s()
+        stats.optimizer_skipped_bytes = self.overlap.take_skipped_state_bytes()
         stats.ssd_busy_s = self.io.take_busy_s() if self.io is not None else 0.0
         stats.backpressure_wait_s += self.grad_pool.take_wait_s()
         stats.optimizer_traffic = traffic_delta(before, self.counters.snapshot())

@@ -44,6 +44,10 @@ class StepStats:
     optimizer_busy_s: float = 0.0  # the optimizer worker's busy time during the step
     ssd_busy_s: float = 0.0  # seconds the SSD moved any chunk, from the last step's end to this one's
     optimizer_traffic: dict[str, int] = field(default_factory=dict)  # moved by the optimizer worker
+    # Master weights + optimizer state of parameters that sat the step out (no gradient): neither read nor
+    # written by the worker (each byte would otherwise have been read once and written once). Counted, like
+    # optimizer_busy_s, over the worker's work since the previous step's report.
+    optimizer_skipped_bytes: int = 0
     loss_scale: float | None = None  # fp16: the scale this step's loss was multiplied by
     skipped: bool = False  # fp16: an inf/nan gradient; no parameter changed
     grad_norm: float | None = None  # norm clipping: the global gradient norm (unscaled)

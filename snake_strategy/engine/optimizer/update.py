@@ -156,6 +156,12 @@ class ChunkUpdate:
             for i in items:
                 self.scalars.put(u, i, step_before + 1, after)
 
+    def sit_out(self, unit: UnitStore, lo: int, hi: int, step_before: int) -> None:
+        """Unit elements [lo, hi) hold parameters without a gradient this step that the worker does not fetch:
+        their scalars stay as they were, as if ``apply`` had kept them."""
+        for i, *_ in _pieces(unit, lo, hi):
+            self.scalars.carry(unit.layout.index, i, step_before)
+
     def _fused_adam(self, u: int, lo: int, runs: list, master: Tensor, state: dict[str, Tensor], grad: Tensor,
                     hps: list[dict[str, Any]], step_before: int) -> None:
         """torch's fused kernel, one call per group over every run's range, each with its own step count."""

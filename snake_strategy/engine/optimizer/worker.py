@@ -44,6 +44,7 @@ from snake_strategy.engine.optimizer.worker_threads import single_threaded_ops
 from snake_strategy.engine.optimizer.update import ChunkUpdate
 from snake_strategy.storage.io_engine import BACKGROUND, URGENT, set_thread_priority
 from snake_strategy.storage.pool import BufferPool
+from snake_strategy.storage.tiered import ALIGN_ELEMS
 
 
 @dataclass
@@ -97,6 +98,7 @@ class OptimizerOverlap:
         # Partitioned optimizer state: gather(u) all-gathers unit u's updated weights (engine/parallel/partition.py).
         self.gather = gather
         self.busy_s = 0.0  # worker time spent stepping, since the last reset
+        self.skipped_state_bytes = 0  # master + optimizer state left unread and unwritten, since the last reset
         # The speculative step (engine/optimizer/rollback.py): given under norm clipping / fp16 scaling.
         self.rollback = rollback
         self._mode: str | None = None  # this iteration: SPECULATE, DEFER, or None (plain overlap)
@@ -287,28 +289,80 @@ class OptimizerOverlap:
         state). ``source``: the master weights and optimizer state start from the rollback store's saved
         pre-step values, not the tiers. ``snapshot``: save the raw gradient and the pre-step state first."""
         u = unit.layout.index
+        # A parameter that sat the step out keeps its state where it is: never read, never written (a
+        # rollback's snapshot and restore cover whole ranges, so they step everything, keeping it unchanged).
+        skipped = [] if source or snapshot or grad_of is None else self._skippable(unit, lo, hi, unused)
         saving: list = []  # raw-gradient saves still writing: the gradient buffer is only read meanwhile
         try:
             for start, end in self._update.chunks(unit, lo, hi, self._chunk_elems):
-                chunk_s = time.perf_counter() if self._trace.enabled else 0.0
-                if self._before_chunk is not None:
-                    self._before_chunk(u)
-                grad = grad_of(start, end) if grad_of is not None else None
-                if snapshot:  # the step may redo from it
-                    ticket = self.rollback.start_save(u, GRAD, grad, start, end)
-                    if grad_scale is not None:
-                        ticket.wait()  # before the in-place scaling below
-                    else:
-                        saving.append(ticket)  # the optimizer only reads the gradient: the write overlaps the step
-                if grad is not None and grad_scale is not None:
-                    grad.mul_(grad_scale)  # as torch.nn.utils.clip_grad_norm_ does, even when the factor is 1
-                keep = [(max(a, start), min(b, end)) for a, b in unused if max(a, start) < min(b, end)]
-                self._step_chunk(unit, start, end, grad, hps, step_before, keep, source, snapshot)
-                if self._trace.enabled:
-                    self._trace.span(OPTIMIZER, f"chunk u{u}", chunk_s, unit=u, elements=end - start, offset=start)
+                for a, b in _without(start, end, skipped):
+                    self._step_piece(unit, a, b, grad_of, hps, step_before, grad_scale, unused, snapshot, saving,
+                                     source)
         finally:
             for ticket in saving:
                 ticket.wait()  # before the caller gives the gradient buffer back
+        for a, b in skipped:
+            self._update.sit_out(unit, a, b, step_before)
+        if skipped:
+            stores = [("master", unit.master), *unit.state.items()]
+            nbytes = sum(_span(unit.slot_range(name, a, b) if name != "master" else (a, b)) * t.elem_bytes
+                         for a, b in skipped for name, t in stores)
+            with self._lock:
+                self.skipped_state_bytes += nbytes
+
+    def _step_piece(self, unit: UnitStore, start: int, end: int, grad_of: Callable[[int, int], torch.Tensor] | None,
+                    hps: list[dict], step_before: int, grad_scale: float | None, unused: list[tuple[int, int]],
+                    snapshot: bool, saving: list, source: bool) -> None:
+        u = unit.layout.index
+        chunk_s = time.perf_counter() if self._trace.enabled else 0.0
+        if self._before_chunk is not None:
+            self._before_chunk(u)
+        grad = grad_of(start, end) if grad_of is not None else None
+        if snapshot:  # the step may redo from it
+            ticket = self.rollback.start_save(u, GRAD, grad, start, end)
+            if grad_scale is not None:
+                ticket.wait()  # before the in-place scaling below
+            else:
+                saving.append(ticket)  # the optimizer only reads the gradient: the write overlaps the step
+        if grad is not None and grad_scale is not None:
+            grad.mul_(grad_scale)  # as torch.nn.utils.clip_grad_norm_ does, even when the factor is 1
+        keep = [(max(a, start), min(b, end)) for a, b in unused if max(a, start) < min(b, end)]
+        self._step_chunk(unit, start, end, grad, hps, step_before, keep, source, snapshot)
+        if self._trace.enabled:
+            self._trace.span(OPTIMIZER, f"chunk u{u}", chunk_s, unit=u, elements=end - start, offset=start)
+
+    def _skippable(self, unit: UnitStore, lo: int, hi: int, unused: list[tuple[int, int]]) -> list[tuple[int, int]]:
+        """The element ranges of [lo, hi) the step leaves alone: runs of parameters without a gradient, with
+        the page padding after each. Where a unit's state reaches the SSD, whose transfers start and end on
+        ``ALIGN_ELEMS`` boundaries, a run is cut to them (element-wise optimizers: the rest of the run is
+        fetched and kept as it was) or, for optimizers stepped per tensor (pieces must start on parameters),
+        not skipped when it does not end on them."""
+        if not unused:
+            return []
+        slots = unit.layout.trainable_slots
+        ends = {s.offset: (slots[i + 1].offset if i + 1 < len(slots) else unit.train_end) for i, s in enumerate(slots)}
+        runs: list[tuple[int, int]] = []
+        for a, _ in sorted(unused):
+            a, b = max(a, lo), min(ends[a], hi)
+            if a >= b:
+                continue
+            if runs and runs[-1][1] == a:
+                runs[-1] = (runs[-1][0], b)
+            else:
+                runs.append((a, b))
+        if not any(t.ssd_file is not None for t in [unit.master, *unit.state.values()]):
+            return runs
+        out = []
+        for a, b in runs:
+            if self._update.spec.per_tensor:
+                if all(x % ALIGN_ELEMS == 0 or x in (lo, hi) for x in (a, b)):
+                    out.append((a, b))
+                continue
+            a = a if a == lo else -(-a // ALIGN_ELEMS) * ALIGN_ELEMS
+            b = b if b == hi else b // ALIGN_ELEMS * ALIGN_ELEMS
+            if a < b:
+                out.append((a, b))
+        return out
 
     def _step_chunk(self, unit: UnitStore, lo: int, hi: int, grad: torch.Tensor | None,
                     hps: list[dict], step_before: int, keep: list[tuple[int, int]],
@@ -351,6 +405,11 @@ class OptimizerOverlap:
             busy, self.busy_s = self.busy_s, 0.0
         return busy
 
+    def take_skipped_state_bytes(self) -> int:
+        with self._lock:
+            skipped, self.skipped_state_bytes = self.skipped_state_bytes, 0
+        return skipped
+
     def close(self) -> None:
         self._pool.shutdown(wait=True)
         if self.rollback is not None:
@@ -369,6 +428,20 @@ def _worker_init() -> None:
 
 def _span(r: tuple[int, int]) -> int:
     return r[1] - r[0]
+
+
+def _without(lo: int, hi: int, holes: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """[lo, hi) minus the sorted, disjoint ``holes``, as ranges in order."""
+    out, at = [], lo
+    for a, b in holes:
+        a, b = max(a, lo), min(b, hi)
+        if a < b:
+            if at < a:
+                out.append((at, a))
+            at = b
+    if at < hi:
+        out.append((at, hi))
+    return out
 
 
 def _acquire(t, scratch: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
