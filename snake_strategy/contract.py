@@ -162,14 +162,35 @@ def check_outputs_on_meta(module: nn.Module, batch: Any, num_micro_batches: int)
             out = torch.func.functional_call(block, tensors, (hidden,), side)
         except Exception:  # noqa: BLE001 - as above
             return False
-        hidden = check_block_output(out, i)
+        out = check_block_output(out, i, reads_block_outputs(module))
+        hidden = out[0] if isinstance(out, tuple) else out
     return True
 
 
-def check_block_output(out: Any, block_index: int) -> Tensor:
-    if not isinstance(out, Tensor):
-        raise ValueError(f"blocks[{block_index}] returned {_describe(out)}; every block must return the hidden "
-                         "Tensor alone (wrap layers that return tuples, e.g. `return layer(x, **kw)[0]`)")
+def reads_block_outputs(module: Any) -> bool:
+    """Whether ``module``'s loss reads an output of every block besides the hidden state (``LayeredModule.
+    loss_reads_block_outputs``): each block then returns ``(hidden, output)``."""
+    return bool(getattr(module, "loss_reads_block_outputs", False))
+
+
+def check_block_output(out: Any, block_index: int, with_output: bool = False) -> Tensor | tuple[Tensor, Tensor]:
+    """A block's return value, checked: the hidden Tensor, or with ``with_output`` the pair ``(hidden,
+    output)`` whose output has the micro-batch's samples as dim 0 (it is cut per micro-batch like hidden)."""
+    if not with_output:
+        if not isinstance(out, Tensor):
+            raise ValueError(f"blocks[{block_index}] returned {_describe(out)}; every block must return the hidden "
+                             "Tensor alone (wrap layers that return tuples, e.g. `return layer(x, **kw)[0]`), or "
+                             "the module sets loss_reads_block_outputs = True and every block returns (hidden, "
+                             "output)")
+        return out
+    if not (isinstance(out, tuple) and len(out) == 2 and all(isinstance(t, Tensor) for t in out)):
+        raise ValueError(f"blocks[{block_index}] returned {_describe(out)}; with loss_reads_block_outputs = True "
+                         "every block returns (hidden, output), two Tensors")
+    hidden, output = out
+    if output.dim() == 0 or output.shape[0] != hidden.shape[0]:
+        raise ValueError(f"blocks[{block_index}] returned an output of shape {tuple(output.shape)} for a hidden state "
+                         f"of {hidden.shape[0]} samples; a block's output for the loss has the samples as dim 0 "
+                         "(the strategy cuts it per micro-batch, as the hidden state)")
     return out
 
 

@@ -33,6 +33,12 @@ class LayeredModule(pl.LightningModule):
     # A ``pretrained`` source holding tensors the model has no parameter for is refused (loading would drop
     # them silently, e.g. a config with fewer layers than the checkpoint); True loads the rest (logged).
     ignore_unexpected_keys: bool = False
+    # True when the loss reads an output of every block besides its hidden state (a mixture of experts'
+    # router logits for a load-balancing loss): every block returns ``(hidden, output)`` (output: the samples
+    # as dim 0) and ``compute_loss(outputs, batch, block_outputs)`` gets the list of every block's output, in
+    # block order, for that micro-batch. The strategy keeps them from the forward and sends the loss's
+    # gradient back into each block's backward (docs/guide/model-contract.md, "Block outputs for the loss").
+    loss_reads_block_outputs: bool = False
 
     def pre_stage(self, batch: Any) -> Tensor | tuple[Tensor, dict[str, Any]]:
         raise NotImplementedError("implement pre_stage(batch) -> hidden (the embedding), or (hidden, side_inputs)")
@@ -81,27 +87,46 @@ class LayeredModule(pl.LightningModule):
             strategy.checkpoint_io = _SnakeDirAwareIO(strategy.checkpoint_io)
 
     def forward(self, batch: Any) -> Tensor:
+        return self.forward_with_block_outputs(batch)[0]
+
+    def forward_with_block_outputs(self, batch: Any) -> tuple[Tensor, list[Tensor]]:
+        """``(outputs, block_outputs)``: the post-stage outputs and, when ``loss_reads_block_outputs``, every
+        block's output for the loss (else an empty list)."""
         if running_engine(self) is not None:
             # Under greedysnake the blocks live in their tiers: the strategy streams them in.
-            return self._trainer.strategy.streamed_forward(batch)
+            return self._trainer.strategy.streamed_forward(batch, with_block_outputs=True)
+        with_output = self.loss_reads_block_outputs
         hidden, side = unpack_pre_stage(self.pre_stage(batch))
+        block_outputs = []
         for i, block in enumerate(self.blocks):
-            hidden = check_block_output(block(hidden, **side), i)
-        return self.post_stage(hidden)
+            out = check_block_output(block(hidden, **side), i, with_output)
+            if with_output:
+                hidden, output = out
+                block_outputs.append(output)
+            else:
+                hidden = out
+        return self.post_stage(hidden), block_outputs
+
+    def batch_loss(self, batch: Any) -> Tensor:
+        """``compute_loss`` of a forward over ``batch`` (with the block outputs when the loss reads them)."""
+        outputs, block_outputs = self.forward_with_block_outputs(batch)
+        if self.loss_reads_block_outputs:
+            return self.compute_loss(outputs, batch, block_outputs)
+        return self.compute_loss(outputs, batch)
 
     def training_step(self, batch: Any, batch_idx: int) -> Tensor:
         # Used by plain Lightning strategies only; greedysnake runs its own schedule.
-        loss = self.compute_loss(self(batch), batch)
+        loss = self.batch_loss(batch)
         self.log("train_loss", loss, prog_bar=True)
         return loss
 
     def validation_step(self, batch: Any, batch_idx: int) -> Tensor:
-        loss = self.compute_loss(self(batch), batch)
+        loss = self.batch_loss(batch)
         self.log("val_loss", loss, prog_bar=True)
         return loss
 
     def test_step(self, batch: Any, batch_idx: int) -> Tensor:
-        loss = self.compute_loss(self(batch), batch)
+        loss = self.batch_loss(batch)
         self.log("test_loss", loss)
         return loss
 

@@ -400,11 +400,13 @@ class GreedySnakeStrategy(DataParallelMixin, ParallelStrategy):
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
         self._saver.on_exception(exception, trainer, training=isinstance(self.engine, SnakeEngine))
 
-    def streamed_forward(self, batch: Any) -> Tensor:
-        """Outputs of the whole model, blocks streamed from their tiers (used by LayeredModule.forward)."""
+    def streamed_forward(self, batch: Any, with_block_outputs: bool = False) -> Tensor | tuple[Tensor, list[Tensor]]:
+        """Outputs of the whole model, blocks streamed from their tiers (used by LayeredModule.forward);
+        with ``with_block_outputs``, ``(outputs, block outputs)`` (``LayeredModule.forward_with_block_outputs``)."""
         if self.engine is None:
             raise RuntimeError("streamed_forward needs a set-up strategy (inside Trainer.fit)")
-        return self.engine.forward(batch)
+        outputs, block_outputs = self.engine.forward(batch)
+        return (outputs, block_outputs) if with_block_outputs else outputs
 
     # ------------------------------------------------------------------ checkpoints (checkpoint/saver.py)
     @override

@@ -99,19 +99,26 @@ class UnitLayout:
                 for s in self.slots]
 
     def forward(self, params: Tensor | list[Tensor], hidden: Tensor, side: dict | None = None,
-                check: Callable[[object, int], Tensor] | None = None) -> Tensor:
+                check: Callable[[object, int], object] | None = None, outputs: list[Tensor] | None = None) -> Tensor:
         """Run the unit's blocks on ``hidden`` with ``params`` (a flat vector or ``leaves``); every block
         also receives the side inputs as keyword arguments; ``check(output, block_index)`` validates
-        each block's output."""
+        each block's return value. Blocks that return ``(hidden, output)`` (a loss reading block outputs)
+        append their outputs to ``outputs`` when given (dropped otherwise)."""
         if isinstance(params, Tensor):
             params = [params[s.offset:s.offset + s.numel].view(s.shape) for s in self.slots]
         per_block: list[dict[str, Tensor]] = [dict(b) for b in self.buffers]
         for s, value in zip(self.slots, params):
             per_block[s.block][s.name] = value
         for j, (block, tensors) in enumerate(zip(self.blocks, per_block)):
-            hidden = functional_call(block, tensors, (hidden,), side or {})
+            out = functional_call(block, tensors, (hidden,), side or {})
             if check is not None:
-                hidden = check(hidden, self.first_block + j)
+                out = check(out, self.first_block + j)
+            if isinstance(out, tuple):
+                hidden = out[0]
+                if outputs is not None:
+                    outputs.append(out[1])
+            else:
+                hidden = out
         return hidden
 
     def flatten(self, blocks: list[nn.Module], dtype: torch.dtype) -> Tensor:

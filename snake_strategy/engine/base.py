@@ -17,12 +17,14 @@ hand-back then calls back into it only to ``flush`` pending updates.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 import torch
 from torch import Tensor, nn
 
+from snake_strategy.contract import check_block_output, reads_block_outputs
 from snake_strategy.engine.runtime import EngineHooks, EngineRuntime
 from snake_strategy.engine.state.api import WeightSpec
 from snake_strategy.engine.trace import TaskTrace
@@ -43,6 +45,8 @@ class EngineBase:
 
     def __init__(self, module: nn.Module, plan: RunPlan, runtime: EngineRuntime) -> None:
         self.module, self.plan, self.runtime = module, plan, runtime
+        # A block's return value checked: the hidden state, or (hidden, output) when the loss reads block outputs.
+        self.block_check = functools.partial(check_block_output, with_output=reads_block_outputs(module))
         self.storage, self.schedule = plan.storage, plan.schedule
         self.dtypes, self.device = runtime.dtypes, runtime.device
         self.hooks = runtime.hooks or EngineHooks()

@@ -143,15 +143,16 @@ class EvalEngine(EngineBase):
         may be smaller): each unit runs them back to back, so only one micro-batch's temporaries exist."""
         return split_eval_batch(batch, self.schedule.num_micro_batches)
 
-    def stream_blocks(self, hiddens: list[Tensor], sides: list[dict[str, Any]]) -> list[Tensor]:
+    def stream_blocks(self, hiddens: list[Tensor], sides: list[dict[str, Any]],
+                      outputs: list[list[Tensor]] | None = None) -> list[Tensor]:
         """Every unit over each micro-batch's hidden state, weights streamed read-only (engine/stream/forward_only.py);
         one pass is one step of the trace."""
         self.trace.begin_step()
-        return stream_blocks(self.units, self.weights, hiddens, sides, self.trace)
+        return stream_blocks(self.units, self.weights, hiddens, sides, self.trace, self.block_check, outputs)
 
     @torch.no_grad()
-    def forward(self, batch: Any) -> Tensor:
-        """``post_stage`` outputs for the whole batch (one call on the concatenated hidden states, as a
+    def forward(self, batch: Any) -> tuple[Tensor, list[Tensor]]:
+        """``post_stage`` outputs and block outputs (``streamed_forward``) for the whole batch (one call on the concatenated hidden states, as a
         plain forward computes it); blocks streamed read-only, vertically over the micro-batches."""
         return streamed_forward(self.module, batch, self.schedule.num_micro_batches, self.device,
                                 self.dtypes.autocast, self.stream_blocks)

@@ -365,14 +365,15 @@ class SnakeEngine(EngineBase):
         self.weights.drain()
 
     # ------------------------------------------------------------------ evaluation
-    def stream_blocks(self, hiddens: list[Tensor], sides: list[dict[str, Any]]) -> list[Tensor]:
+    def stream_blocks(self, hiddens: list[Tensor], sides: list[dict[str, Any]],
+                      outputs: list[list[Tensor]] | None = None) -> list[Tensor]:
         """Every unit over each micro-batch's hidden state, weights streamed read-only (engine/stream/forward_only.py);
         pending optimizer updates land first."""
         self.flush()
-        return stream_blocks(self.units, self.weights, hiddens, sides)
+        return stream_blocks(self.units, self.weights, hiddens, sides, None, self.block_check, outputs)
 
-    def forward(self, batch: Any) -> Tensor:
-        """Model outputs for ``batch`` (validation inside fit): split into micro-batches as training splits
+    def forward(self, batch: Any) -> tuple[Tensor, list[Tensor]]:
+        """Model outputs and block outputs (``streamed_forward``) for ``batch`` (validation inside fit): split into micro-batches as training splits
         its batches, blocks streamed in one unit at a time, read-only (no optimizer state is read or
         written, nothing is written to the SSD)."""
         return streamed_forward(self.module, batch, self.schedule.num_micro_batches, self.device,

@@ -8,7 +8,8 @@ through ``EngineView``, reached with ``running_engine``; nothing reads an engine
 - ``named_weights()``: every parameter by its module name, trained values (the master copy; frozen ones
   as stored), one unit in memory at a time.
 - ``trainable_named_weights()``: the same for the trainable parameters only (a LoRA adapter's values).
-- ``stream_blocks(hiddens, sides)``: every unit over each hidden state, weights read-only.
+- ``stream_blocks(hiddens, sides[, outputs])``: every unit over each hidden state, weights read-only
+  (with ``outputs``, the blocks' outputs for the loss, per micro-batch).
 - ``last_step``: a ``StepStats`` of the latest training step (an empty one for evaluation).
 - ``counters``: cumulative bytes per tier/state/direction since the engine was built.
 """
@@ -89,7 +90,8 @@ class EngineView(Protocol):
 
     def trainable_named_weights(self) -> Iterator[tuple[str, Tensor]]: ...
 
-    def stream_blocks(self, hiddens: list[Tensor], sides: list[dict[str, Any]]) -> list[Tensor]: ...
+    def stream_blocks(self, hiddens: list[Tensor], sides: list[dict[str, Any]],
+                      outputs: list[list[Tensor]] | None = None) -> list[Tensor]: ...
 
     @property
     def autocast_dtype(self) -> torch.dtype | None: ...

@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 from transformers import DynamicCache
 
-from snake_strategy.contract import check_block_output
+from snake_strategy.contract import check_block_output, reads_block_outputs
 from snake_strategy.engine.view import running_engine
 
 
@@ -53,8 +53,10 @@ def _block_runner(module: Any) -> tuple[Callable[[Tensor, dict[str, Any]], Tenso
         return (lambda hidden, side: engine.stream_blocks([hidden], [side])[0]), engine.autocast_dtype
 
     def run(hidden: Tensor, side: dict[str, Any]) -> Tensor:
+        with_output = reads_block_outputs(module)  # the router logits of an MoE's balancing loss: not needed here
         for i, block in enumerate(module.blocks):
-            hidden = check_block_output(block(hidden, **side), i)
+            out = check_block_output(block(hidden, **side), i, with_output)
+            hidden = out[0] if with_output else out
         return hidden
 
     return run, None

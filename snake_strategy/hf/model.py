@@ -27,6 +27,7 @@ from __future__ import annotations
 import copy
 import functools
 import os
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -82,20 +83,35 @@ FAMILIES: dict[str, Family] = {
 
 
 class SideInputLayer(nn.Module):
-    """Mixed in before a HF decoder-layer class: ``layer(hidden, **side) -> hidden``.
+    """Mixed in before a HF decoder-layer class: ``layer(hidden, **side) -> hidden``, or ``(hidden, router
+    logits)`` when the loss adds the router's load-balancing loss.
 
     ``side`` carries both masks when a model mixes full and sliding-window layers; each layer takes
     the one its attention type needs (``snake_sliding``) and passes the rest through unchanged.
+    ``snake_router``: (path of the layer's router module, index of the logits in its output), as HF's own
+    output recorder reads them, when the loss needs them; the logits come back as (samples, tokens, experts).
     """
 
     snake_sliding = False
+    snake_router: tuple[str, int] | None = None
 
     def forward(self, hidden_states: Tensor, attention_mask: Tensor | None = None,
-                sliding_attention_mask: Tensor | None = None, **side: Any) -> Tensor:
+                sliding_attention_mask: Tensor | None = None, **side: Any) -> Tensor | tuple[Tensor, Tensor]:
         mask = sliding_attention_mask if self.snake_sliding else attention_mask
-        out = super().forward(hidden_states, attention_mask=mask, **side)
-        # Older HF layers return (hidden, attention weights, ...); the contract wants one tensor.
-        return out[0] if isinstance(out, tuple) else out
+        if self.snake_router is None:
+            out = super().forward(hidden_states, attention_mask=mask, **side)
+            # Older HF layers return (hidden, attention weights, ...); the contract wants one tensor.
+            return out[0] if isinstance(out, tuple) else out
+        path, index = self.snake_router
+        captured: list[Tensor] = []
+        hook = self.get_submodule(path).register_forward_hook(lambda _m, _a, output: captured.append(output[index]))
+        try:
+            out = super().forward(hidden_states, attention_mask=mask, **side)
+        finally:
+            hook.remove()
+        hidden = out[0] if isinstance(out, tuple) else out
+        assert len(captured) == 1, f"the router of a layer ran {len(captured)} times"
+        return hidden, captured[0].view(hidden.shape[0], hidden.shape[1], -1)
 
 
 @functools.cache
@@ -135,16 +151,35 @@ def family_of(config: PretrainedConfig) -> Family:
     return family
 
 
-def check_router_loss(config: PretrainedConfig) -> None:
-    """Refuse a config whose HF loss adds the router's load-balancing loss: it reads every layer's router
-    logits, a side output of the blocks that ``compute_loss`` does not receive, so training would drop it."""
-    coefficient = getattr(config, "router_aux_loss_coef", 0.0) or 0.0
-    if getattr(config, "output_router_logits", False) and coefficient != 0.0:
-        raise ValueError(
-            f"{config.model_type} config has output_router_logits=True and router_aux_loss_coef={coefficient}: "
-            "HF adds the router's load-balancing loss to the training loss, which snake_strategy.hf does not "
-            "compute yet (it needs every layer's router logits in the loss). Set output_router_logits=False "
-            "(the loss is then the cross entropy alone, as in HF) or router_aux_loss_coef=0")
+@dataclass(frozen=True)
+class RouterLoss:
+    """The load-balancing loss a mixture-of-experts causal LM adds to its loss (HF's forward with labels and
+    ``output_router_logits``): ``coefficient * function(router logits of every layer, num_experts, top_k,
+    attention_mask)``, the family's own ``load_balancing_loss_func``."""
+
+    router_class: type  # the module whose output holds a layer's router logits (HF's output recorder)
+    index: int  # where in that output
+    function: Any
+    num_experts: int
+    top_k: int
+    coefficient: float
+
+
+def router_loss_of(hf: nn.Module) -> RouterLoss | None:
+    """The model's load-balancing loss, None when its loss has none (the config's ``output_router_logits``
+    off, or a zero ``router_aux_loss_coef``); refused when the family does not say where its logits are."""
+    config = hf.config
+    coefficient = float(getattr(config, "router_aux_loss_coef", 0.0) or 0.0)
+    if not getattr(config, "output_router_logits", False) or coefficient == 0.0:
+        return None
+    recorder = (getattr(type(hf), "_can_record_outputs", None) or {}).get("router_logits")
+    function = getattr(sys.modules[type(hf).__module__], "load_balancing_loss_func", None)
+    if recorder is None or function is None or not hasattr(hf, "num_experts_per_tok"):
+        raise ValueError(f"{config.model_type}: output_router_logits=True, but {type(hf).__name__} records no router "
+                         "logits or has no load_balancing_loss_func in transformers "
+                         f"{transformers.__version__}; set output_router_logits=False")
+    return RouterLoss(recorder.target_class, recorder.index, function, int(hf.num_experts), int(hf.num_experts_per_tok),
+                      coefficient)
 
 
 def layer_kinds(config: PretrainedConfig, family: Family) -> list[str]:
@@ -224,7 +259,6 @@ class HFCausalLM(LayeredModule):
                              f"{EXPERTS_IMPLEMENTATIONS} or None (transformers' choice)")
         self.hf_config, self.weights_dir = resolve_config(config)
         self.family = family_of(self.hf_config)
-        check_router_loss(self.hf_config)
         self.attn_implementation = attn_implementation
         self.experts_implementation = experts_implementation
         self.ignore_unexpected_keys = bool(ignore_unexpected_keys)
@@ -272,9 +306,16 @@ class HFCausalLM(LayeredModule):
         trunk = nn.Module()
         for name, child in hf_trunk.named_children():
             trunk.add_module(name, child)
+        self.router_loss = router_loss_of(hf)
+        # The loss then reads every layer's router logits: each block returns them (contract: block outputs).
+        self.loss_reads_block_outputs = self.router_loss is not None
         for layer, kind in zip(getattr(trunk, fam.layers), layer_kinds(self.hf_config, fam)):
             layer.__class__ = side_input_class(type(layer))
             layer.snake_sliding = kind == "sliding_attention"
+            if self.router_loss is not None:
+                routers = [name for name, m in layer.named_modules() if isinstance(m, self.router_loss.router_class)]
+                assert len(routers) == 1, f"a decoder layer with {len(routers)} routers"
+                layer.snake_router = (routers[0], self.router_loss.index)
         if fam.rotary is not None:
             # inv_freq is computed, not trained: build it for real (a few floats) while everything else is meta.
             with torch.device("cpu"):
@@ -418,8 +459,10 @@ class HFCausalLM(LayeredModule):
     def post_stage(self, hidden: Tensor) -> Tensor:
         return self.lm_head(getattr(self.trunk, self.family.norm)(hidden))
 
-    def compute_loss(self, outputs: Tensor, batch: Any) -> Tensor:
-        """Token-mean cross entropy of this micro-batch (see the class docstring for why per micro-batch)."""
+    def compute_loss(self, outputs: Tensor, batch: Any, block_outputs: list[Tensor] | None = None) -> Tensor:
+        """Token-mean cross entropy of this micro-batch (see the class docstring for why per micro-batch),
+        plus the router's load-balancing loss over ``block_outputs`` (every layer's router logits) when the
+        config enables it, as HF's forward adds it."""
         logits = outputs if outputs.dtype in (torch.float32, torch.float64) else outputs.float()
         if isinstance(batch, (tuple, list)):
             targets = batch[1]  # already the next tokens
@@ -429,7 +472,14 @@ class HFCausalLM(LayeredModule):
             if labels is None:
                 labels = input_ids if padding_mask is None else input_ids.masked_fill(padding_mask == 0, IGNORE_INDEX)
             targets = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
-        return F.cross_entropy(logits.flatten(0, 1), targets.flatten().to(logits.device), ignore_index=IGNORE_INDEX)
+        loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten().to(logits.device), ignore_index=IGNORE_INDEX)
+        if self.router_loss is None:
+            return loss
+        assert block_outputs is not None and len(block_outputs) == len(self.blocks), "every layer's router logits"
+        rl = self.router_loss
+        padding_mask = None if isinstance(batch, (tuple, list)) else self._inputs(batch)[1]
+        aux = rl.function(tuple(o.flatten(0, 1) for o in block_outputs), rl.num_experts, rl.top_k, padding_mask)
+        return loss + rl.coefficient * aux.to(loss.device)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.AdamW(self.parameters(), lr=self.learning_rate, betas=self.betas, eps=self.eps,

@@ -148,12 +148,96 @@ def test_per_expert_files_load_into_stacked_experts(tmp_path):
         source.close()
 
 
-def test_router_load_balancing_loss_is_refused_before_any_work():
+def with_router_loss(family: str, seed: int = 0):
+    """The raw HF model of ``family`` whose loss adds the router's load-balancing loss (a large coefficient,
+    so the router's gradient from it is far above the tolerance)."""
+    hf = hf_model(family, seed)
+    hf.config.output_router_logits = True
+    hf.config.router_aux_loss_coef = 0.5
+    hf.router_aux_loss_coef = 0.5  # the causal LM read it at construction
+    return hf
+
+
+def reference_with_router_loss(hf, micro_batches, lr):
+    """The HF model trained by hand: its loss (cross entropy + coefficient x its own aux_loss) / M per micro-batch."""
+    opt = torch.optim.AdamW(hf.parameters(), lr=lr, weight_decay=0.01)
+    for step in range(STEPS):
+        opt.zero_grad()
+        for mb in micro_batches[step * MICRO:(step + 1) * MICRO]:
+            out = hf(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"])
+            ce = torch.nn.functional.cross_entropy(out.logits[:, :-1].flatten(0, 1), mb["labels"][:, 1:].flatten())
+            ((ce + hf.router_aux_loss_coef * out.aux_loss) / MICRO).backward()
+        opt.step()
+    return {n: p.detach() for n, p in hf.named_parameters()}
+
+
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_the_loss_adds_hf_router_loss(family):
+    hf = with_router_loss(family)
+    module = moe_module(hf.config)
+    module.configure_model()
+    module.load_state_dict(hf.state_dict())
+    assert module.loss_reads_block_outputs
+    batch = batches(1, 3)[0]
+    with torch.no_grad():
+        out = hf(**{k: batch[k] for k in ("input_ids", "attention_mask")})
+        ce = torch.nn.functional.cross_entropy(out.logits[:, :-1].flatten(0, 1), batch["labels"][:, 1:].flatten())
+        assert out.aux_loss > 0.5  # ~1 at a uniform router: far from negligible
+        torch.testing.assert_close(module.batch_loss(batch), ce + 0.5 * out.aux_loss, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("family,kind", [("mixtral", "vertical"), ("mixtral", "horizontal"), ("mixtral", "auto"),
+                                         ("mixtral", "split"), ("qwen3_moe", "vertical"), ("olmoe", "auto")])
+def test_router_loss_trains_as_the_hf_model(family, kind, tmp_path):
+    """The router's gradient from the load-balancing loss reaches every layer's router through the strategy's
+    recompute, in the vertical, horizontal, auto (batched passes, kept graphs) and split-backward schedules;
+    the alpha split steps half of each unit a step late."""
+    hf = with_router_loss(family)
+    hf.save_pretrained(tmp_path / "start", max_shard_size="20KB")
+    micro_batches = batches(STEPS * MICRO, MICRO_SIZE)
+    expected = reference_with_router_loss(hf, micro_batches, lr=1e-2)
+    without = reference_training(hf_model(family), micro_batches, lr=1e-2)
+    router = "model.layers.0.mlp.gate.weight"
+    assert (expected[router] - without[router]).abs().max() > 1e-4  # the balancing loss moved the router
+    strategy = snake_strategy.GreedySnakeStrategy(
+        storage={"weights": "ssd", "optimizer": "ssd", "gradients": "host", "ssd_dir": str(tmp_path / "ssd")},
+        schedule={"kind": "vertical" if kind == "split" else kind, "num_micro_batches": MICRO, "alpha": 0.5,
+                  **({"split_backward": True} if kind == "split" else {})})
+    got = fit_with(strategy, lambda: moe_module(tmp_path / "start"),
+                   DataLoader(Samples(micro_batches), batch_size=MICRO * MICRO_SIZE, shuffle=False), steps=STEPS,
+                   precision="64-true", record="last").last
+    if kind == "auto":  # the backward of the lower layers starts from their kept forward graphs
+        assert strategy.plan.kept_units and strategy.schedule.batched_forward
+    assert got.keys() == expected.keys()
+    for name in got:
+        torch.testing.assert_close(got[name], expected[name], rtol=0, atol=1e-10, msg=name)
+
+
+def test_validation_loss_with_the_router_loss(tmp_path):
+    """``val_loss`` under greedysnake (blocks streamed, router logits collected per micro-batch) equals plain
+    Lightning's, which runs the whole batch at once."""
+    import lightning as L
+
+    hf = with_router_loss("mixtral")
+    hf.save_pretrained(tmp_path / "start")
+    data = batches(2, 4)
+
+    def validate(strategy):
+        trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=1, logger=False, precision="64-true",
+                            enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+                            default_root_dir=str(tmp_path))
+        return trainer.validate(moe_module(tmp_path / "start"), DataLoader(Samples(data), batch_size=4))[0]["val_loss"]
+
+    expected = validate("auto")
+    got = validate(snake_strategy.GreedySnakeStrategy(storage={"weights": "ssd", "ssd_dir": str(tmp_path / "ssd")},
+                                                      schedule={"num_micro_batches": 2}))
+    assert abs(got - expected) < 1e-10
+
+
+def test_router_settings_checked():
     config = tiny_config("mixtral")
     config.output_router_logits = True
-    with pytest.raises(ValueError, match="output_router_logits=True and router_aux_loss_coef=0.001"):
-        HFCausalLM(config)
-    config.router_aux_loss_coef = 0.0  # HF adds nothing: the cross entropy alone, accepted
-    HFCausalLM(config)
+    config.router_aux_loss_coef = 0.0  # HF adds nothing: no block outputs
+    assert not HFCausalLM(config).loss_reads_block_outputs
     with pytest.raises(ValueError, match="experts_implementation='fused'"):
         HFCausalLM(tiny_config("olmoe"), experts_implementation="fused")

@@ -13,8 +13,11 @@ import snake_strategy
 
 
 class RoutedBlock(nn.Module):
-    def __init__(self, width: int, num_experts: int) -> None:
+    """``balance``: also return the gate's probabilities (samples x experts) for a load-balancing loss."""
+
+    def __init__(self, width: int, num_experts: int, balance: bool = False) -> None:
         super().__init__()
+        self.balance = balance
         self.norm = nn.LayerNorm(width)
         self.router = nn.Linear(width, num_experts, bias=False)
         self.experts = nn.ModuleList(nn.Sequential(nn.Linear(width, 2 * width), nn.GELU(), nn.Linear(2 * width, width))
@@ -28,16 +31,19 @@ class RoutedBlock(nn.Module):
             rows = (route == e).nonzero().flatten()
             if rows.numel():  # an expert with no rows is not run: its parameters get no gradient
                 out = out.index_add(0, rows, expert(h[rows]) * gate[rows, e, None, None])
-        return hidden + out
+        return (hidden + out, gate) if self.balance else hidden + out
 
 
 class MoEStack(snake_strategy.LayeredModule):
     """embedding -> ``depth`` routed blocks -> head; batches are (tokens, next tokens, expert per sample)."""
 
     def __init__(self, width: int = 16, depth: int = 3, vocab: int = 32, num_experts: int = 2,
-                 optimizer=None) -> None:
+                 optimizer=None, balance: float = 0.0) -> None:
         super().__init__()
         self.width, self.depth, self.vocab, self.num_experts = width, depth, vocab, num_experts
+        # A load-balancing loss over every block's gate (the contract's block outputs) when non-zero.
+        self.balance = balance
+        self.loss_reads_block_outputs = balance != 0.0
         self.make_optimizer = optimizer or (lambda params: torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1))
 
     def configure_model(self) -> None:
@@ -45,7 +51,8 @@ class MoEStack(snake_strategy.LayeredModule):
             return
         self.embed = nn.Embedding(self.vocab, self.width)
         self.unused = nn.Linear(self.width, self.width)  # a non-layer parameter that never gets a gradient
-        self.blocks = nn.ModuleList(RoutedBlock(self.width, self.num_experts) for _ in range(self.depth))
+        self.blocks = nn.ModuleList(RoutedBlock(self.width, self.num_experts, self.balance != 0.0)
+                                    for _ in range(self.depth))
         self.head = nn.Linear(self.width, self.vocab)
 
     def pre_stage(self, batch):
@@ -54,8 +61,11 @@ class MoEStack(snake_strategy.LayeredModule):
     def post_stage(self, hidden):
         return self.head(hidden)
 
-    def compute_loss(self, outputs, batch):
-        return F.cross_entropy(outputs.flatten(0, 1), batch[1].flatten())
+    def compute_loss(self, outputs, batch, block_outputs=None):
+        loss = F.cross_entropy(outputs.flatten(0, 1), batch[1].flatten())
+        if self.balance:  # the experts' mean gate probability, squared, summed over experts and blocks
+            loss = loss + self.balance * self.num_experts * sum((g.mean(0) ** 2).sum() for g in block_outputs)
+        return loss
 
     def configure_optimizers(self):
         return self.make_optimizer(self.parameters())

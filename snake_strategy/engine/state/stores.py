@@ -76,16 +76,16 @@ class UnitStore:
         return self.fmt.leaves(self.layout, main, tail)
 
     def forward(self, params: list[Tensor] | Tensor, hidden: Tensor, side: dict | None,
-                check: Callable[[object, int], Tensor] | None = None) -> Tensor:
-        """The unit's blocks on ``hidden``. The first run of half-stored weights is watched (UseCheck): a
-        weight reaching an op autocast keeps in full precision is refused before any update."""
+                check: Callable[[object, int], object] | None = None, outputs: list[Tensor] | None = None) -> Tensor:
+        """The unit's blocks on ``hidden`` (``UnitLayout.forward``). The first run of half-stored weights is
+        watched (UseCheck): a weight reaching an op autocast keeps in full precision is refused before any update."""
         if self.fmt is None or self.checked:
-            return self.layout.forward(params, hidden, side, check)
+            return self.layout.forward(params, hidden, side, check, outputs)
         assert isinstance(params, list), "half-stored weights come as leaves"
         names = [(f"blocks.{self.layout.first_block + s.block}.{s.name}", p)
                  for s, half, p in zip(self.layout.slots, self.fmt.half, params) if half]
         with checked(names, self.fmt.dtype, hidden.device.type):
-            out = self.layout.forward(params, hidden, side, check)
+            out = self.layout.forward(params, hidden, side, check, outputs)
         self.checked = True
         return out
 

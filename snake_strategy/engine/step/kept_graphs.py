@@ -23,7 +23,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import torch
@@ -49,6 +49,7 @@ class KeptGraph:
     leaves: list[Tensor]  # the forward's weight leaves: the weight gradients are taken with respect to them
     y: Tensor  # the forward's output, still attached to the graph
     num_bytes: int  # the saved activations (weights excluded)
+    outputs: list[Tensor] = field(default_factory=list)  # the blocks' outputs for the loss, attached (if it reads any)
 
 
 class _Recording:

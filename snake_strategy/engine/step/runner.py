@@ -13,6 +13,7 @@ whose blocks draw random numbers is then refused at its first step, before any u
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 from dataclasses import dataclass, field
 from collections.abc import Callable
@@ -22,7 +23,7 @@ import torch
 from torch import Tensor, nn
 
 from snake_strategy.activations import ActivationStore
-from snake_strategy.contract import check_block_output, stack_side_inputs, unpack_pre_stage
+from snake_strategy.contract import check_block_output, reads_block_outputs, stack_side_inputs, unpack_pre_stage
 from snake_strategy.engine.step.batch_check import check_batching
 from snake_strategy.engine.step.gradients import GradientPath
 from snake_strategy.engine.step.kept_graphs import KeptGraph, KeptGraphs
@@ -49,6 +50,10 @@ class StepState:
     checkpoint_bytes: int = 0  # one unit input of one full micro-batch
     recomputed_tasks: int = 0  # backward tasks that ran their unit's forward again (the last unit's fused one excluded)
     kept_tasks: int = 0  # backward tasks that started from the forward's kept graph
+    # A loss that reads block outputs (contract.reads_block_outputs): per micro-batch, each block's output from
+    # the forward (detached), and dLoss/d(output) per (block, micro-batch) from the loss to the block's backward.
+    block_outputs: dict[int, dict[int, Tensor]] = field(default_factory=dict)
+    output_grads: dict[tuple[int, int], Tensor] = field(default_factory=dict)
 
 
 @dataclass
@@ -84,6 +89,8 @@ class StepRunner:
         # Batched passes: (what turned them on, tolerance) until the run's first batched task has checked
         # that batching leaves each sample's output alone (engine/step/batch_check.py); None once checked.
         self.unverified_batching = unverified_batching
+        self.block_outputs = reads_block_outputs(module)
+        self._check = functools.partial(check_block_output, with_output=self.block_outputs)
 
     def find_backward_floor(self, micro_batch: Any) -> None:
         """Find the lowest unit whose backward is needed: 0 when pre_stage trains (its gradient flows down
@@ -142,8 +149,9 @@ class StepRunner:
         state.side[m] = side
         return hidden
 
-    def unit_forward(self, u: int, params, hidden: Tensor, side: dict[str, Any]) -> Tensor:
-        return self.units[u].forward(params, hidden, side, check_block_output)
+    def unit_forward(self, u: int, params, hidden: Tensor, side: dict[str, Any],
+                     outputs: list[Tensor] | None = None) -> Tensor:
+        return self.units[u].forward(params, hidden, side, self._check, outputs)
 
     def _side(self, state: StepState, order: tuple[int, ...]) -> dict[str, Any]:
         return stack_side_inputs([state.side[m] for m in order], [state.sizes[m] for m in order])
@@ -182,21 +190,26 @@ class StepRunner:
             self._verify_batching(u, w, xs, state, order)
             # One product per Linear over all micro-batches when batched (larger matmuls run faster).
             x = torch.cat(xs) if len(xs) > 1 else xs[0]
+            outs: list[Tensor] | None = [] if self.block_outputs else None
             if self.kept.wants(u):
                 with self.kept.recording(w) as recording:  # under grad: the graph may be kept for the backward
                     x = x.detach().requires_grad_(self._needs_dx(u))
-                    y = self.unit_forward(u, w, x, self._side(state, order))
+                    y = self.unit_forward(u, w, x, self._side(state, order), outs)
             else:
-                y = self.unit_forward(u, w, x, self._side(state, order))
+                y = self.unit_forward(u, w, x, self._side(state, order), outs)
             if not _same_rng(before, _rng_state(self.device)):
                 state.random_units.add(u)
+            for j, out in enumerate(outs or ()):
+                block = self.units[u].layout.first_block + j
+                for m, piece in zip(order, out.detach().split([state.sizes[m] for m in order])):
+                    state.block_outputs.setdefault(m, {})[block] = piece
         for m, y_m in zip(order, y.detach().split([state.sizes[m] for m in order])):
             self.activations.put(u + 1, m, y_m)
             state.checkpoint_bytes = max(state.checkpoint_bytes, y_m.numel() * y_m.element_size())
             if u < self.first_backward:
                 self.activations.drop(u, m)  # no backward below the first trainable unit: no recompute
         if recording is not None:
-            graph = KeptGraph(x, w, y, recording.num_bytes)
+            graph = KeptGraph(x, w, y, recording.num_bytes, outs or [])
             if self.kept.keep((u, order), graph, lambda: self._free_host_bytes(state.checkpoint_bytes)):
                 for m in order:
                     self.activations.drop(u, m)  # the graph holds the input: the checkpoint is not read again
@@ -242,10 +255,11 @@ class StepRunner:
                 with self.autocast():
                     x = torch.cat([self.pre_stage(state, m) for m in order])
                     self._verify_batching(u, w, list(x.split(sizes)), state, order)
+                    outs: list[Tensor] = []
                     with self._defer(task, state, wt):
-                        y = self.unit_forward(u, w, x, self._side(state, order))
-                    losses = self._post_losses(y, batches, sizes)
-                grads = _grad(sum(losses) * state.loss_factor, wt + self.nonlayer.params)
+                        y = self.unit_forward(u, w, x, self._side(state, order), outs)
+                    losses, leaves = self._post_losses(y, batches, state, task, outs)
+                grads = self._loss_grads(losses, leaves, wt + self.nonlayer.params, state)
                 self.nonlayer.accumulate(grads[len(wt):])
                 if wt:
                     self._accumulate(task, grads[:len(wt)])
@@ -259,8 +273,9 @@ class StepRunner:
                 state.rng.pop((u, order), None)
                 state.kept_tasks += 1
                 xs = [graph.x] if needs_dx else []
+                roots, seeds = self._roots(state, task, graph.y, graph.outputs, g)
                 with self.kept.unpacking(w):
-                    grads = _grad(graph.y, xs + graph.leaves[:len(wt)], g)
+                    grads = _grad(roots, xs + graph.leaves[:len(wt)], seeds)
             else:
                 x = torch.cat([self.activations.get(u, m) for m in order]) if len(order) > 1 \
                     else self.activations.get(u, order[0])
@@ -292,17 +307,20 @@ class StepRunner:
         if u == len(self.units) - 1:
             batches = [state.micro_batches[m] for m in order]
             with self.autocast():
+                outs: list[Tensor] = []
                 with self._defer(task, state, wt):
-                    y = self.unit_forward(u, w, x, self._side(state, order))
-                losses = self._post_losses(y, batches, [state.sizes[m] for m in order])
-            grads = _grad(sum(losses) * state.loss_factor, xs + wt + self.nonlayer.params)
+                    y = self.unit_forward(u, w, x, self._side(state, order), outs)
+                losses, leaves = self._post_losses(y, batches, state, task, outs)
+            grads = self._loss_grads(losses, leaves, xs + wt + self.nonlayer.params, state)
             self.nonlayer.accumulate(grads[len(xs) + len(wt):])
             state.losses += [loss.detach() for loss in losses]
             return grads
         state.recomputed_tasks += 1
+        outs: list[Tensor] = []
         with self._replay(state, u, order), self.autocast(), self._defer(task, state, wt):
-            y = self.unit_forward(u, w, x, self._side(state, order))
-        return _grad(y, xs + wt, g)
+            y = self.unit_forward(u, w, x, self._side(state, order), outs)
+        roots, seeds = self._roots(state, task, y, outs, g)
+        return _grad(roots, xs + wt, seeds)
 
     def _replay(self, state: StepState, u: int, order: tuple[int, ...]):
         """The RNG stream the forward of (u, order) saw, or nothing to replay when it drew no numbers."""
@@ -319,15 +337,70 @@ class StepRunner:
             return contextlib.nullcontext()
         return _replayed(saved, self.device)
 
-    def _post_losses(self, hidden: Tensor, batches: list[Any], sizes: list[int]) -> list[Tensor]:
-        outputs = self.module.post_stage(hidden)
-        return [self.module.compute_loss(out, b) for out, b in zip(outputs.split(sizes), batches)]
+    def _post_losses(self, hidden: Tensor, batches: list[Any], state: StepState, task: Task,
+                     live: list[Tensor]) -> tuple[list[Tensor], dict[tuple[int, int], Tensor]]:
+        """Each micro-batch's loss of the last unit's task, and the leaves its loss read the outputs of the
+        blocks below through (a loss reading block outputs: the forward's values, by (block, micro-batch);
+        ``live``: the outputs of this task's own blocks, still attached to its graph)."""
+        sizes = [state.sizes[m] for m in task.micro_batches]
+        outputs = self.module.post_stage(hidden).split(sizes)
+        if not self.block_outputs:
+            return [self.module.compute_loss(out, b) for out, b in zip(outputs, batches)], {}
+        first = self.units[task.unit].layout.first_block
+        trained_from = self.units[self.first_backward].layout.first_block if self.first_backward < len(self.units) \
+            else first  # blocks below get no backward: their outputs need no gradient
+        live_pieces = [out.split(sizes) for out in live]
+        losses, leaves = [], {}
+        for k, (m, out, batch) in enumerate(zip(task.micro_batches, outputs, batches)):
+            read = []
+            for block in range(first):
+                value = state.block_outputs[m][block]
+                if block >= trained_from:
+                    value = leaves[(block, m)] = value.detach().requires_grad_(True)
+                read.append(value)
+            read += [pieces[k] for pieces in live_pieces]
+            losses.append(self.module.compute_loss(out, batch, read))
+        return losses, leaves
+
+    def _loss_grads(self, losses: list[Tensor], leaves: dict[tuple[int, int], Tensor], inputs: list[Tensor],
+                    state: StepState) -> tuple[Tensor | None, ...]:
+        """Gradients of the task's losses (times the step's seed) with respect to ``inputs``; those with respect
+        to the block outputs the losses read (``leaves``) wait in the state for their blocks' backward."""
+        keys = list(leaves)
+        grads = _grad(sum(losses) * state.loss_factor, inputs + [leaves[key] for key in keys])
+        for key, grad in zip(keys, grads[len(inputs):]):
+            if grad is not None:
+                state.output_grads[key] = grad
+        return grads[:len(inputs)]
+
+    def _roots(self, state: StepState, task: Task, y: Tensor, outs: list[Tensor], g: Tensor | None
+               ) -> tuple[list[Tensor], list[Tensor | None]]:
+        """What a unit's backward differentiates, and the seeds: its output with the gradient from above, and
+        each of its blocks' outputs for the loss with the loss's gradient (none when the loss reads none)."""
+        roots, seeds = [y], [g]
+        first = self.units[task.unit].layout.first_block
+        for j, out in enumerate(outs):
+            block = first + j
+            grads = [state.output_grads.pop((block, m), None) for m in task.micro_batches]
+            values = [state.block_outputs.get(m, {}).pop(block, None) for m in task.micro_batches]
+            if all(grad is None for grad in grads):
+                continue
+            grads = [torch.zeros_like(v) if grad is None else grad for grad, v in zip(grads, values)]
+            roots.append(out)
+            seeds.append(torch.cat(grads) if len(grads) > 1 else grads[0])
+        return roots, seeds
 
 
-def _grad(output: Tensor, inputs: list[Tensor], seed: Tensor | None = None) -> tuple[Tensor | None, ...]:
-    """autograd.grad that tolerates nothing to differentiate (every parameter the task sees is frozen)."""
-    if not inputs or not output.requires_grad:
+def _grad(output: Tensor | list[Tensor], inputs: list[Tensor], seed: Tensor | list[Tensor | None] | None = None
+          ) -> tuple[Tensor | None, ...]:
+    """autograd.grad that tolerates nothing to differentiate (every parameter the task sees is frozen);
+    ``output`` and ``seed`` may be lists (a unit's output and its blocks' outputs for the loss)."""
+    outputs = output if isinstance(output, list) else [output]
+    if not inputs or not any(o.requires_grad for o in outputs):
         return (None,) * len(inputs)
+    if isinstance(output, list):
+        kept = [(o, s) for o, s in zip(outputs, seed) if o.requires_grad]
+        return torch.autograd.grad([o for o, _ in kept], inputs, [s for _, s in kept], allow_unused=True)
     return torch.autograd.grad(output, inputs, seed, allow_unused=True)
 
 

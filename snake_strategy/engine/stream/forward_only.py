@@ -19,7 +19,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from snake_strategy.contract import batch_size, check_block_output, slice_batch, unpack_pre_stage
+from snake_strategy.contract import (batch_size, check_block_output, reads_block_outputs, slice_batch,
+                                     unpack_pre_stage)
 from snake_strategy.schedule import FORWARD, Task
 
 
@@ -32,9 +33,12 @@ def split_eval_batch(batch: Any, num_micro: int) -> list[Any]:
 
 
 def stream_blocks(units: Sequence[Any], weights: Any, hiddens: list[Tensor], sides: list[dict[str, Any]],
-                  trace: Any = None) -> list[Tensor]:
+                  trace: Any = None, check: Callable[[Any, int], Any] = check_block_output,
+                  outputs: list[list[Tensor]] | None = None) -> list[Tensor]:
     """Every unit's blocks over each micro-batch (``hiddens[m]`` with side inputs ``sides[m]``), unit by
-    unit: each unit's weights are fetched once (``weights``: a ``WeightStreamer``), read-only.
+    unit: each unit's weights are fetched once (``weights``: a ``WeightStreamer``), read-only. ``check``
+    validates each block's return value; with ``outputs`` (one list per micro-batch) every block's output
+    for the loss is appended to its micro-batch's list, in block order.
 
     Runs outside inference mode (Lightning evaluates under it): a pooled weight buffer first allocated in
     inference mode would be an inference tensor that the prefetch thread (outside it) cannot fill."""
@@ -46,20 +50,28 @@ def stream_blocks(units: Sequence[Any], weights: Any, hiddens: list[Tensor], sid
                 if trace is not None:
                     trace.task(task)
                 flat, layout = weights.flat(u), units[u].layout
-                hiddens = [layout.forward(flat, h, side, check_block_output) for h, side in zip(hiddens, sides)]
+                hiddens = [layout.forward(flat, h, side, check, None if outputs is None else outputs[m])
+                           for m, (h, side) in enumerate(zip(hiddens, sides))]
         return hiddens
     finally:
         weights.drain()
 
 
 def streamed_forward(module: Any, batch: Any, num_micro: int, device: torch.device, autocast_dtype: torch.dtype | None,
-                     run_blocks: Callable[[list[Tensor], list[dict[str, Any]]], list[Tensor]]) -> Tensor:
-    """``post_stage`` outputs of the whole batch: ``pre_stage`` per micro-batch, ``run_blocks`` (an
-    engine's ``stream_blocks``) over all of them, ``post_stage`` once on the concatenation, as a plain
-    forward computes it."""
+                     run_blocks: Callable[..., list[Tensor]]) -> tuple[Tensor, list[Tensor]]:
+    """``(post_stage outputs, block outputs)`` of the whole batch: ``pre_stage`` per micro-batch,
+    ``run_blocks`` (an engine's ``stream_blocks``) over all of them, ``post_stage`` once on the
+    concatenation, as a plain forward computes it. Block outputs (a loss that reads them, else an empty
+    list): each block's, concatenated over the micro-batches."""
     micro_batches = split_eval_batch(batch, num_micro)
     autocast = torch.autocast(device.type, dtype=autocast_dtype) if autocast_dtype else contextlib.nullcontext()
+    outputs: list[list[Tensor]] | None = [[] for _ in micro_batches] if reads_block_outputs(module) else None
     with torch.inference_mode(False), torch.no_grad(), autocast:
         staged = [unpack_pre_stage(module.pre_stage(mb)) for mb in micro_batches]
-        hiddens = run_blocks([h for h, _ in staged], [side for _, side in staged])
-        return module.post_stage(torch.cat(hiddens) if len(hiddens) > 1 else hiddens[0])
+        hiddens = run_blocks([h for h, _ in staged], [side for _, side in staged], outputs)
+        block_outputs = [] if outputs is None else [_cat(list(per_block)) for per_block in zip(*outputs)]
+        return module.post_stage(_cat(hiddens)), block_outputs
+
+
+def _cat(tensors: list[Tensor]) -> Tensor:
+    return torch.cat(tensors) if len(tensors) > 1 else tensors[0]
