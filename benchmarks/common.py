@@ -1,5 +1,6 @@
 """What the benchmark scripts share: where results go, the peak RSS, SSD bytes in a step's traffic, the
-per-step probe of a Lightning run, and the per-rank plot of the data-parallel benchmarks.
+per-step probe of a Lightning run, a memory cgroup to run a child in, and the per-rank plot of the
+data-parallel benchmarks.
 
 The scripts run as ``python benchmarks/<script>.py`` (this folder is then first on ``sys.path``), so they
 import it as ``common``. Lightning and matplotlib are imported inside the functions that need them: every
@@ -7,6 +8,7 @@ script's ``--help`` and its DeepSpeed worker processes start without them.
 """
 from __future__ import annotations
 
+import os
 import resource
 import statistics
 import time
@@ -80,6 +82,23 @@ def step_probe(label: str = "", flush_at_end: bool = False, rss_in_line: bool = 
             return statistics.median(self.step_s[1:] or self.step_s)
 
     return StepProbe()
+
+
+def make_cgroup(limit_bytes: int, label: str = "bench") -> str:
+    """A new memory cgroup limited to ``limit_bytes`` (no swap), v2 or v1; returns its directory. A child
+    process enters it by writing its pid to ``cgroup.procs`` (as root)."""
+    name = f"snake-{label}-{os.getpid()}-{int(time.time())}"
+    if os.path.exists("/sys/fs/cgroup/cgroup.controllers"):  # v2
+        path = f"/sys/fs/cgroup/{name}"
+        os.mkdir(path)
+        Path(path, "memory.max").write_text(str(limit_bytes))
+        if os.path.exists(os.path.join(path, "memory.swap.max")):
+            Path(path, "memory.swap.max").write_text("0")
+    else:  # v1
+        path = f"/sys/fs/cgroup/memory/{name}"
+        os.mkdir(path)
+        Path(path, "memory.limit_in_bytes").write_text(str(limit_bytes))
+    return path
 
 
 def plot_ranks(report: dict, path: Path, keys: list[tuple[str, str]], ylabel: str, title: str) -> None:

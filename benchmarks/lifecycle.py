@@ -36,6 +36,8 @@ import threading
 import time
 from pathlib import Path
 
+from common import make_cgroup
+
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results" / "lifecycle"
 PHASES = ("interrupted", "resume", "uninterrupted", "end_of_fit")
@@ -242,21 +244,6 @@ def child(args) -> None:
 
 
 # ---------------------------------------------------------------------- parent: cgroup, kill, disk
-def make_cgroup(limit_bytes: int) -> str:
-    name = f"snake-lifecycle-{os.getpid()}-{int(time.time())}"
-    if os.path.exists("/sys/fs/cgroup/cgroup.controllers"):  # v2
-        path = f"/sys/fs/cgroup/{name}"
-        os.mkdir(path)
-        Path(path, "memory.max").write_text(str(limit_bytes))
-        if os.path.exists(os.path.join(path, "memory.swap.max")):
-            Path(path, "memory.swap.max").write_text("0")
-    else:  # v1
-        path = f"/sys/fs/cgroup/memory/{name}"
-        os.mkdir(path)
-        Path(path, "memory.limit_in_bytes").write_text(str(limit_bytes))
-    return path
-
-
 def disk_used_bytes(path: str) -> int:
     usage = shutil.disk_usage(path)
     return usage.total - usage.free
@@ -399,7 +386,7 @@ def main(argv: list[str] | None = None) -> int:
 
     work = Path(tempfile.mkdtemp(prefix="snake-lifecycle-", dir=args.work_root))
     limit_bytes = int(args.memory_limit_gib * 2**30)
-    cgroup = make_cgroup(limit_bytes)
+    cgroup = make_cgroup(limit_bytes, "lifecycle")
     runs: list[dict] = []
     ckpt_dir = work / "checkpoints"
     try:

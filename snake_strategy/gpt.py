@@ -38,6 +38,11 @@ class GPTConfig:
     dropout: probability used for embedding, attention and residual dropout.
     mlp_ratio: MLP hidden width as a multiple of ``d_model``.
     bias: give the block Linear layers and all LayerNorms a bias (the LM head never has one).
+    num_experts: 0 for a dense MLP; else each block's MLP is a mixture of this many expert MLPs (each
+        ``mlp_ratio * d_model`` wide), separate modules, and a router that sends each token to
+        ``experts_per_token`` of them (softmax gate, renormalised over the chosen ones). An expert no
+        token of a step chose gets no gradient and sits the step out.
+    experts_per_token: experts each token runs through (top-k routing).
     """
 
     vocab_size: int = 256
@@ -49,6 +54,8 @@ class GPTConfig:
     dropout: float = 0.0
     mlp_ratio: int = 4
     bias: bool = True
+    num_experts: int = 0
+    experts_per_token: int = 2
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "d_model", "num_layers", "num_heads", "context_len", "mlp_ratio"):
@@ -66,17 +73,27 @@ class GPTConfig:
         for name in ("tied_head", "bias"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"GPTConfig.{name} must be True or False, got {getattr(self, name)!r}")
+        if isinstance(self.num_experts, bool) or not isinstance(self.num_experts, int) or self.num_experts < 0:
+            raise ValueError(f"GPTConfig.num_experts must be 0 (a dense MLP) or a positive integer, "
+                             f"got {self.num_experts!r}")
+        if self.num_experts and not (isinstance(self.experts_per_token, int)
+                                     and 1 <= self.experts_per_token <= self.num_experts):
+            raise ValueError(f"GPTConfig.experts_per_token must be an integer in [1, num_experts={self.num_experts}], "
+                             f"got {self.experts_per_token!r}")
 
     @property
     def head_dim(self) -> int:
         return self.d_model // self.num_heads
 
-    def block_params(self) -> int:
-        """Exact parameter count of one ``Block``."""
+    def block_params(self, active: bool = False) -> int:
+        """Exact parameter count of one ``Block``; ``active``: of the part one token runs through (its
+        ``experts_per_token`` experts and the router, for a mixture of experts)."""
         d, hidden, b = self.d_model, self.mlp_ratio * self.d_model, int(self.bias)
         layer_norms = 2 * (d + b * d)
         attention = (d * 3 * d + b * 3 * d) + (d * d + b * d)
         mlp = (d * hidden + b * hidden) + (hidden * d + b * d)
+        if self.num_experts:
+            mlp = d * self.num_experts + (self.experts_per_token if active else self.num_experts) * mlp
         return layer_norms + attention + mlp
 
     def num_params(self) -> int:
@@ -124,6 +141,10 @@ GPT_PRESETS: dict[str, GPTConfig] = {
     "io_bound": GPTConfig(vocab_size=256, d_model=1024, num_layers=12, num_heads=16, context_len=32, tied_head=True),
     "gpt_1b": GPTConfig(vocab_size=GPT2_VOCAB, d_model=2048, num_layers=24, num_heads=16, context_len=512, tied_head=True),
     "gpt_4b": GPTConfig(vocab_size=GPT2_VOCAB, d_model=3072, num_layers=36, num_heads=24, context_len=512, tied_head=True),
+    # Mixture of experts at gpt_1b's width: 1.1B parameters, 8 experts of d_model width per block, top-2
+    # (about 0.4B active per token). Experts are separate modules, so an expert no token chose sits out.
+    "gpt_1b_moe": GPTConfig(vocab_size=GPT2_VOCAB, d_model=2048, num_layers=12, num_heads=16, context_len=512,
+                            tied_head=True, mlp_ratio=1, num_experts=8, experts_per_token=2),
 }
 
 
@@ -157,9 +178,17 @@ class Block(nn.Module):
         self.qkv = nn.Linear(d, 3 * d, bias=config.bias)
         self.attn_out = ResidualProjection(d, d, bias=config.bias)
         self.ln_2 = nn.LayerNorm(d, bias=config.bias)
-        self.mlp_in = nn.Linear(d, hidden, bias=config.bias)
-        self.act = nn.GELU()
-        self.mlp_out = ResidualProjection(hidden, d, bias=config.bias)
+        self.experts_per_token = config.experts_per_token
+        if config.num_experts:
+            self.router = nn.Linear(d, config.num_experts, bias=False)
+            self.experts = nn.ModuleList(
+                nn.Sequential(nn.Linear(d, hidden, bias=config.bias), nn.GELU(),
+                              ResidualProjection(hidden, d, bias=config.bias))
+                for _ in range(config.num_experts))
+        else:
+            self.mlp_in = nn.Linear(d, hidden, bias=config.bias)
+            self.act = nn.GELU()
+            self.mlp_out = ResidualProjection(hidden, d, bias=config.bias)
         self.resid_drop = nn.Dropout(config.dropout)
 
     def attention(self, x: Tensor) -> Tensor:
@@ -174,7 +203,17 @@ class Block(nn.Module):
         return self.resid_drop(self.attn_out(y))
 
     def mlp(self, x: Tensor) -> Tensor:
-        return self.resid_drop(self.mlp_out(self.act(self.mlp_in(x))))
+        if not hasattr(self, "experts"):
+            return self.resid_drop(self.mlp_out(self.act(self.mlp_in(x))))
+        tokens = x.reshape(-1, x.shape[-1])
+        weights, chosen = torch.softmax(self.router(tokens), dim=-1).topk(self.experts_per_token, dim=-1)
+        weights = weights / weights.sum(-1, keepdim=True)
+        out = torch.zeros_like(tokens)
+        for e, expert in enumerate(self.experts):
+            rows, slot = (chosen == e).nonzero(as_tuple=True)
+            if rows.numel():  # an expert no token chose is not run: its parameters get no gradient
+                out = out.index_add(0, rows, expert(tokens[rows]) * weights[rows, slot, None])
+        return self.resid_drop(out.view_as(x))
 
     def forward(self, hidden: Tensor) -> Tensor:
         hidden = hidden + self.attention(self.ln_1(hidden))
@@ -352,7 +391,8 @@ class GPTModule(LayeredModule):
             6 * N_matmul + 12 * num_layers * d_model * seq_len
 
         N_matmul counts the block parameters (their LayerNorm gains and biases are well under 1% and kept
-        for simplicity) plus the LM-head weight (vocab x d). The head is counted even when tied, because the d x vocab matmul runs either
+        for simplicity; of a mixture of experts, the active ones: the router and ``experts_per_token``
+        experts) plus the LM-head weight (vocab x d). The head is counted even when tied, because the d x vocab matmul runs either
         way; the token/position embeddings are lookups and cost no FLOPs. The second term is the
         attention score (QK^T) and weighted-sum (AV) matmuls, 2 * 2 * seq_len * d_model per layer in
         the forward pass, times 3 for forward + backward, at full (non-causal-discounted) length.
@@ -362,5 +402,5 @@ class GPTModule(LayeredModule):
         seq_len = cfg.context_len if seq_len is None else seq_len
         if seq_len <= 0:
             raise ValueError(f"seq_len must be positive, got {seq_len}")
-        n_matmul = cfg.num_layers * cfg.block_params() + cfg.vocab_size * cfg.d_model
+        n_matmul = cfg.num_layers * cfg.block_params(active=True) + cfg.vocab_size * cfg.d_model
         return 6 * n_matmul + 12 * cfg.num_layers * cfg.d_model * seq_len

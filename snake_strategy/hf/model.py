@@ -27,7 +27,6 @@ from __future__ import annotations
 import copy
 import functools
 import os
-import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -45,6 +44,7 @@ except ImportError as err:  # the adapter is an optional extra
 
 from snake_strategy.hf.checkpoint_keys import CheckpointKeys
 from snake_strategy.hf.generation import greedy_generate
+from snake_strategy.hf.router_loss import router_loss_of
 from snake_strategy.module import LayeredModule
 from snake_strategy.sources.lora_init import adapter_initializer, adapter_parameter_ids
 from snake_strategy.sources.pretrained import PretrainedSource
@@ -151,37 +151,6 @@ def family_of(config: PretrainedConfig) -> Family:
     return family
 
 
-@dataclass(frozen=True)
-class RouterLoss:
-    """The load-balancing loss a mixture-of-experts causal LM adds to its loss (HF's forward with labels and
-    ``output_router_logits``): ``coefficient * function(router logits of every layer, num_experts, top_k,
-    attention_mask)``, the family's own ``load_balancing_loss_func``."""
-
-    router_class: type  # the module whose output holds a layer's router logits (HF's output recorder)
-    index: int  # where in that output
-    function: Any
-    num_experts: int
-    top_k: int
-    coefficient: float
-
-
-def router_loss_of(hf: nn.Module) -> RouterLoss | None:
-    """The model's load-balancing loss, None when its loss has none (the config's ``output_router_logits``
-    off, or a zero ``router_aux_loss_coef``); refused when the family does not say where its logits are."""
-    config = hf.config
-    coefficient = float(getattr(config, "router_aux_loss_coef", 0.0) or 0.0)
-    if not getattr(config, "output_router_logits", False) or coefficient == 0.0:
-        return None
-    recorder = (getattr(type(hf), "_can_record_outputs", None) or {}).get("router_logits")
-    function = getattr(sys.modules[type(hf).__module__], "load_balancing_loss_func", None)
-    if recorder is None or function is None or not hasattr(hf, "num_experts_per_tok"):
-        raise ValueError(f"{config.model_type}: output_router_logits=True, but {type(hf).__name__} records no router "
-                         "logits or has no load_balancing_loss_func in transformers "
-                         f"{transformers.__version__}; set output_router_logits=False")
-    return RouterLoss(recorder.target_class, recorder.index, function, int(hf.num_experts), int(hf.num_experts_per_tok),
-                      coefficient)
-
-
 def layer_kinds(config: PretrainedConfig, family: Family) -> list[str]:
     """'full_attention' or 'sliding_attention' per decoder layer, as the HF model decides it."""
     n = config.num_hidden_layers
@@ -194,7 +163,8 @@ def layer_kinds(config: PretrainedConfig, family: Family) -> list[str]:
 
 
 class HFCausalLM(LayeredModule):
-    """A HF causal LM (Llama, Mistral, Qwen2, Qwen3, GPT-2) for ``strategy="greedysnake"`` and plain Lightning.
+    """A HF causal LM (Llama, Mistral, Qwen2, Qwen3, GPT-2, Mixtral, Qwen3-MoE, OLMoE) for ``strategy="greedysnake"``
+    and plain Lightning.
 
     Args:
         config: a ``transformers.PretrainedConfig``, a dict with ``model_type``, or a local model
