@@ -8,8 +8,9 @@ a step out, and the peak RSS against the plan.
 Two cases run as children, each in its own cgroup (``memory.max``), with ``GreedySnakeStrategy()`` on the
 defaults (the host budget comes from the cgroup):
 
-- ``every_expert``: ``--batch`` samples of ``--context-len`` tokens a step: every expert of every block gets
-  tokens, nothing sits out;
+- ``many_tokens``: ``--batch`` samples of ``--context-len`` tokens a step: most experts of every block get
+  tokens (at initialisation the router still sends whole groups of tokens to the same experts, so some
+  sit out even here);
 - ``few_tokens``: ``--few-tokens`` tokens a step (4 samples, one per default micro-batch, of
   ``--few-tokens / 4`` tokens): each block routes them to at most 2 x that many experts, the others sit the
   step out, and their master weights and moments stay where they are.
@@ -147,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.json_out).write_text(json.dumps(child(args)))
         return 0
     work = Path(tempfile.mkdtemp(prefix="snake-moe-bench-"))
-    cases = [run_case(args, "every_expert", args.batch, args.context_len, work),
+    cases = [run_case(args, "many_tokens", args.batch, args.context_len, work),
              run_case(args, "few_tokens", 4, max(1, args.few_tokens // 4), work)]
     report = dict(preset=args.preset, memory_limit_gib=args.memory_limit_gib, steps=args.steps, cases=cases)
     out = Path(args.out or RESULTS / f"{args.preset}.json")

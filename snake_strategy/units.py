@@ -136,7 +136,7 @@ def build_layouts(
     """Partition ``blocks`` into units and lay out each unit's flat vector.
 
     ``align_params``: every trainable parameter starts on a page (``ALIGN_ELEMS``), for optimizers stepped
-    one whole tensor at a time (optimizers/spec.py, PER_TENSOR): a chunk, the alpha split and an SSD
+    one whole tensor at a time (optimizers/per_tensor.py): a chunk, the alpha split and an SSD
     transfer can then begin at any parameter. The padding between parameters holds zeros.
 
     ``param_group_of`` maps ``id(parameter)`` to its optimizer param-group index. Raises ValueError for

@@ -1,7 +1,7 @@
 """Whether a checkpoint belongs to this run: its optimizer state and its frozen base weights.
 
-The manifest's ``optimizer`` record names the class, how the engine steps it (optimizers/spec.py) and the
-state's slots with their dtypes; a unit's slots kept per tensor have their own lengths (``state_numel``),
+The manifest's ``optimizer`` record names the class, its kind and the state's slots with their dtypes; the
+optimizer's spec decides whether it continues this run (``OptimizerSpec.accepts``); a unit's slots kept per tensor have their own lengths (``state_numel``),
 since their indices are not the unit's elements. A checkpoint without the record holds Adam's two moments.
 A fine-tuning checkpoint holds CRC-32s of the frozen weights instead of a copy: resuming it on other base
 weights is refused.
@@ -11,6 +11,8 @@ from __future__ import annotations
 import zlib
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+from snake_strategy.optimizers.spec import legacy_record
 
 if TYPE_CHECKING:
     from snake_strategy.engine import SnakeEngine
@@ -24,12 +26,9 @@ def own_lengths(engine: SnakeEngine, u: int) -> dict:
 
 def check_optimizer_record(root: Path, manifest: dict, engine: SnakeEngine) -> None:
     """Refuse a checkpoint whose optimizer state is another class's or another layout's, naming both."""
-    saved = manifest.get("optimizer", {"class": "torch.optim.adamw.AdamW", "kind": "fused_adam",
-                                       "slots": {"exp_avg": manifest["master_dtype"].removeprefix("torch."),
-                                                 "exp_avg_sq": manifest["master_dtype"].removeprefix("torch.")}})
-    mine = engine.optimizer_record()
-    if saved["slots"] != mine["slots"] or (saved["class"] != mine["class"] and saved["kind"] != "fused_adam"
-                                           or mine["kind"] != saved["kind"]):
+    saved = manifest.get("optimizer") or legacy_record(manifest["master_dtype"])
+    if not engine.accepts_optimizer_record(saved):
+        mine = engine.optimizer_record()
         raise ValueError(f"{root} holds the state of {saved['class']} ({', '.join(saved['slots']) or 'no state'}); this "
                          f"run's configure_optimizers returns {mine['class']} ({', '.join(mine['slots']) or 'no state'}). "
                          "Resume with the optimizer the checkpoint was trained with, or load only the weights "

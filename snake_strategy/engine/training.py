@@ -42,7 +42,7 @@ from snake_strategy.engine.view import StepStats
 from snake_strategy.engine.stream.streamer import WeightStreamer
 from snake_strategy.planning.host_memory import SOURCE_GIVEN
 from snake_strategy.planning.memory import UNPLANNED_SHARE, pool_sizes
-from snake_strategy.optimizers import hyper_params, optimizer_kind
+from snake_strategy.optimizers import hyper_params, step_kind
 from snake_strategy.planning.autoplan import RunPlan
 from snake_strategy.planning.planner import ModelShape
 from snake_strategy.precision import LossScaler
@@ -63,7 +63,7 @@ class SnakeEngine(EngineBase):
         if clip is not None and clip[0] not in ("norm", "value"):
             raise ValueError(f"gradient_clip_algorithm='{clip[0]}' is not supported; use 'norm' or 'value'")
         check_contract(module)
-        optimizer_kind(optimizer)  # the refusals again for a hand-built plan; the plan's spec says how to step
+        step_kind(optimizer)  # the refusals again for a hand-built plan; the plan's spec says how to step
         if schedule.unset() or storage.unset():
             raise ValueError(f"SnakeEngine runs concrete settings, but schedule {schedule.unset()} and storage "
                              f"{storage.unset()} are left to the planner: resolve them first (snake_strategy.planning."
@@ -82,10 +82,9 @@ class SnakeEngine(EngineBase):
         self.reducer = GradientReducer(world_size, self.counters, self.trace, self.device) if world_size > 1 else None
         # ZeRO-1: this rank keeps 1/N of the moments (engine/parallel/partition.py).
         sharded = runtime.shard_optimizer and world_size > 1
-        if sharded and plan.optimizer is not None and plan.optimizer.per_tensor:
-            raise ValueError(f"shard_optimizer_state=True cuts the optimizer state into element ranges, but "
-                             f"{type(optimizer).__name__} steps whole tensors; pass "
-                             "GreedySnakeStrategy(shard_optimizer_state=False) (each rank keeps the whole state)")
+        refusal = plan.optimizer.kind.shard_refusal(plan.optimizer.class_name) if sharded and plan.optimizer else None
+        if refusal is not None:
+            raise ValueError(refusal)
         self.partition = Partition(world_size, rank, self.counters, self.dtypes, self.device) if sharded else None
         self.checkpoint_bytes = 0  # one unit input of one micro-batch, known after the first forward
         self.logits_bytes = 0  # the loss head's output of one micro-batch, known at the first step
@@ -396,9 +395,11 @@ class SnakeEngine(EngineBase):
 
     def optimizer_record(self) -> dict[str, Any]:
         """What a checkpoint records of the optimizer: its class and the layout of its state."""
-        spec = self.plan.optimizer
-        return {"class": spec.class_name, "kind": spec.kind,
-                "slots": {slot.name: str(slot.dtype).removeprefix("torch.") for slot in spec.slots}}
+        return self.plan.optimizer.record()
+
+    def accepts_optimizer_record(self, saved: dict[str, Any]) -> bool:
+        """Whether a checkpoint's optimizer record holds this run's kind of state (``OptimizerSpec.accepts``)."""
+        return self.plan.optimizer.accepts(saved)
 
     def unit_state(self, u: int) -> dict[str, Tensor]:
         """Unit ``u``'s master weights and optimizer state, fresh CPU copies (one unit at a time)."""

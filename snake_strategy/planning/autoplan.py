@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -57,7 +58,8 @@ from snake_strategy.planning.planner import (HardwareProfile, ModelShape, StepPr
                                              plan, prefetch_depth)
 from snake_strategy.precision import DtypePolicy
 from snake_strategy.progress import format_bytes
-from snake_strategy.optimizers.spec import PER_TENSOR, OptimizerSpec, inspect_optimizer, optimizer_kind
+from snake_strategy.optimizers.kind import scratch_elems
+from snake_strategy.optimizers.spec import OptimizerSpec, inspect_optimizer, step_kind
 from snake_strategy.units import UnitLayout, WeightFormat, build_layouts
 
 log = logging.getLogger(__name__)
@@ -205,36 +207,67 @@ class RunPlan:
                 "calibration": self.calibration,
                 "hardware": dataclasses.asdict(self.hardware) if self.hardware is not None else None,
                 "optimizer": None if self.optimizer is None else {
-                    "class": self.optimizer.class_name, "kind": self.optimizer.kind,
+                    "class": self.optimizer.class_name, "kind": self.optimizer.kind.name,
                     "state_bytes_per_param": self.shape.state_bytes,
                     "slots": {slot.name: str(slot.dtype).removeprefix("torch.") for slot in self.optimizer.slots}}}
 
 
+# Non-layer parameters up to this many elements are probed at their own shape (optimizers stepped per tensor).
+PROBED_NONLAYER_ELEMS = 2**22
+
+
 def setup_layouts(module: nn.Module, optimizer: torch.optim.Optimizer | None, blocks_per_unit: int, num_micro: int,
-                  dtypes: DtypePolicy) -> tuple[list[UnitLayout], ModelShape, OptimizerSpec | None]:
+                  dtypes: DtypePolicy, chunk_elems: int) -> tuple[list[UnitLayout], ModelShape, OptimizerSpec | None]:
     """The model's units, the planner's view of them before any batch is seen (tokens and checkpoint
     sizes are 0) and what the optimizer keeps per parameter (optimizers/spec.py). The only place a run lays
     its model out and builds its shape: the engines take all three from the plan. Training stores the
     weights as ``dtypes`` says (half-precision matmul weights with their full-precision tail, the master
-    copy separately) and the optimizer's state in its own dtypes; evaluation stores the compute weights only."""
+    copy separately) and the optimizer's state in its own dtypes, laid out as its kind lays it out (slots,
+    the worker's scratch for chunks of ``chunk_elems``); evaluation stores the compute weights only."""
     spec = None
     if optimizer is None:  # evaluation: no optimizer, the compute weights are all that is stored
         groups = {id(p): 0 for p in module.parameters()}
         stored, half, kind = "compute", None, None
     else:
-        kind = optimizer_kind(optimizer)  # refuses what cannot be stepped exactly, before anything is built
+        kind = step_kind(optimizer)  # refuses what cannot be stepped exactly, before anything is built
         groups = check_trainable(module, optimizer)  # the engine's refusals, with their messages
         stored, half = "weights", dtypes.half_weights
-    layouts = build_layouts(module.blocks, blocks_per_unit, groups, align_params=kind == PER_TENSOR)
+    layouts = build_layouts(module.blocks, blocks_per_unit, groups, align_params=kind is not None and kind.whole_tensors)
     formats = [WeightFormat.for_layout(layout, half, dtypes.master) for layout in layouts] if half else []
     shape = ModelShape.from_layouts(layouts, module, num_micro, dtypes.bytes_per(stored), dtypes.bytes_per("master"),
                                     compute_bytes=dtypes.bytes_per("compute"),
                                     weight_formats=[(f.main_numel, f.tail_bytes) for f in formats])
     if optimizer is not None:
         params = [(layout.group_of(s), tuple(s.shape)) for layout in layouts for s in layout.trainable_slots]
-        spec = inspect_optimizer(optimizer, kind, params, dtypes.master)
-        shape = dataclasses.replace(shape, state_bytes_per_elem=spec.bytes_per_elem(params))
+        block_ids = {id(p) for p in module.blocks.parameters()}
+        nonlayer = [(groups[id(p)], tuple(p.shape)) for p in module.parameters()
+                    if p.requires_grad and id(p) not in block_ids]
+        # A class stepped per tensor is probed at each shape: the non-layer ones too, unless one is so large
+        # that a probe off the meta device would cost (its state is then counted at the blocks' average).
+        probed = [(g, s) for g, s in nonlayer if math.prod(s) <= PROBED_NONLAYER_ELEMS]
+        spec = inspect_optimizer(optimizer, kind, params + probed, dtypes.master)
+        shape = dataclasses.replace(shape, state_bytes_per_elem=spec.bytes_per_elem(params),
+                                    **state_footprint(spec, layouts, nonlayer, probed, chunk_elems))
     return layouts, shape, spec
+
+
+def state_footprint(spec: OptimizerSpec, layouts: list[UnitLayout], nonlayer: list[tuple[int, tuple[int, ...]]],
+                    probed: list[tuple[int, tuple[int, ...]]], chunk_elems: int) -> dict[str, Any]:
+    """The ``ModelShape`` fields of the optimizer's state as the engine allocates it: each slot's bytes per
+    element, lengths (a slot indexed by its own elements) and worker scratch; the worker's chunk when chunks
+    are whole tensors; the non-layer parameters' state bytes (exact for the ``probed`` (group, shape)s)."""
+    chunk, scratch = scratch_elems(spec, layouts, [(0, layout.train_end) for layout in layouts], chunk_elems)
+    slots = []
+    for slot in spec.slots:
+        own = [spec.kind.slot_offsets(spec, slot, layout) for layout in layouts]
+        numels = tuple(o[1] for o in own) if any(o is not None for o in own) else ()
+        slots.append((slot.dtype.itemsize, numels, scratch[slot.name] if numels else 0))
+    average = spec.bytes_per_elem([(layout.group_of(s), tuple(s.shape)) for layout in layouts
+                                   for s in layout.trainable_slots])
+    nonlayer_bytes = sum(slot.dtype.itemsize * spec.slot_numel(slot, g, s) for g, s in probed for slot in spec.slots)
+    nonlayer_bytes += math.ceil(average * sum(math.prod(s) for g, s in nonlayer if (g, s) not in probed))
+    return {"state_slots": tuple(slots), "optimizer_chunk_elems": chunk if spec.kind.whole_tensors else 0,
+            "nonlayer_state_bytes": nonlayer_bytes}
 
 
 def resolve(module: nn.Module, optimizer: torch.optim.Optimizer | None, storage: StorageConfig,
@@ -248,7 +281,7 @@ def resolve(module: nn.Module, optimizer: torch.optim.Optimizer | None, storage:
     decide the optimizer step's mode and with it the alpha that runs (the one place it is decided)."""
     evaluating = optimizer is None
     layouts, shape, spec = setup_layouts(module, optimizer, schedule.blocks_per_unit, schedule.num_micro_batches,
-                                         dtypes)
+                                         dtypes, storage.optimizer_chunk_elems)
     shape = dataclasses.replace(shape, optimizer_shards=optimizer_shards)
     hardware = dataclasses.replace(hardware, device_is_cpu=device.type == "cpu")
     bounded = host_budget(storage.host_budget_bytes, processes_per_node)

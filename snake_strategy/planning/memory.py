@@ -19,6 +19,7 @@ power of two). Those items are counted here at their real, rounded size, allocat
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from snake_strategy.config import StorageConfig, TierShares
@@ -127,12 +128,39 @@ class MemoryInputs:
     # master copy, moments, gradients, optimizer worker or activation checkpoints.
     evaluating: bool = False
     # The optimizer's state per trainable element, in master-dtype elements (optimizers/spec.py): 2 for
-    # Adam's moments, 1 for SGD's momentum, about 0.5 for 8-bit AdamW.
+    # Adam's moments, 1 for SGD's momentum, about 0.5 for 8-bit AdamW (the rollback's estimate).
     state_vectors: float = 2.0
+    # The state's slots as the engine allocates them (``ModelShape.state_slots``): per slot (bytes per element,
+    # per-unit lengths or empty for the unit's (shard of) trainable elements, worker scratch elements or 0 for
+    # a chunk). Empty: ``state_vectors`` slots of the master dtype (a model on paper).
+    state_slots: tuple[tuple[int, tuple[int, ...], int], ...] = ()
+    optimizer_chunk: int = 0  # the worker's master/gradient chunk when it is whole tensors; 0: the formula
+    nonlayer_state_bytes: int = -1  # the non-layer parameters' optimizer state; -1: 2 moments of the master dtype
 
     @property
     def trainable(self) -> tuple[int, ...]:
         return self.unit_trainable or self.unit_params
+
+    def slots(self) -> list[tuple[int, tuple[int, ...], int]]:
+        """Per slot of the optimizer's state: (bytes per element, per-unit lengths on this rank, scratch elements
+        of the worker)."""
+        chunk = self.chunk_elems
+        if not self.state_slots:
+            vectors = self.state_vectors
+            if vectors == int(vectors):
+                return [(self.master_bytes, self.moment_elems, chunk)] * int(vectors)
+            return [(math.ceil(vectors * self.master_bytes), self.moment_elems, chunk)]
+        return [(size, numels or self.moment_elems, scratch or chunk) for size, numels, scratch in self.state_slots]
+
+    @property
+    def chunk_elems(self) -> int:
+        """The optimizer worker's chunk of master weights and gradient (it steps this rank's range)."""
+        return self.optimizer_chunk or min(max(self.moment_elems), self.storage.optimizer_chunk_elems)
+
+    @property
+    def nonlayer_state(self) -> int:
+        """Bytes of the non-layer parameters' optimizer state."""
+        return self.nonlayer_state_bytes if self.nonlayer_state_bytes >= 0 else 2 * self.nonlayer_params * self.master_bytes
 
     @property
     def total_trainable(self) -> int:
@@ -296,7 +324,7 @@ def _pinned_items(inputs: MemoryInputs) -> dict[str, int]:
     items = {
         "weights": (pinned_host_shares(inputs.weight_elems, s.weights, inputs.e_w)
                     + sum(pinned_allocation_bytes(round_up(t)) for t in tails)),
-        "optimizer_moments": int(inputs.state_vectors * pinned_host_shares(inputs.moment_elems, s.optimizer, e_m)),
+        "optimizer_moments": sum(pinned_host_shares(numels, s.optimizer, size) for size, numels, _ in inputs.slots()),
         # the gradient store's host segment is allocated for the whole unit share, pinned
         "gradients": pinned_host_shares(units, s.gradients, e_m),
     }
@@ -333,7 +361,8 @@ def _host_plan(inputs: MemoryInputs) -> dict[str, int]:
     e_c, e_m = inputs.compute_bytes, inputs.master_bytes
     trained, unit_trained = inputs.total_trainable, inputs.max_trainable
     pools = pool_sizes(inputs)
-    chunk = min(max(inputs.moment_elems), s.optimizer_chunk_elems)  # the worker steps this rank's range
+    chunk = inputs.chunk_elems
+    slots = inputs.slots()
     weights_in_place = s.weights.device == 1.0  # fully device-resident weights are used in place
     e_w = inputs.e_w
     # the fp32 tail of half-precision storage is always in memory (host, or the device when weights are)
@@ -342,18 +371,21 @@ def _host_plan(inputs: MemoryInputs) -> dict[str, int]:
     nonlayer_transient = inputs.nonlayer_largest or inputs.nonlayer_params
     plan = {
         "weights": int(sum(inputs.weight_elems) * e_w * _in_memory(s.weights, cpu)) + tail_in_memory,
-        "optimizer_moments": int(inputs.state_vectors * sum(inputs.moment_elems) * e_m * _in_memory(s.optimizer, cpu)),
+        "optimizer_moments": sum(int(sum(numels) * size * _in_memory(s.optimizer, cpu)) for size, numels, _ in slots),
         "gradients": int(stored_gradient_elems(inputs) * e_m * _in_memory(s.gradients, cpu)),
-        # compute copy, master (when separate), 2 moments, gradient, and the transient gradient of the one
-        # non-layer backward running (the non-layer master is separate only when the compute dtype differs:
-        # bf16-true)
-        "nonlayer_params_and_state": (inputs.nonlayer_params * (e_c + 3 * e_m + (e_m if e_c != e_m else 0))
-                                      + nonlayer_transient * e_m + inputs.nonlayer_frozen * e_c),
+        # compute copy, master (when separate), optimizer state, gradient, and the transient gradient of the
+        # one non-layer backward running (the non-layer master is separate only when the compute dtype
+        # differs: bf16-true)
+        "nonlayer_params_and_state": (inputs.nonlayer_params * (e_c + e_m + (e_m if e_c != e_m else 0))
+                                      + inputs.nonlayer_state + nonlayer_transient * e_m
+                                      + inputs.nonlayer_frozen * e_c),
         "weight_buffers": 0 if weights_in_place else pools.weight_buffers * inputs.weight_buffer_bytes,
         # + the horizontal schedule's partial sum, read back to be added (one unit, transient)
         "gradient_buffers": (pools.grad_buffers + (inputs.kind == "horizontal")) * unit_trained * e_m,
-        # the worker's chunk of master + 2 moments + parked gradient (+ the refreshed compute copy)
-        "optimizer_scratch": 4 * chunk * e_m + (chunk * e_w if inputs.separate_master else 0),
+        # the worker's chunk of master weights, each slot's piece of it, the parked gradient (+ the refreshed
+        # compute copy)
+        "optimizer_scratch": (2 * chunk * e_m + sum(scratch * size for size, _, scratch in slots)
+                              + (chunk * e_w if inputs.separate_master else 0)),
     }
     if inputs.separate_master:
         plan["master"] = int(trained * e_m * _in_memory(s.master, cpu))
@@ -396,7 +428,7 @@ def ssd_plan(inputs: MemoryInputs) -> dict[str, int]:
     units, trained = inputs.unit_params, inputs.trainable  # frozen elements: weights only
     plan = {
         "weights": per_unit(s.weights.ssd, inputs.e_w, inputs.weight_elems),
-        "optimizer_moments": int(inputs.state_vectors * per_unit(s.optimizer.ssd, e_m, inputs.moment_elems)),
+        "optimizer_moments": sum(per_unit(s.optimizer.ssd, size, numels) for size, numels, _ in inputs.slots()),
         "gradients": int(stored_gradient_elems(inputs) * e_m * s.gradients.ssd),
     }
     if inputs.separate_master:

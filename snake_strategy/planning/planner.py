@@ -84,6 +84,15 @@ class ModelShape:
     # Bytes of optimizer state per trainable element, as the optimizer keeps it (optimizers/spec.py); None:
     # Adam's two moments in the master dtype.
     state_bytes_per_elem: float | None = None
+    # The optimizer's state as the engine lays it out (optimizers/kind.py), per slot: (bytes per element, per
+    # unit its length when the slot is indexed by its own elements (empty: the unit's trainable elements), the
+    # worker's scratch elements of it (0: one chunk)). Empty: Adam's two moments in the master dtype.
+    state_slots: tuple[tuple[int, tuple[int, ...], int], ...] = ()
+    # The worker's chunk of master weights and gradient when the optimizer's chunks are whole tensors (0: the
+    # smaller of the largest unit and storage.optimizer_chunk_elems).
+    optimizer_chunk_elems: int = 0
+    # The non-layer parameters' optimizer state, bytes; -1: Adam's two moments in the master dtype.
+    nonlayer_state_bytes: int = -1
 
     @classmethod
     def from_layouts(cls, layouts: Sequence[UnitLayout], module: nn.Module, num_micro: int, weight_bytes: int,
@@ -264,7 +273,8 @@ def memory_inputs(shape: ModelShape, hw: HardwareProfile, storage: StorageConfig
         unit_params=shape.unit_params or (shape.params_per_unit,) * L, nonlayer_params=shape.nonlayer_params,
         nonlayer_largest=shape.nonlayer_largest_params, loss_logits_bytes=loss_logits_bytes,
         compute_bytes=shape.compute_bytes or shape.weight_bytes, master_bytes=shape.master_bytes,
-        state_vectors=shape.state_bytes / shape.master_bytes,
+        state_vectors=shape.state_bytes / shape.master_bytes, state_slots=shape.state_slots,
+        optimizer_chunk=shape.optimizer_chunk_elems, nonlayer_state_bytes=shape.nonlayer_state_bytes,
         device_is_cpu=hw.device_is_cpu, unit_weight_elems=shape.unit_weight_elems or uniform_elems,
         weight_bytes=shape.weight_bytes if shape.compute_bytes else 0,
         unit_weight_tail_bytes=shape.unit_weight_tail_bytes or (shape.weight_tail_bytes_per_unit,) * L,

@@ -12,7 +12,6 @@ from typing import Any
 
 import torch
 
-from snake_strategy.optimizers.spec import FUSED_ADAM
 from snake_strategy.planning.autoplan import RunPlan
 from snake_strategy.planning.calibration import REPLAN_MISS, MeasuredStep, calibrated, knee, missed
 from snake_strategy.planning.hardware import matmul_flops_per_s, optimizer_params_per_s, probe_hardware
@@ -33,7 +32,7 @@ def first_prediction(plan: RunPlan, shape: ModelShape, alpha: float, hardware: H
     timed at the same matrix. A ``HardwareProfile`` is taken as given."""
     probing = hardware in ("probe", None)
     time_optimizer = (probing and optimizer is not None and plan.optimizer is not None
-                      and plan.optimizer.kind != FUSED_ADAM)
+                      and not plan.optimizer.kind.own_kernel)
     if probing:
         hardware = probe_hardware(ssd_path, device)
     out_dim, in_dim = largest_block_matrix

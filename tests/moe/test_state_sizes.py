@@ -5,7 +5,7 @@ import importlib.util
 import pytest
 import torch
 
-from snake_strategy.optimizers import inspect_optimizer, optimizer_kind
+from snake_strategy.optimizers import inspect_optimizer, step_kind
 
 SHAPES = [(0, (256, 512)), (0, (512,))]  # one matrix and one vector in group 0
 
@@ -13,7 +13,7 @@ SHAPES = [(0, (256, 512)), (0, (512,))]  # one matrix and one vector in group 0
 def _spec(make):
     params = [torch.nn.Parameter(torch.zeros(s)) for _, s in SHAPES]
     optimizer = make(params)
-    return inspect_optimizer(optimizer, optimizer_kind(optimizer), SHAPES, torch.float32)
+    return inspect_optimizer(optimizer, step_kind(optimizer), SHAPES, torch.float32)
 
 
 @pytest.mark.parametrize("make, slots, bytes_per_param", [

@@ -3,6 +3,7 @@ the engine allocates for them, in every precision (half-precision weight storage
 mode, prefetch depth and kept-activation policy the plan reports are the ones the engine runs."""
 import lightning as L
 import pytest
+import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 import snake_strategy
@@ -97,3 +98,54 @@ def test_the_evaluation_plan_is_the_evaluation_engines_allocation():
     assert plan.evaluating and plan.step_mode == "overlapped"
     assert plan.host_items() == seen["model"] and plan.host_bytes == sum(seen["model"].values())
     assert plan.host_items()["weights"] == seen["weights"]
+
+
+class _WithOptimizer(GPTModule):
+    """SMALL_GPT under another optimizer (``make``); its non-layer parameters are small, probed at their shape."""
+
+    make = None
+
+    def configure_optimizers(self):
+        return type(self).make(self.parameters())
+
+
+def _bnb_or_skip():
+    pytest.importorskip("bitsandbytes")
+    from snake_strategy.optimizers import FusedAdamW8bit
+    return FusedAdamW8bit
+
+
+OPTIMIZERS = {  # slots: 1, 2, 3; per tensor (factored rows and columns); uint8 state with float32 scales
+    "sgd_momentum": lambda p: torch.optim.SGD(p, lr=1e-2, momentum=0.9),
+    "adamw": lambda p: torch.optim.AdamW(p, lr=1e-3),
+    "rmsprop_centered_momentum": lambda p: torch.optim.RMSprop(p, lr=1e-3, momentum=0.9, centered=True),
+    "adafactor": lambda p: torch.optim.Adafactor(p, lr=1e-2),
+    "adamw8bit": lambda p: _bnb_or_skip()(p, lr=1e-3),
+}
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_the_plan_counts_every_slot_of_the_optimizer(name):
+    """The optimizer's state as its kind lays it out: the plan's bytes of the slots, of the worker's scratch
+    (one piece per slot) and of the non-layer state equal what the engine allocates, for 1, 2 and 3 slots,
+    state kept per tensor and 8-bit state."""
+    seen = {}
+
+    class Seen(L.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            engine = trainer.strategy.engine
+            seen["allocated"] = _allocated(engine)
+            seen["scratch"] = engine.overlap.scratch_bytes
+            seen["nonlayer_state"] = engine.nonlayer.state_bytes
+            seen["slots"] = len(engine.plan.optimizer.slots)
+
+    module = type("M", (_WithOptimizer,), {"make": staticmethod(OPTIMIZERS[name])})(SMALL_GPT)
+    run = fit_snake(module, token_loader(MICRO * MICRO_SIZE, MICRO * MICRO_SIZE), steps=1,
+                    storage={"weights": "host", "optimizer": "host", "gradients": "host"},
+                    schedule={"num_micro_batches": MICRO, "alpha": 0.5}, callbacks=[Seen()], record=None)
+    planned = run.strategy.plan.host_items()
+    assert seen["slots"] == {"sgd_momentum": 1, "adamw": 2, "rmsprop_centered_momentum": 3}.get(name, seen["slots"])
+    assert planned["optimizer_moments"] == seen["allocated"]["optimizer_moments"]
+    assert planned["optimizer_scratch"] == seen["scratch"]
+    shape = run.strategy.plan.shape
+    assert shape.nonlayer_state_bytes == seen["nonlayer_state"]

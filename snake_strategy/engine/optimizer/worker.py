@@ -42,6 +42,7 @@ from snake_strategy.engine.state.stores import UnitStore
 from snake_strategy.engine.trace import OPTIMIZER, WAIT, TaskTrace
 from snake_strategy.engine.optimizer.worker_threads import single_threaded_ops
 from snake_strategy.engine.optimizer.update import ChunkUpdate
+from snake_strategy.optimizers.kind import scratch_elems
 from snake_strategy.storage.io_engine import BACKGROUND, URGENT, set_thread_priority
 from snake_strategy.storage.pool import BufferPool
 from snake_strategy.storage.tiered import ALIGN_ELEMS
@@ -79,12 +80,11 @@ class OptimizerOverlap:
         self._chunk_elems = chunk_elems
         # The worker's scratch: a chunk of master weights, of each state slot and a parked gradient (+ the
         # compute copy); frozen elements are never stepped.
-        chunks = [(unit, a, b) for unit in units for a, b in update.chunks(unit, 0, unit.train_end, chunk_elems)]
-        chunk = max([b - a for _, a, b in chunks] + [1])
+        # (sized as the memory plan counts them: optimizers/kind.py, ``scratch_elems``)
+        chunk, per_slot = scratch_elems(update.spec, [u.layout for u in units], [shard_range(u) for u in units],
+                                        chunk_elems)
         sizes = {"master": (chunk, master_dtype), "grad": (chunk, master_dtype)}
-        for name, t in (units[0].state.items() if units else ()):
-            longest = max([_span(unit.slot_range(name, a, b)) for unit, a, b in chunks] + [1])
-            sizes[name] = (min(longest, max(u.state[name].numel for u in units)), t.dtype)
+        sizes.update({slot.name: (per_slot[slot.name], slot.dtype) for slot in update.spec.slots})
         if compute_dtype != master_dtype:
             sizes["compute"] = (chunk, compute_dtype)
         self._scratch = {name: BufferPool(f"optimizer-{name}", 1, n, dtype, device, trace=self._trace)
@@ -333,10 +333,8 @@ class OptimizerOverlap:
 
     def _skippable(self, unit: UnitStore, lo: int, hi: int, unused: list[tuple[int, int]]) -> list[tuple[int, int]]:
         """The element ranges of [lo, hi) the step leaves alone: runs of parameters without a gradient, with
-        the page padding after each. Where a unit's state reaches the SSD, whose transfers start and end on
-        ``ALIGN_ELEMS`` boundaries, a run is cut to them (element-wise optimizers: the rest of the run is
-        fetched and kept as it was) or, for optimizers stepped per tensor (pieces must start on parameters),
-        not skipped when it does not end on them."""
+        the page padding after each; where a unit's state reaches the SSD, whose transfers start and end on
+        ``ALIGN_ELEMS`` boundaries, as the optimizer's kind cuts them to those (``StepKind.skippable``)."""
         if not unused:
             return []
         slots = unit.layout.trainable_slots
@@ -352,17 +350,7 @@ class OptimizerOverlap:
                 runs.append((a, b))
         if not any(t.ssd_file is not None for t in [unit.master, *unit.state.values()]):
             return runs
-        out = []
-        for a, b in runs:
-            if self._update.spec.per_tensor:
-                if all(x % ALIGN_ELEMS == 0 or x in (lo, hi) for x in (a, b)):
-                    out.append((a, b))
-                continue
-            a = a if a == lo else -(-a // ALIGN_ELEMS) * ALIGN_ELEMS
-            b = b if b == hi else b // ALIGN_ELEMS * ALIGN_ELEMS
-            if a < b:
-                out.append((a, b))
-        return out
+        return self._update.spec.kind.skippable(runs, lo, hi, ALIGN_ELEMS)
 
     def _step_chunk(self, unit: UnitStore, lo: int, hi: int, grad: torch.Tensor | None,
                     hps: list[dict], step_before: int, keep: list[tuple[int, int]],
@@ -404,6 +392,12 @@ class OptimizerOverlap:
         with self._lock:
             busy, self.busy_s = self.busy_s, 0.0
         return busy
+
+    @property
+    def scratch_bytes(self) -> int:
+        """Bytes of the worker's scratch set (one buffer per pool: master, gradient, each slot, compute copy), as
+        the memory plan counts them (without the allocator's page slack)."""
+        return sum(pool.capacity * pool.numel * pool.dtype.itemsize for pool in self._scratch.values())
 
     def take_skipped_state_bytes(self) -> int:
         with self._lock:

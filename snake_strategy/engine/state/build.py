@@ -12,10 +12,9 @@ from typing import Callable
 import torch
 from torch import nn
 
-from snake_strategy.engine.state.half_weights import tail_shares
-from snake_strategy.optimizers.spec import OptimizerSpec, Slot
 from snake_strategy.engine.parallel.partition import ShardView
 from snake_strategy.engine.runtime import EngineRuntime
+from snake_strategy.engine.state.half_weights import tail_shares
 from snake_strategy.engine.state.stores import NonLayerState, UnitStore
 from snake_strategy.planning.autoplan import RunPlan
 from snake_strategy.planning.memory import forward_part_end
@@ -23,7 +22,7 @@ from snake_strategy.precision import DtypePolicy
 from snake_strategy.progress import or_quiet
 from snake_strategy.sources.lora_init import adapter_initializer, nonlayer_adapter_values
 from snake_strategy.sources.pretrained import PretrainedSource
-from snake_strategy.storage.tiered import ALIGN_ELEMS, Tiers
+from snake_strategy.storage.tiered import Tiers
 from snake_strategy.units import UnitLayout, WeightFormat, check_initialised, materialize_unit_blocks
 
 
@@ -67,8 +66,9 @@ def build_model(module: nn.Module, optimizer: torch.optim.Optimizer, plan: RunPl
         lo, hi = shard(t) if shard is not None else (0, t)
         state, offsets = {}, {}
         for slot in spec.slots:
-            if spec.per_tensor:  # each parameter's piece of the slot starts on a page, as the parameters do
-                offsets[slot.name], numel = slot_offsets(spec, slot, layout)
+            own = spec.kind.slot_offsets(spec, slot, layout)  # a slot indexed by its own elements (per tensor)
+            if own is not None:
+                offsets[slot.name], numel = own
             else:
                 numel = hi - lo
             state[slot.name] = tiers.tensor(name, slot.name, numel, slot.dtype, storage.optimizer)
@@ -76,7 +76,7 @@ def build_model(module: nn.Module, optimizer: torch.optim.Optimizer, plan: RunPl
             if shard is not None:
                 state[slot.name] = ShardView(state[slot.name], lo)
         grads = tiers.tensor(name, "gradients", t, dtypes.master)
-        unit = UnitStore(layout, weights, master, state, grads, forward_cut(spec, layout, forward_part_end(t, alpha)),
+        unit = UnitStore(layout, weights, master, state, grads, spec.kind.forward_cut(layout, forward_part_end(t, alpha)),
                          fmt, tail, slot_offsets=offsets, shard=(lo, hi) if shard is not None else None)
         unit.store_weights(flat)
         tracker.advance(1, weight_bytes(layout) + int(t * state_bytes_per_elem))
@@ -117,26 +117,6 @@ def build_model(module: nn.Module, optimizer: torch.optim.Optimizer, plan: RunPl
                              dtypes, frozen=[(n, p) for n, p in named if not p.requires_grad], spec=spec,
                              optimizer=optimizer)
     return BuiltModel(blocks_prefix, layouts, units, nonlayer)
-
-
-def slot_offsets(spec: OptimizerSpec, slot: Slot, layout: UnitLayout) -> tuple[tuple[int, ...], int]:
-    """Where each trainable parameter's piece of a per-tensor slot starts (page-aligned), and the slot's
-    length (page-padded)."""
-    offsets, offset = [], 0
-    for s in layout.trainable_slots:
-        offset = -(-offset // ALIGN_ELEMS) * ALIGN_ELEMS
-        offsets.append(offset)
-        offset += spec.slot_numel(slot, layout.group_of(s), s.shape)
-    return tuple(offsets), -(-offset // ALIGN_ELEMS) * ALIGN_ELEMS
-
-
-def forward_cut(spec: OptimizerSpec, layout: UnitLayout, end: int) -> int:
-    """The end of a unit's forward part: ``end`` (the alpha split), moved to the nearest parameter start
-    when the optimizer steps whole tensors, so that a matrix is stepped on one side of the split."""
-    if not spec.per_tensor or end in (0, layout.train_end):
-        return end
-    bounds = [s.offset for s in layout.trainable_slots] + [layout.train_end]
-    return min(bounds, key=lambda b: abs(b - end))
 
 
 def materialize(module: nn.Module, layouts: list[UnitLayout], named: list[tuple[str, nn.Parameter]],

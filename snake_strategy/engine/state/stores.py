@@ -12,8 +12,9 @@ import torch
 from torch import Tensor, nn
 
 from snake_strategy.engine.state.half_weights import checked
-from snake_strategy.optimizers.adam import AdamHyperParams, adam_step
-from snake_strategy.optimizers.spec import FUSED_ADAM, OptimizerSpec
+from snake_strategy.optimizers.adam import FUSED_ADAM
+from snake_strategy.optimizers.kind import slot_span
+from snake_strategy.optimizers.spec import OptimizerSpec
 from snake_strategy.optimizers.stepping import ShadowOptimizer
 from snake_strategy.precision import DtypePolicy
 from snake_strategy.storage import TieredTensor
@@ -50,14 +51,7 @@ class UnitStore:
         offsets = self.slot_offsets.get(name)
         if offsets is None:
             return lo, hi
-        starts = [s.offset for s in self.layout.trainable_slots]
-        end = self.state[name].numel
-
-        def at(x: int) -> int:
-            i = next((i for i, start in enumerate(starts) if start >= x), len(starts))
-            return offsets[i] if i < len(offsets) else end
-
-        return at(lo), at(hi)
+        return slot_span(offsets, self.state[name].numel, self.layout, lo, hi)
 
     @property
     def train_end(self) -> int:
@@ -164,8 +158,8 @@ class NonLayerState:
     are in the master dtype. ``frozen`` ones (requires_grad=False) are only converted to the compute dtype:
     no master copy, no optimizer state, no gradient. ``used`` marks the parameters that received a gradient
     this step (an unused one is not stepped, as torch's optimizers skip parameters whose ``grad`` is None).
-    Adam/AdamW keep their moments as ``exp_avg``/``exp_avg_sq`` (torch's fused kernel); any other optimizer
-    keeps each parameter's state as its class left it (``states``), stepped by the class itself.
+    Each parameter's state is the dict the optimizer's kind keeps for a whole tensor (``states``; torch's own
+    layout, the step count included), stepped by the kind as the units' state is (``StepKind.step_params``).
     """
 
     def __init__(self, names: list[str], params: list[nn.Parameter], groups: list[int], dtypes: DtypePolicy,
@@ -182,12 +176,9 @@ class NonLayerState:
             if p.dtype != dtypes.compute:
                 # swap_tensors keeps the Parameter object that the optimizer and tied modules refer to.
                 torch.utils.swap_tensors(p, nn.Parameter(p.detach().to(dtypes.compute), p.requires_grad))
-        self.fused_adam = spec is None or spec.kind == FUSED_ADAM
-        self.exp_avg = [torch.zeros_like(m) for m in self.master] if self.fused_adam else []
-        self.exp_avg_sq = [torch.zeros_like(m) for m in self.master] if self.fused_adam else []
-        self.steps = [0] * len(params)  # fused Adam: each parameter's own step count (torch counts per parameter)
-        self._shadow = None if self.fused_adam else ShadowOptimizer(optimizer)
-        self.states: list[dict[str, Any] | None] = [None] * len(params)  # never stepped: None
+        self.kind = spec.kind if spec is not None else FUSED_ADAM
+        self.shadow = None if self.kind.own_kernel else ShadowOptimizer(optimizer)  # the context kinds step in
+        self.states: list[dict[str, Any] | None] = [self.kind.initial_state(m) for m in self.master]
         self.grads = [torch.zeros_like(m) for m in self.master]
         self.used = [False] * len(params)
 
@@ -198,8 +189,15 @@ class NonLayerState:
     @property
     def nbytes(self) -> int:
         """Bytes a checkpoint holds of this state: the master weights and the optimizer's tensors."""
-        tensors = [*self.master, *self.exp_avg, *self.exp_avg_sq,
-                   *(v for s in self.states if s for v in s.values() if isinstance(v, Tensor))]
+        scalars = [v for s in self.states if s for v in s.values() if isinstance(v, Tensor) and v.dim() == 0]
+        return sum(t.numel() * t.element_size() for t in [*self.master, *scalars]) + self.state_bytes
+
+    @property
+    def state_bytes(self) -> int:
+        """Bytes of the optimizer's state tensors (a parameter not yet stepped by a class that creates its state
+        at the first step holds none yet); its scalars (``step``, even as a 0-d tensor) are a few bytes, not
+        counted, as the units' scalars are not."""
+        tensors = [v for s in self.states if s for v in s.values() if isinstance(v, Tensor) and v.dim() > 0]
         return sum(t.numel() * t.element_size() for t in tensors)
 
     def zero_grads(self) -> None:
@@ -220,34 +218,31 @@ class NonLayerState:
     def step(self, hps: list[dict[str, Any]]) -> None:
         for group, hp in enumerate(hps):
             idx = [i for i, g in enumerate(self.groups) if g == group and self.used[i]]
-            if self.fused_adam:
-                adam_step([self.master[i] for i in idx], [self.grads[i] for i in idx],
-                          [self.exp_avg[i] for i in idx], [self.exp_avg_sq[i] for i in idx],
-                          [self.steps[i] for i in idx], AdamHyperParams.of(hp))
-                for i in idx:
-                    self.steps[i] += 1
-            elif idx:
-                after = self._shadow.step(hp, [self.master[i] for i in idx], [self.grads[i] for i in idx],
+            if not idx:
+                continue
+            after = self.kind.step_params(self, hp, [self.master[i] for i in idx], [self.grads[i] for i in idx],
                                           [self.states[i] for i in idx])
-                for i, state in zip(idx, after):
-                    self.states[i] = state
-            for i in idx:
+            for i, state in zip(idx, after):
+                self.states[i] = state
                 if self.params[i] is not self.master[i]:
                     self.params[i].copy_(self.master[i])
 
     def state_dict(self) -> dict[str, Any]:
         """The master weights and optimizer state on the CPU, for checkpoints: the live tensors themselves
         on a CPU run (a save writes them before training goes on: no copy, 1.2 GB for gpt_1b), copies from
-        a GPU."""
+        a GPU. The kind's state vectors (Adam's moments) as lists beside the master weights, with the step
+        counts; any other state as each parameter's dict."""
         def cpu(tensors: list[Tensor]) -> list[Tensor]:
             return [t.detach().cpu() for t in tensors]
 
-        if self.fused_adam:
-            return {"names": list(self.names), "master": cpu(self.master), "exp_avg": cpu(self.exp_avg),
-                    "exp_avg_sq": cpu(self.exp_avg_sq), "steps": list(self.steps)}
-        states = [None if s is None else {k: v.detach().cpu() if isinstance(v, Tensor) else v for k, v in s.items()}
-                  for s in self.states]
-        return {"names": list(self.names), "master": cpu(self.master), "optimizer_states": states}
+        out = {"names": list(self.names), "master": cpu(self.master)}
+        if self.kind.nonlayer_vectors:
+            out.update({key: cpu([s[key] for s in self.states]) for key in self.kind.nonlayer_vectors})
+            out["steps"] = [int(s["step"]) for s in self.states]
+            return out
+        out["optimizer_states"] = [None if s is None else {k: v.detach().cpu() if isinstance(v, Tensor) else v
+                                                           for k, v in s.items()} for s in self.states]
+        return out
 
     @torch.no_grad()
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -255,14 +250,14 @@ class NonLayerState:
             raise ValueError(f"checkpoint non-layer parameters {state['names']} do not match the model's {self.names}")
         for i, p in enumerate(self.params):
             self.master[i].copy_(state["master"][i])
-            if self.fused_adam:
-                self.exp_avg[i].copy_(state["exp_avg"][i])
-                self.exp_avg_sq[i].copy_(state["exp_avg_sq"][i])
-                # A checkpoint without per-parameter counts stepped every parameter at every step.
-                self.steps[i] = int(state["steps"][i]) if "steps" in state else int(state.get("step_count", 0))
-            else:
+            if "optimizer_states" in state:
                 saved = state["optimizer_states"][i]
                 self.states[i] = None if saved is None else {
                     k: v.to(self.master[i].device) if isinstance(v, Tensor) else v for k, v in saved.items()}
+            else:
+                # A checkpoint without per-parameter counts stepped every parameter at every step.
+                steps = int(state["steps"][i]) if "steps" in state else int(state.get("step_count", 0))
+                vectors = [key for key in ("exp_avg", "exp_avg_sq") if key in state]
+                self.states[i] = {"step": steps, **{k: state[k][i].to(self.master[i].device).clone() for k in vectors}}
             if p is not self.master[i]:
                 p.copy_(self.master[i])
