@@ -15,16 +15,16 @@ from typing import TYPE_CHECKING
 from snake_strategy.optimizers.spec import legacy_record
 
 if TYPE_CHECKING:
-    from snake_strategy.engine import SnakeEngine
+    from snake_strategy.engine.state.api import CheckpointedEngine
 
 
-def own_lengths(engine: SnakeEngine, u: int) -> dict:
+def own_lengths(engine: CheckpointedEngine, u: int) -> dict:
     """The lengths of unit ``u``'s slots kept per tensor (their indices are not the unit's elements)."""
-    unit = engine.units[u]
-    return {"state_numel": {name: unit.state[name].numel for name in unit.slot_offsets}} if unit.slot_offsets else {}
+    own = engine.unit_own_lengths(u)
+    return {"state_numel": own} if own else {}
 
 
-def check_optimizer_record(root: Path, manifest: dict, engine: SnakeEngine) -> None:
+def check_optimizer_record(root: Path, manifest: dict, engine: CheckpointedEngine) -> None:
     """Refuse a checkpoint whose optimizer state is another class's or another layout's, naming both."""
     saved = manifest.get("optimizer") or legacy_record(manifest["master_dtype"])
     if not engine.accepts_optimizer_record(saved):

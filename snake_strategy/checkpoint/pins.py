@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 if TYPE_CHECKING:
-    from snake_strategy.engine import SnakeEngine
+    from snake_strategy.engine.state.api import CheckpointedEngine
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +47,7 @@ _METHOD_WORDS = {"link": "hard links, 0 bytes of unit state written",
                  "copy": "a pipelined copy (the checkpoint directory is on another filesystem)"}
 
 
-def pin_units(engine: SnakeEngine, tmp: Path, tracker: Any, write_raw: Callable[[Path, Any], dict]
+def pin_units(engine: CheckpointedEngine, tmp: Path, tracker: Any, write_raw: Callable[[Path, Any], dict]
               ) -> tuple[dict[str, dict], list[dict], Counter]:
     """Write the non-SSD parts of every unit state into ``tmp/units`` and pin the SSD parts there.
     Returns (files for the manifest, per-unit manifest additions, how many files each method placed)."""
@@ -238,7 +238,7 @@ CHECKSUMS = Checksums()
 
 
 # ---------------------------------------------------------------------- space
-def state_bytes(engine: SnakeEngine) -> tuple[int, int]:
+def state_bytes(engine: CheckpointedEngine) -> tuple[int, int]:
     """(bytes of the checkpointed state on the SSD tier, bytes elsewhere) of ``engine``'s units."""
     ssd = other = 0
     for u in range(engine.num_units):
@@ -251,7 +251,7 @@ def state_bytes(engine: SnakeEngine) -> tuple[int, int]:
     return ssd, other
 
 
-def check_space(engine: SnakeEngine, directory: str | os.PathLike, kept: int, what: str) -> None:
+def check_space(engine: CheckpointedEngine, directory: str | os.PathLike, kept: int, what: str) -> None:
     """Refuse, before the first byte, a checkpoint plan that will not fit: each of ``kept`` retained
     checkpoints of distinct steps may come to hold one copy of the SSD state (on the SSD's filesystem when
     the checkpoints share it: pinned versions; on the checkpoint directory's otherwise: copies), plus the
@@ -260,7 +260,7 @@ def check_space(engine: SnakeEngine, directory: str | os.PathLike, kept: int, wh
     target = Path(directory)
     while not target.exists() and target != target.parent:
         target = target.parent
-    same_fs = engine.ssd is not None and os.stat(engine.ssd.path).st_dev == os.stat(target).st_dev
+    same_fs = engine.ssd_path is not None and os.stat(engine.ssd_path).st_dev == os.stat(target).st_dev
     needed = kept * (ssd_bytes + other_bytes)
     free = os.statvfs(target).f_bavail * os.statvfs(target).f_frsize
     if needed <= free:
@@ -282,7 +282,7 @@ def kept_checkpoints(callback: Any) -> int:
     return kept + (1 if getattr(callback, "save_last", False) else 0)
 
 
-def prepare_checkpoint_dirs(engine: SnakeEngine, callbacks: list, is_global_zero: bool,
+def prepare_checkpoint_dirs(engine: CheckpointedEngine, callbacks: list, is_global_zero: bool,
                             sweep: Callable[[str], None]) -> None:
     """At setup: sweep each ModelCheckpoint directory of what killed saves left (``sweep``:
     store.sweep_and_log, rank 0 only; restores a ``last`` set aside: a directory resolved only now, from
@@ -295,6 +295,6 @@ def prepare_checkpoint_dirs(engine: SnakeEngine, callbacks: list, is_global_zero
         if is_global_zero:
             sweep(dirpath)
         kept = kept_checkpoints(callback)
-        if kept and engine.partition is None:  # per-rank shards are written, not pinned: not counted here
+        if kept and not engine.partitioned:  # per-rank shards are written, not pinned: not counted here
             check_space(engine, dirpath, kept, f"ModelCheckpoint(dirpath={dirpath!r}, save_top_k="
                                                f"{callback.save_top_k}, save_last={callback.save_last})")

@@ -23,7 +23,7 @@ from snake_strategy.checkpoint.consolidate import CheckpointWeights
 from snake_strategy.checkpoint.preemption import DeferredSaves, PreemptionSaver, save_on_preemption
 
 if TYPE_CHECKING:
-    from snake_strategy.engine.training import SnakeEngine
+    from snake_strategy.engine.state.api import CheckpointedEngine
     from snake_strategy.progress import Progress
 
 log = logging.getLogger(__name__)
@@ -43,7 +43,7 @@ class CheckpointSaver:
         self.eval_checkpoint: CheckpointWeights | None = None  # ckpt_path of an evaluation stage
 
     # ------------------------------------------------------------------ the fit around the saves
-    def start_fit(self, engine: SnakeEngine, trainer: Any, is_global_zero: bool) -> None:
+    def start_fit(self, engine: CheckpointedEngine, trainer: Any, is_global_zero: bool) -> None:
         """At the end of fit's setup: sweep what killed saves left in the checkpoint directories, check that
         the kept checkpoints fit, and add the preemption callback."""
         self.preempted, self.pinning_saves = False, 0
@@ -75,7 +75,7 @@ class CheckpointSaver:
             self.preempted = True
 
     # ------------------------------------------------------------------ save and load
-    def save(self, engine: SnakeEngine, checkpoint: dict[str, Any], filepath: Any, trainer: Any,
+    def save(self, engine: CheckpointedEngine, checkpoint: dict[str, Any], filepath: Any, trainer: Any,
              is_global_zero: bool, ssd_read_gb_per_s: float | None) -> None:
         """Write ``filepath`` during fit (``ssd_read_gb_per_s``: the probed rate that paces the background
         checksums; None for the nominal one)."""
@@ -85,7 +85,7 @@ class CheckpointSaver:
                         "completes", filepath)
             self.deferred.pending.append(str(filepath))
             return
-        sharded = engine.partition is not None  # every rank writes its shard, rank 0 the manifest last
+        sharded = engine.partitioned  # every rank writes its shard, rank 0 the manifest last
         if not sharded and is_global_zero:
             # Before the first byte: the growth this save's pinned versions may cause (the first one of the
             # fit; each one when every checkpoint is kept), and what it writes.
@@ -100,7 +100,7 @@ class CheckpointSaver:
             self.last_save = store.save(engine, checkpoint, filepath, self.progress, zero_copy=True,
                                         checksum_read_bytes_per_s=rate)
 
-    def load(self, engine: SnakeEngine | None, checkpoint_path: Any, evaluating: bool, world_size: int,
+    def load(self, engine: CheckpointedEngine | None, checkpoint_path: Any, evaluating: bool, world_size: int,
              is_global_zero: bool, barrier: Callable[[str], None], optimizers: list) -> dict[str, Any]:
         """Lightning's checkpoint dict of ``checkpoint_path``. Training streams the state into the tiers
         setup built; evaluation restores before setup and only opens the checkpoint here: the engine is

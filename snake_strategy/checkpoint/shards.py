@@ -39,21 +39,20 @@ import torch.distributed as dist
 
 from snake_strategy.checkpoint.format import SHARDED_FORMAT, fsync_tree, write_raw
 from snake_strategy.checkpoint.store import commit, recover, sibling
-from snake_strategy.engine.parallel.partition import shard_bounds
+from snake_strategy.planning.memory import shard_bounds
 from snake_strategy.progress import Progress, or_quiet
 
 if TYPE_CHECKING:
-    from snake_strategy.engine import SnakeEngine
+    from snake_strategy.engine.state.api import CheckpointedEngine
 
 
 # ---------------------------------------------------------------------- save
-def save(engine: SnakeEngine, checkpoint: dict[str, Any], path: str | os.PathLike,
+def save(engine: CheckpointedEngine, checkpoint: dict[str, Any], path: str | os.PathLike,
          progress: Progress | None = None) -> None:
     """Write the checkpoint directory ``path``, each rank its own shard, rank 0 the manifest last (see the
     module docstring). Every rank calls it, in the same order (collectives)."""
-    partition = engine.partition
-    assert partition is not None, "per-rank shards are for partitioned optimizer state"
-    rank, world = partition.rank, partition.world_size
+    assert engine.partitioned, "per-rank shards are for partitioned optimizer state"
+    rank, world = engine.rank, engine.world_size
     final = Path(path)
     engine.flush()  # pending deferred updates belong to the saved state
     tmp, error = None, None
@@ -97,13 +96,13 @@ def save(engine: SnakeEngine, checkpoint: dict[str, Any], path: str | os.PathLik
         raise
 
 
-def _write_shard(engine: SnakeEngine, tmp: Path, rank: int, progress: Progress | None) -> dict[str, dict]:
+def _write_shard(engine: CheckpointedEngine, tmp: Path, rank: int, progress: Progress | None) -> dict[str, dict]:
     """This rank's shard of every unit, each file fsynced; returns their sizes and CRC-32s."""
     shard_dir = tmp / "shards" / f"rank{rank}"
     # Not parents=True: where rank 0's directory is not visible (no shared filesystem) this fails here.
     shard_dir.mkdir()
-    partition, files = engine.partition, {}
-    ranges = [partition.bounds(engine.unit_numel(u)) for u in range(engine.num_units)]
+    files = {}
+    ranges = [engine.unit_range(u) for u in range(engine.num_units)]
     states = engine.state_names()
     tracker = or_quiet(progress).phase("checkpoint_save", len(states) * engine.num_units, what="files",
                                        total_bytes=sum(t.elem_bytes for t in engine.unit_tiers(0).values())
@@ -112,7 +111,7 @@ def _write_shard(engine: SnakeEngine, tmp: Path, rank: int, progress: Progress |
         lo, hi = ranges[u]
         if hi == lo:
             continue  # a small unit: the last ranks' shards are empty
-        values = partition.local_state(engine.units[u])  # one unit's shard in memory at a time
+        values = engine.local_unit_state(u)  # one unit's shard in memory at a time
         for state in states:
             name = f"shards/rank{rank}/unit{u:05d}.{state}.bin"
             files[name] = write_raw(tmp / name, values[state])
@@ -123,7 +122,7 @@ def _write_shard(engine: SnakeEngine, tmp: Path, rank: int, progress: Progress |
     return files
 
 
-def _commit(engine: SnakeEngine, checkpoint: dict[str, Any], tmp: Path, final: Path, reports: list[dict],
+def _commit(engine: CheckpointedEngine, checkpoint: dict[str, Any], tmp: Path, final: Path, reports: list[dict],
             world: int) -> None:
     """Rank 0, once every shard is complete: check that it sees them all, then the manifest last."""
     files = {}

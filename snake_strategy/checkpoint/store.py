@@ -42,12 +42,12 @@ from snake_strategy.progress import Progress, format_bytes, or_quiet
 from snake_strategy.storage.ssd_directory import pid_alive
 
 if TYPE_CHECKING:
-    from snake_strategy.engine import SnakeEngine
+    from snake_strategy.engine.state.api import CheckpointedEngine
 
 log = logging.getLogger(__name__)
 
 
-def save(engine: SnakeEngine, checkpoint: dict[str, Any], path: str | os.PathLike,
+def save(engine: CheckpointedEngine, checkpoint: dict[str, Any], path: str | os.PathLike,
          progress: Progress | None = None, zero_copy: bool = False,
          checksum_read_bytes_per_s: float | None = None) -> dict[str, Any]:
     """Write ``engine``'s state to the directory ``path`` (one process's format; a data-parallel run with
@@ -73,7 +73,7 @@ def save(engine: SnakeEngine, checkpoint: dict[str, Any], path: str | os.PathLik
                          for u in range(engine.num_units) for name, t in engine.unit_tiers(u).items())
         # Bytes now in the checkpoint, linked or written (a zero-copy save writes only the non-SSD parts).
         tracker = or_quiet(progress).phase("checkpoint_save", len(states) * engine.num_units + 2, what="files",
-                                           total_bytes=unit_bytes + engine.nonlayer.nbytes)
+                                           total_bytes=unit_bytes + engine.nonlayer_nbytes)
         files, unit_extra, methods = {}, None, None
         if zero_copy:
             files, unit_extra, methods = pins.pin_units(engine, tmp, tracker, write_raw)
@@ -91,7 +91,7 @@ def save(engine: SnakeEngine, checkpoint: dict[str, Any], path: str | os.PathLik
         pinned = [name for name, info in files.items() if info["crc32"] is None]
         # In the background, paced: reading them back at full speed is what zero-copy avoids.
         # The engine's SSD traffic goes first (no I/O engine: nothing of the state is on the SSD).
-        CHECKSUMS.submit(final, pinned, checksum_read_bytes_per_s, engine.io.idle if engine.io is not None else None)
+        CHECKSUMS.submit(final, pinned, checksum_read_bytes_per_s, engine.disk_idle)
         written = sum(info["bytes"] for name, info in files.items() if name not in pinned
                       or (methods and "copy" in methods))
         if methods is not None:
@@ -105,7 +105,7 @@ def save(engine: SnakeEngine, checkpoint: dict[str, Any], path: str | os.PathLik
         raise
 
 
-def commit(engine: SnakeEngine, checkpoint: dict[str, Any], tmp: Path, final: Path, files: dict, tracker: Any,
+def commit(engine: CheckpointedEngine, checkpoint: dict[str, Any], tmp: Path, final: Path, files: dict, tracker: Any,
            extra: dict | None = None, unit_extra: list[dict] | None = None) -> None:
     """Complete the checkpoint in ``tmp`` whose unit files ``files`` are written: the replicated parts
     (nonlayer.pt, meta.pt), the manifest last, then put it under ``final``'s name. Every file is fsynced
@@ -124,9 +124,9 @@ def commit(engine: SnakeEngine, checkpoint: dict[str, Any], tmp: Path, final: Pa
     files["meta.pt"] = save_torch(checkpoint, tmp / "meta.pt")
     tracker.advance(1, files["meta.pt"]["bytes"])
     manifest = {"format": ZERO_COPY_FORMAT if unit_extra is not None else FORMAT, "step_count": engine.step_count,
-                "master_dtype": str(engine.dtypes.master),
-                "compute_dtype": str(engine.dtypes.compute),  # the frozen CRC-32s are of these bytes
-                "blocks_per_unit": engine.schedule.blocks_per_unit, "units": units, "files": files,
+                "master_dtype": str(engine.master_dtype),
+                "compute_dtype": str(engine.compute_dtype),  # the frozen CRC-32s are of these bytes
+                "blocks_per_unit": engine.blocks_per_unit, "units": units, "files": files,
                 "frozen_nonlayer": frozen["nonlayer"], "nonlayer": nonlayer_record, "optimizer": engine.optimizer_record(),
                 **meta_record, **(extra or {})}
     (tmp / "manifest.json").write_text(json.dumps(manifest))
@@ -391,7 +391,7 @@ def _recover_directory(final: Path) -> None:
     _recover(final, clean=True)  # this process's own leftovers of that name too
 
 
-def load(engine: SnakeEngine, path: str | os.PathLike, progress: Progress | None = None,
+def load(engine: CheckpointedEngine, path: str | os.PathLike, progress: Progress | None = None,
          recover: bool = True) -> dict[str, Any]:
     """Stream a checkpoint into the engine's tiers; returns Lightning's checkpoint dict."""
     if recover:
@@ -399,9 +399,9 @@ def load(engine: SnakeEngine, path: str | os.PathLike, progress: Progress | None
     root = locate(path)
     # The shard files are verified by load_units, each rank those it reads.
     manifest = verified_manifest(root, progress, verify=lambda name: not name.startswith("shards/"))
-    if len(manifest["units"]) != engine.num_units or manifest["blocks_per_unit"] != engine.schedule.blocks_per_unit:
+    if len(manifest["units"]) != engine.num_units or manifest["blocks_per_unit"] != engine.blocks_per_unit:
         raise ValueError(f"{root} holds {len(manifest['units'])} units of {manifest['blocks_per_unit']} blocks; this "
-                         f"run has {engine.num_units} of {engine.schedule.blocks_per_unit} (schedule.blocks_per_unit)")
+                         f"run has {engine.num_units} of {engine.blocks_per_unit} (schedule.blocks_per_unit)")
     engine.flush()
     check_optimizer_record(root, manifest, engine)
     check_frozen(root, manifest, engine.frozen_checksums())
@@ -411,19 +411,18 @@ def load(engine: SnakeEngine, path: str | os.PathLike, progress: Progress | None
     return read_meta(root, manifest)
 
 
-def load_units(engine: SnakeEngine, root: Path, manifest: dict, progress: Progress | None = None) -> None:
+def load_units(engine: CheckpointedEngine, root: Path, manifest: dict, progress: Progress | None = None) -> None:
     """Put the checkpoint's unit states (either format) into the engine's tiers: each rank reads the elements
     it keeps (its shard with partitioned state, else every unit whole), after verifying the files it reads.
     With several ranks the verification's outcome is agreed on first (one small gather), so a missing
     shard stops every rank with the same error before any collective."""
     dtype = DTYPES[manifest["master_dtype"]]
-    partition = engine.partition
     ranges = []
     for u in range(engine.num_units):
         numel = engine.unit_numel(u)
         if manifest["units"][u]["numel"] != numel:
             raise ValueError(f"{root}: unit {u} has {manifest['units'][u]['numel']} parameters, the model {numel}")
-        ranges.append(partition.bounds(numel) if partition is not None else (0, numel))
+        ranges.append(engine.unit_range(u))
     error = None
     try:
         _verify_shards(root, manifest, ranges)
@@ -443,10 +442,7 @@ def load_units(engine: SnakeEngine, root: Path, manifest: dict, progress: Progre
         own = manifest["units"][u].get("state_numel", {})
         state = {name: read_range(root, manifest, u, name, *((0, own[name]) if name in own else (lo, hi)),
                                   dtype if name == "master" else tiers[name].dtype) for name in states}
-        if partition is not None:
-            partition.load_local(engine.units[u], state)  # + the all-gather of the weights (a collective)
-        else:
-            engine.load_unit_state(u, state)
+        engine.load_unit_state(u, state)  # partitioned: + the all-gather of the weights (a collective)
         tracker.advance(1, sum(t.numel() * t.element_size() for t in state.values()))
     tracker.finish()
 

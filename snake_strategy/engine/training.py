@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import time
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -379,6 +379,54 @@ class SnakeEngine(EngineBase):
                                 self.dtypes.autocast, self.stream_blocks)
 
     # ------------------------------------------------------------------ state API (checkpoints, export)
+    # What checkpoint/ reads of the engine (engine/state/api.py, ``CheckpointedEngine``), and nothing else.
+    @property
+    def partitioned(self) -> bool:
+        """Whether each rank keeps only its shard of the optimizer state (checkpoints then write shards)."""
+        return self.partition is not None
+
+    @property
+    def rank(self) -> int:
+        return self.partition.rank if self.partition is not None else 0
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        return self.dtypes.compute
+
+    @property
+    def blocks_per_unit(self) -> int:
+        return self.schedule.blocks_per_unit
+
+    @property
+    def nonlayer_nbytes(self) -> int:
+        """Bytes of the non-layer master weights and optimizer state a checkpoint holds."""
+        return self.nonlayer.nbytes
+
+    @property
+    def ssd_path(self) -> str | None:
+        """The SSD tier's directory (None: no state on the SSD)."""
+        return self.ssd.path if self.ssd is not None else None
+
+    @property
+    def disk_idle(self) -> Callable[[], bool] | None:
+        """Whether training's own I/O is idle now (a background reader waits for it); None without an SSD tier."""
+        return self.io.idle if self.io is not None else None
+
+    def unit_range(self, u: int) -> tuple[int, int]:
+        """[lo, hi) of unit ``u``'s trainable elements this rank keeps the state of (its shard, or all)."""
+        return shard_range(self.units[u])
+
+    def unit_own_lengths(self, u: int) -> dict[str, int]:
+        """The lengths of unit ``u``'s slots indexed by their own elements (kept per tensor), by slot name."""
+        unit = self.units[u]
+        return {name: unit.state[name].numel for name in unit.slot_offsets}
+
+    def local_unit_state(self, u: int) -> dict[str, Tensor]:
+        """This rank's shard of unit ``u``'s master weights and optimizer state (partitioned), CPU copies."""
+        assert self.partition is not None, "only partitioned state has shards"
+        self.flush()
+        return self.partition.local_state(self.units[u])
+
     def unit_numel(self, u: int) -> int:
         """Elements of unit ``u``'s master vector and element-wise state (its trainable part, page-padded)."""
         return self.units[u].train_end
@@ -418,7 +466,12 @@ class SnakeEngine(EngineBase):
 
     @torch.no_grad()
     def load_unit_state(self, u: int, state: dict[str, Tensor]) -> None:
+        """Put a checkpoint's state of unit ``u`` into its tiers: partitioned, this rank's shard of it (and the
+        all-gather of the weights, a collective every rank runs for the same units in order)."""
         self.flush()
+        if self.partition is not None:
+            self.partition.load_local(self.units[u], state)
+            return
         unit = self.units[u]
         t = unit.train_end  # the frozen part [t, n) is never loaded: it is the base model's
         unit.master.evict(state["master"].to(self.dtypes.master), 0, t)
