@@ -10,8 +10,10 @@ record_every (parameters after every step), kind, alpha, storage (a StorageConfi
 set), clip (gradient_clip_val, norm),
 resume (a checkpoint directory), save_every (ModelCheckpoint every n steps into ckpt_dir), ckpt_dir,
 kill_in_save ({rank, save}: that rank exits hard inside its n-th checkpoint save, after its first file),
-kill_rank/kill_step (that rank exits hard in that step's optimizer work), out (a directory: each rank
-writes rank{r}.pt with its final parameters, step stats and reduction records).
+kill_rank/kill_step (that rank exits hard in that step's optimizer work), moe (tests/moe/models.py's MoE
+instead of the GPT: in step 0 only rank 1's samples go to expert 1, in step 1 no sample does, later each
+rank's samples go to one expert of its own), out (a directory: each rank writes rank{r}.pt with its final
+parameters, step stats and reduction records).
 The dataset is ``steps x world x nodes x micro x micro_size`` samples in order: N ranks x M micro-batches
 see the same global batches as one rank with N x M micro-batches.
 """
@@ -118,17 +120,24 @@ def main() -> None:
     micro, micro_size, steps = cfg["micro"], cfg.get("micro_size", 2), cfg["steps"]
     samples = cfg.get("samples", steps * world * nodes * micro * micro_size)
     x, y = token_data(samples, SMALL_GPT.context_len, SMALL_GPT.vocab_size)
+    # MoE routes by global sample: sample i is rank i % 2's (the sampler deals them in turn), in step
+    # i // (world x micro x micro_size) (one process with as_ranks=2 and twice the micro-batches: the same steps).
+    index = torch.arange(samples)
+    route = torch.where(index // (world * nodes * micro * micro_size) == 1, 0, index % 2)
     if cfg.get("as_ranks"):  # one process whose micro-batches are those of N ranks (same samples together)
         n, per_rank = cfg["as_ranks"], micro * micro_size // cfg["as_ranks"]
         order = [r + n * j for k in range(samples // (n * per_rank)) for r in range(n)
                  for j in range(k * per_rank, (k + 1) * per_rank)]
-        x, y = x[order], y[order]
+        x, y, route = x[order], y[order], route[order]
     # tied_head=False: fp16 runs (a tied weight's two gradients add in another order than one process's)
     module = PoisonedGPT(dataclasses.replace(SMALL_GPT, tied_head=cfg.get("tied_head", True)),
                          learning_rate=cfg.get("lr", 1e-3))
     module.poison = cfg.get("poison")
     module.optimizer = cfg.get("optimizer")
     module.odd_factor = cfg.get("odd_factor", 1.0)
+    if cfg.get("moe"):
+        from tests.moe.models import MoEStack
+        module = MoEStack(width=16, depth=2, vocab=SMALL_GPT.vocab_size, num_experts=2)
     schedule = {"kind": cfg.get("kind", "vertical"), "num_micro_batches": micro, "alpha": cfg.get("alpha", 0.25)}
     hooks = None
     precision = {"precision": cfg.get("precision", "64-true")}
@@ -158,7 +167,7 @@ def main() -> None:
                         **trainer_kwargs(devices=world, num_nodes=nodes, **extra))
     # Lightning's own DistributedSampler would shuffle the training set (seeded), so the global batches
     # would not be the ones one process sees: shard in order, rank r taking samples r, r + N, ...
-    data = TensorDataset(x, y)
+    data = TensorDataset(x, y, route) if cfg.get("moe") else TensorDataset(x, y)
     sampler = (DistributedSampler(data, num_replicas=trainer.world_size, rank=trainer.global_rank, shuffle=False)
                if trainer.world_size > 1 else None)
     loader = DataLoader(data, batch_size=micro * micro_size, shuffle=False, sampler=sampler)

@@ -649,3 +649,21 @@ def test_partitioned_state_refuses_half_weight_storage():
     dtypes = GreedySnakePrecision("bf16-mixed").dtypes
     with pytest.raises(ValueError, match="half_weights=False.*shard_optimizer_state=False"):
         Partition(2, 0, TrafficCounters(), dtypes, torch.device("cpu"))
+
+
+@pytest.mark.parametrize("shard", [True, False])
+def test_two_ranks_where_one_routes_nothing_to_an_expert(tmp_path, shard):
+    """A hand-written MoE (tests/moe/models.py): in step 0 only rank 1 routes samples to expert 1, in step 1
+    neither rank does, later each rank routes to an expert of its own. An expert used on one rank is stepped
+    (its gradient is the ranks' sum, as DDP with find_unused_parameters=True steps it), one used on neither
+    sits the step out; two ranks equal one process that sees the same samples (fp64, 1e-10)."""
+    common = dict(steps=3, kind="vertical", alpha=0.25, storage=SSD, shard=shard, moe=True, record_every=True)
+    one = run_worker(tmp_path, "one", world=1, micro=4, as_ranks=2, **common)
+    two = run_worker(tmp_path, "two", world=2, micro=2, **common)
+    _check_ranks_agree(two)
+    states = two[0]["states"]
+    expert = "blocks.0.experts.1.0.weight"
+    assert torch.equal(states[0][expert], states[1][expert]), "expert 1 sat step 1 out on both ranks"
+    assert not torch.equal(states[1][expert], states[2][expert]), "expert 1 trains in step 2 (rank 1's samples only)"
+    for a, b in zip(one[0]["states"], states):
+        assert max_abs_diff(a, b) < 1e-10
