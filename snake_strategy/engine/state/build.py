@@ -114,8 +114,7 @@ def build_model(module: nn.Module, optimizer: torch.optim.Optimizer, plan: RunPl
     tracker.finish()
     trained = [(n, p) for n, p in named if p.requires_grad]
     nonlayer = NonLayerState([n for n, _ in trained], [p for _, p in trained], [group_of[id(p)] for _, p in trained],
-                             dtypes, frozen=[(n, p) for n, p in named if not p.requires_grad], spec=spec,
-                             optimizer=optimizer)
+                             dtypes, spec, optimizer, frozen=[(n, p) for n, p in named if not p.requires_grad])
     return BuiltModel(blocks_prefix, layouts, units, nonlayer)
 
 

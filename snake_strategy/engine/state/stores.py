@@ -12,7 +12,6 @@ import torch
 from torch import Tensor, nn
 
 from snake_strategy.engine.state.half_weights import checked
-from snake_strategy.optimizers.adam import FUSED_ADAM
 from snake_strategy.optimizers.kind import slot_span
 from snake_strategy.optimizers.spec import OptimizerSpec
 from snake_strategy.optimizers.stepping import ShadowOptimizer
@@ -163,8 +162,8 @@ class NonLayerState:
     """
 
     def __init__(self, names: list[str], params: list[nn.Parameter], groups: list[int], dtypes: DtypePolicy,
-                 frozen: list[tuple[str, nn.Parameter]] = (), spec: OptimizerSpec | None = None,
-                 optimizer: torch.optim.Optimizer | None = None) -> None:
+                 spec: OptimizerSpec, optimizer: torch.optim.Optimizer,
+                 frozen: list[tuple[str, nn.Parameter]] = ()) -> None:
         self.names, self.params, self.groups = names, params, groups
         self.frozen_names, self.frozen = [n for n, _ in frozen], [p for _, p in frozen]
         for p in self.frozen:
@@ -176,7 +175,7 @@ class NonLayerState:
             if p.dtype != dtypes.compute:
                 # swap_tensors keeps the Parameter object that the optimizer and tied modules refer to.
                 torch.utils.swap_tensors(p, nn.Parameter(p.detach().to(dtypes.compute), p.requires_grad))
-        self.kind = spec.kind if spec is not None else FUSED_ADAM
+        self.kind = spec.kind
         self.shadow = None if self.kind.own_kernel else ShadowOptimizer(optimizer)  # the context kinds step in
         self.states: list[dict[str, Any] | None] = [self.kind.initial_state(m) for m in self.master]
         self.grads = [torch.zeros_like(m) for m in self.master]
