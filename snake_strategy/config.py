@@ -117,6 +117,9 @@ class StorageConfig:
     # written where the SSD tier lives (ssd_dir, else its temporary directory) and its name is removed once
     # mapped, so it goes away with the process (the checkpoints hold the state to keep).
     export_dir: str | None = None
+    # The SSD's rated endurance in terabytes written (its datasheet's TBW): the dry run and the fit's log say
+    # how many days of this run's writes use it up. 600: a typical 1 TB TLC NVMe drive.
+    ssd_endurance_tbw: float = 600.0
 
     def __post_init__(self) -> None:
         if self.placement not in PLACEMENTS:
@@ -142,6 +145,9 @@ class StorageConfig:
         if self.optimizer_chunk_elems < 4096 or self.optimizer_chunk_elems % 4096:
             raise ValueError(f"storage.optimizer_chunk_elems={self.optimizer_chunk_elems} must be a positive multiple "
                              "of 4096 (whole pages of the SSD tier)")
+        if not isinstance(self.ssd_endurance_tbw, (int, float)) or not self.ssd_endurance_tbw > 0:
+            raise ValueError(f"storage.ssd_endurance_tbw={self.ssd_endurance_tbw!r} must be the drive's rated endurance "
+                             "in terabytes written (its datasheet's TBW, e.g. 600 for a typical 1 TB NVMe drive)")
         if self.num_io_threads < 1:
             raise ValueError(f"storage.num_io_threads={self.num_io_threads} must be >= 1")
         if self.ssd_dir is not None:

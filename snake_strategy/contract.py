@@ -122,6 +122,46 @@ def loader_batch_size(loader: Any, num_micro_batches: int) -> int | None:
     return size
 
 
+def _meta(t: Tensor) -> Tensor:
+    return torch.empty_like(t, device="meta").requires_grad_(t.requires_grad)
+
+
+def meta_pre_stage(module: nn.Module, micro_batch: Any) -> tuple[Tensor, dict[str, Any]] | None:
+    """``pre_stage`` of a micro-batch on meta copies of it and of the non-layer parameters (no FLOP, no
+    memory): the hidden state's shape and dtype (one activation checkpoint) and the side inputs; None when
+    the model cannot run on the meta device. The contract's own refusals of what it returns propagate."""
+
+    class _PreStage(nn.Module):  # functional_call calls forward: this forward is pre_stage
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = module
+
+        def forward(self, batch: Any) -> Any:
+            return self.inner.pre_stage(batch)
+
+    block_ids = {id(t) for t in (*module.blocks.parameters(), *module.blocks.buffers())}
+    nonlayer = {f"inner.{n}": _meta(t) for n, t in (*module.named_parameters(), *module.named_buffers())
+                if id(t) not in block_ids}
+    batch = apply_to_collection(micro_batch, Tensor, lambda t: t.to("meta"))
+    try:
+        out = torch.func.functional_call(_PreStage(), nonlayer, (batch,))
+    except Exception:  # noqa: BLE001 - not runnable on meta: the first batch checks the same contract
+        return None
+    return unpack_pre_stage(out)
+
+
+def micro_batch_tokens(micro_batch: Any) -> int:
+    """Tokens of a micro-batch: its largest integer tensor (the token ids), else its first tensor's rows."""
+    tensors = batch_tensors(micro_batch)
+    return max((t.numel() for t in tensors if not t.is_floating_point()), default=0) or tensors[0].shape[0]
+
+
+def head_linears(module: nn.Module) -> list[nn.Linear]:
+    """The output projections: the Linear layers outside the blocks (their matmul runs for every token)."""
+    block_ids = {id(p) for p in module.blocks.parameters()}
+    return [m for m in module.modules() if isinstance(m, nn.Linear) and id(m.weight) not in block_ids]
+
+
 def check_outputs_on_meta(module: nn.Module, batch: Any, num_micro_batches: int) -> bool:
     """Run ``pre_stage`` and every block once on meta copies of the first micro-batch of ``batch`` and of
     the parameters (no FLOP, no memory) and check what they return, so a tuple-returning block or a
@@ -135,29 +175,12 @@ def check_outputs_on_meta(module: nn.Module, batch: Any, num_micro_batches: int)
         micro_batch = split_micro_batches(batch, num_micro_batches)[0]
     except ValueError:
         return False
-
-    def meta(t: Tensor) -> Tensor:
-        return torch.empty_like(t, device="meta").requires_grad_(t.requires_grad)
-
-    class _PreStage(nn.Module):  # functional_call calls forward: this forward is pre_stage
-        def __init__(self) -> None:
-            super().__init__()
-            self.inner = module
-
-        def forward(self, batch: Any) -> Any:
-            return self.inner.pre_stage(batch)
-
-    block_ids = {id(t) for t in (*module.blocks.parameters(), *module.blocks.buffers())}
-    nonlayer = {f"inner.{n}": meta(t) for n, t in (*module.named_parameters(), *module.named_buffers())
-                if id(t) not in block_ids}
-    batch = apply_to_collection(micro_batch, Tensor, lambda t: t.to("meta"))
-    try:
-        out = torch.func.functional_call(_PreStage(), nonlayer, (batch,))
-    except Exception:  # noqa: BLE001 - not runnable on meta: the first batch checks the same contract
+    staged = meta_pre_stage(module, micro_batch)
+    if staged is None:
         return False
-    hidden, side = unpack_pre_stage(out)  # only the contract's own refusals propagate
+    hidden, side = staged
     for i, block in enumerate(module.blocks):
-        tensors = {n: meta(t) for n, t in (*block.named_parameters(), *block.named_buffers())}
+        tensors = {n: _meta(t) for n, t in (*block.named_parameters(), *block.named_buffers())}
         try:
             out = torch.func.functional_call(block, tensors, (hidden,), side)
         except Exception:  # noqa: BLE001 - as above

@@ -37,7 +37,7 @@ from snake_strategy.engine import EngineHooks, EngineRuntime, EvalEngine, SnakeE
 from snake_strategy.engine.state.weights_file import weights_file_name
 from snake_strategy.module import LayeredModule
 from snake_strategy.planning.autoplan import RunPlan, example_batch, resolve
-from snake_strategy.planning.prediction import first_prediction, recalibrated, with_prediction
+from snake_strategy.planning.prediction import first_prediction, recalibrated, ssd_wear, with_prediction
 from snake_strategy.planning.calibration import CALIBRATION_STEPS, STEADY_STEP, MeasuredStep
 from snake_strategy.planning.planner import HardwareProfile, ModelShape, StepPrediction
 from snake_strategy.precision import GreedySnakePrecision
@@ -219,6 +219,8 @@ class GreedySnakeStrategy(DataParallelMixin, ParallelStrategy):
         self._predicted_at_step_one = False
         with contextlib.suppress(ValueError):  # a batch the run refuses: that refusal comes with its own check
             self.prediction = self._predict(batch, at_setup=True) if batch is not None else None
+        if self.prediction is not None and self.is_global_zero:
+            log.info("planner: %s", ssd_wear(self.plan.storage, self.prediction))
         # Lightning's strategies set the device through module.to(); the blocks must not move, so set the
         # attribute LightningModule.device reads, as model_to_device would have.
         module._device = self.root_device

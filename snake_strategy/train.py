@@ -1,4 +1,5 @@
-"""Hydra entry point: ``python -m snake_strategy.train`` (or the ``snake-train`` console script).
+"""Hydra entry points: ``python -m snake_strategy.train`` (or the ``snake-train`` console script), and the dry
+run ``python -m snake_strategy.plan`` (snake_strategy/plan.py), which takes the same config groups and overrides.
 
 The only module of the package that imports Hydra. It turns the composed config (``configs/`` at the
 repository root) into plain objects, one ``_target_`` per group, and wires them together::
@@ -28,6 +29,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from snake_strategy.checkpoint import consolidate
 from snake_strategy.config import STATES, ScheduleConfig, StorageConfig
+from snake_strategy.dry_run import DryRun, plan_run
 from snake_strategy.gpt import GPTConfig
 from snake_strategy.strategy import GreedySnakeStrategy
 from snake_strategy.planning.autoplan import RunPlan
@@ -186,6 +188,35 @@ def _jsonable(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return [_jsonable(v) for v in value]
     return value
+
+
+def dry_run(cfg: DictConfig) -> DryRun:
+    """The dry run of a composed config (``snake_strategy.dry_run.plan_run``): the model built on meta, the
+    plan ``run(cfg)`` would use, its prediction for the data's first batch; written to ``<output dir>/plan.json``."""
+    out_dir = output_dir(cfg)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    L.seed_everything(cfg.seed, workers=True)
+    model = instantiate(cfg.model, _convert_="all")
+    datamodule = instantiate(cfg.data, _convert_="all")
+    storage = instantiate(cfg.storage, _convert_="all")
+    schedule = instantiate(cfg.schedule, _convert_="all")
+    strategy = GreedySnakeStrategy(storage=storage, schedule=schedule, progress=False)
+    trainer = trainer_kwargs(cfg, out_dir)
+    datamodule.setup("fit")
+    batch = next(iter(datamodule.train_dataloader()))
+    report = plan_run(model, strategy, batch, precision=str(trainer.get("precision") or "32-true"),
+                      gradient_clip_val=trainer.get("gradient_clip_val"),
+                      gradient_clip_algorithm=str(trainer.get("gradient_clip_algorithm") or "norm"))
+    (out_dir / "plan.json").write_text(json.dumps(_jsonable(report.as_dict()), indent=2, default=str) + "\n")
+    return report
+
+
+@hydra.main(version_base="1.3", config_path=str(CONFIG_DIR), config_name="train")
+def plan_main(cfg: DictConfig) -> None:
+    """``python -m snake_strategy.plan``: print the dry run and where its JSON is."""
+    report = dry_run(cfg)
+    print(report.describe())
+    print(f"json: {output_dir(cfg) / 'plan.json'}")
 
 
 @hydra.main(version_base="1.3", config_path=str(CONFIG_DIR), config_name="train")

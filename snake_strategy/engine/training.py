@@ -23,8 +23,8 @@ import torch
 from torch import Tensor, nn
 
 from snake_strategy.activations import ActivationStore
-from snake_strategy.contract import (batch_size, batch_tensors, check_contract, slice_batch, split_micro_batches,
-                                     unpack_pre_stage)
+from snake_strategy.contract import (batch_size, check_contract, head_linears, micro_batch_tokens,
+                                     slice_batch, split_micro_batches, unpack_pre_stage)
 from snake_strategy.engine.base import EngineBase
 from snake_strategy.engine.step.batch_check import batching_tolerance
 from snake_strategy.engine.state.build import build_model
@@ -183,9 +183,7 @@ class SnakeEngine(EngineBase):
         return {}
 
     def _head_linears(self) -> list[nn.Linear]:
-        """The output projections: the Linear layers outside the blocks (their matmul runs for every token)."""
-        block_ids = {id(p) for p in self.module.blocks.parameters()}
-        return [m for m in self.module.modules() if isinstance(m, nn.Linear) and id(m.weight) not in block_ids]
+        return head_linears(self.module)
 
     def _free_host_bytes(self, checkpoint_bytes: int) -> int | None:
         """What the plan's budget leaves once the plan with checkpoints of this size is placed, less
@@ -203,7 +201,7 @@ class SnakeEngine(EngineBase):
     def model_shape(self, micro_batch: Any) -> ModelShape:
         """The planner's view of this model for the given micro-batch (shapes only, no compute)."""
         head = {id(m.weight): m.weight.numel() for m in self._head_linears()}
-        return dataclasses.replace(self.shape, head_params=sum(head.values()), tokens_per_micro=_tokens(micro_batch),
+        return dataclasses.replace(self.shape, head_params=sum(head.values()), tokens_per_micro=micro_batch_tokens(micro_batch),
                                    checkpoint_bytes=self.checkpoint_bytes, first_backward_unit=self.runner.first_backward,
                                    kept_units=len(self.runner.kept.units or ()))
 
@@ -215,8 +213,7 @@ class SnakeEngine(EngineBase):
 
     def largest_block_matrix(self) -> tuple[int, int]:
         """(out, in) of the largest 2-D block parameter: the matmul shape the compute roof is probed at."""
-        shapes = [s.shape for u in self.units for s in u.layout.slots if len(s.shape) == 2]
-        return tuple(max(shapes, key=lambda sh: sh[0] * sh[1])) if shapes else (1, 1)
+        return self.plan.largest_block_matrix()
 
     # ------------------------------------------------------------------ one optimizer step
     def micro_batches(self, batch: Any) -> tuple[list[Any], list[int]]:
@@ -251,7 +248,7 @@ class SnakeEngine(EngineBase):
             self.runner.find_backward_floor(micro_batches[0])  # which units need a backward (frozen parameters)
             self._tasks, self._backward_planned = {}, True
             # the loss head's output of one micro-batch, fp32 (the loss is taken in fp32): in the budget from now on
-            self.logits_bytes = _tokens(micro_batches[0]) * sum(m.out_features for m in self._head_linears()) * 4
+            self.logits_bytes = micro_batch_tokens(micro_batches[0]) * sum(m.out_features for m in self._head_linears()) * 4
         if self.storage.host_budget_bytes is not None and not self.checkpoint_bytes:
             # The checkpoints' size is known only now: check the budget before any block runs. The RNG
             # stream is restored, so an embedding's dropout masks are the same with or without a budget.
@@ -541,9 +538,3 @@ class SnakeEngine(EngineBase):
         frozen = sum(shape.unit_params) - sum(shape.trainable) + shape.nonlayer_frozen_params
         return ((sum(shape.trainable) + shape.nonlayer_params) * self.dtypes.bytes_per("master")
                 + frozen * self.dtypes.bytes_per("compute"))
-
-
-def _tokens(micro_batch: Any) -> int:
-    """Tokens of a micro-batch: its largest integer tensor (the token ids), else its first tensor's rows."""
-    tensors = batch_tensors(micro_batch)
-    return max((t.numel() for t in tensors if not t.is_floating_point()), default=0) or tensors[0].shape[0]

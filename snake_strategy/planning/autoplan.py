@@ -131,6 +131,11 @@ class RunPlan:
             micro_per_backward_task=s.num_micro_batches if s.batched_backward or s.split_backward else 1,
             shard_rank=shard_rank, evaluating=self.evaluating, loss_logits_bytes=loss_logits_bytes)
 
+    def largest_block_matrix(self) -> tuple[int, int]:
+        """(out, in) of the largest 2-D block parameter: the matmul shape the compute roof is probed at."""
+        shapes = [s.shape for layout in self.layouts for s in layout.slots if len(s.shape) == 2]
+        return tuple(max(shapes, key=lambda sh: sh[0] * sh[1])) if shapes else (1, 1)
+
     def host_items(self, checkpoint_bytes: int = 0, shard_rank: int = 0, loss_logits_bytes: int = 0) -> dict[str, int]:
         """Host bytes of this plan, item by item (``memory.host_plan``)."""
         return host_plan(self.memory_inputs(checkpoint_bytes, shard_rank, loss_logits_bytes))

@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from snake_strategy.config import StorageConfig
 from snake_strategy.planning.autoplan import RunPlan
 from snake_strategy.planning.calibration import REPLAN_MISS, MeasuredStep, calibrated, knee, missed
 from snake_strategy.planning.hardware import matmul_flops_per_s, optimizer_params_per_s, probe_hardware
@@ -48,6 +49,24 @@ def first_prediction(plan: RunPlan, shape: ModelShape, alpha: float, hardware: H
     log.info("planner: predicted floor %.3f s/step (%s-bound; compute %.3f s, ssd %.3f s, optimizer %.3f s)",
              prediction.roofline_s, prediction.bound, prediction.compute_s, prediction.ssd_s, prediction.optimizer_s)
     return prediction, hardware
+
+
+def days_to_endurance(endurance_tbw: float, write_bytes_per_step: int, s_per_step: float) -> float | None:
+    """Days of steps writing ``write_bytes_per_step`` every ``s_per_step`` until a drive rated for
+    ``endurance_tbw`` terabytes written is used up; None when the steps write nothing."""
+    if not write_bytes_per_step or not s_per_step:
+        return None
+    return endurance_tbw * 1e12 / (write_bytes_per_step * 86400.0 / s_per_step)
+
+
+def ssd_wear(storage: StorageConfig, prediction: StepPrediction) -> str:
+    """The SSD wear of a run at its predicted rate, in words (the dry run's line, logged once by a fit)."""
+    written = prediction.ssd_write_bytes
+    days = days_to_endurance(storage.ssd_endurance_tbw, written, prediction.roofline_s)
+    if days is None:
+        return "SSD wear: nothing written to the SSD"
+    return (f"SSD wear: {1000 * written / 1e12:.2f} TB written per 1,000 steps; {days:,.0f} days of this run to the "
+            f"drive's rated {storage.ssd_endurance_tbw:,.0f} TBW (storage.ssd_endurance_tbw)")
 
 
 def with_prediction(plan: RunPlan, shape: ModelShape, hardware: HardwareProfile, prediction: StepPrediction,

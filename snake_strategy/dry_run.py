@@ -1,0 +1,187 @@
+"""A dry run: the plan ``Trainer(strategy="greedysnake").fit`` would use, and what it predicts, without building
+the model's weights or running a step.
+
+    from snake_strategy.dry_run import plan_run
+    report = plan_run(GPTModule("gpt_4b"), GreedySnakeStrategy(storage={"host_budget_bytes": 16 * 2**30}),
+                      batch=next(iter(loader)), precision="32-true")
+    print(report.describe())          # or report.as_dict() (JSON)
+
+The command line takes the Hydra app's own config groups and overrides (``python -m snake_strategy.plan
+model=gpt_4b storage.host_budget_bytes=17179869184``; snake_strategy/plan.py).
+
+The module is built on the meta device (its structure, no weight), its optimizer inspected as at setup, and the
+plan resolved by the same function the strategy calls (``planning.autoplan.resolve``): the dry run's plan is the
+fit's. The prediction is the planner's roofline from the batch's shapes and the machine's probed rates (cached
+on disk, as the strategy's ``hardware="probe"``): step time, its bound, the tokens per step from which the run
+is compute-bound, the bytes each tier moves per step. Memory: the host plan with the activation checkpoints and
+the loss head's output sized from shapes (``pre_stage`` on meta copies of the batch), next to the host budget;
+the SSD space next to the free space of ``storage.ssd_dir``. Wear: the SSD bytes one step writes, per 1,000
+steps, and the days at this run's rate until the drive's rated endurance (``storage.ssd_endurance_tbw``,
+terabytes written) is used up.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from snake_strategy.contract import check_contract, head_linears, meta_pre_stage, micro_batch_tokens, split_micro_batches
+from snake_strategy.planning.autoplan import RunPlan, resolve
+from snake_strategy.planning.hardware import HardwareProfile
+from snake_strategy.planning.memory import ssd_plan
+from snake_strategy.planning.prediction import days_to_endurance, first_prediction, ssd_wear, with_prediction
+from snake_strategy.precision import GreedySnakePrecision
+from snake_strategy.strategy import GreedySnakeStrategy
+
+
+
+@dataclass
+class DryRun:
+    """What a fit with these settings would do (see the module docstring). Bytes, seconds, days."""
+
+    plan: RunPlan
+    fits: bool
+    problems: list[str]  # what does not fit, each with the setting to change
+    predicted_s_per_step: float
+    bound: str
+    tokens_per_step: int
+    compute_bound_from_tokens_per_step: int | None  # None: not below the planner's largest batch
+    host_peak_bytes: int  # the process's baseline + the plan with activation checkpoints and the loss head
+    host_items: dict[str, int]
+    host_budget_bytes: int
+    ssd_bytes: int
+    ssd_free_bytes: int | None
+    ssd_dir: str | None
+    bytes_per_step: dict[str, int]  # tier/direction
+    ssd_write_bytes_per_1000_steps: int
+    tbw_bytes: int
+    days_to_rated_endurance: float | None  # None: the run writes nothing to the SSD
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens_per_step / self.predicted_s_per_step if self.predicted_s_per_step else 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "plan"}
+        out["tokens_per_s"] = self.tokens_per_s
+        out["plan"] = self.plan.as_dict()
+        return out
+
+    def describe(self) -> str:
+        gib, gb = 2**30, 1e9
+        lines = [f"fits: {'yes' if self.fits else 'NO'}" + ("" if self.fits else " -- " + "; ".join(self.problems)),
+                 f"predicted {self.predicted_s_per_step:.2f} s/step ({self.bound}-bound), "
+                 f"{self.tokens_per_s:,.0f} tokens/s at {self.tokens_per_step:,} tokens/step"
+                 + (f"; {self.plan.knee.describe()}" if self.plan.knee is not None else ""),
+                 f"host RAM: the plan {sum(self.host_items.values()) / gib:.2f} GiB of a "
+                 f"{self.host_budget_bytes / gib:.2f} GiB budget ({self.plan.host_budget_source}); peak "
+                 f"{self.host_peak_bytes / gib:.2f} GiB with the process's "
+                 f"{self.plan.process_baseline_bytes / gib:.2f} GiB",
+                 f"SSD: {self.ssd_bytes / gb:.2f} GB in {self.ssd_dir or 'a temporary directory'}"
+                 + (f" ({self.ssd_free_bytes / gb:.1f} GB free)" if self.ssd_free_bytes is not None else ""),
+                 "per step: " + ", ".join(f"{k} {v / gb:.2f} GB" for k, v in self.bytes_per_step.items() if v),
+                 ssd_wear(self.plan.storage, self.plan.prediction),
+                 f"plan: {self.plan.describe()}"]
+        return "\n".join(lines)
+
+
+def plan_run(module: nn.Module, strategy: Any = None, batch: Any = None, *, precision: str | None = None,
+             gradient_clip_val: float | None = None, gradient_clip_algorithm: str = "norm",
+             device: torch.device | str = "cpu") -> DryRun:
+    """The dry run of ``module`` under ``strategy`` (a ``GreedySnakeStrategy``, default one with every setting
+    "auto"), for batches like ``batch`` (one global batch: micro-batch size x ``num_micro_batches`` samples;
+    None: shapes unknown, no activation sizes, no compute time). ``precision``: the Trainer's (default: the
+    strategy's precision plugin's, else "32-true"). Builds no weight: the module's ``configure_model`` runs on
+    the meta device."""
+    strategy = strategy if strategy is not None else GreedySnakeStrategy()
+    plugin = strategy.precision_plugin if isinstance(strategy.precision_plugin, GreedySnakePrecision) else None
+    plugin = GreedySnakePrecision(precision or "32-true") if plugin is None or precision else plugin
+    dtypes, device = plugin.dtypes, torch.device(device)
+    with torch.device("meta"):
+        if callable(getattr(module, "configure_model", None)):
+            module.configure_model()
+    check_contract(module)
+    optimizer = _optimizer(module)
+    storage, schedule = strategy.requested
+    clip = (gradient_clip_algorithm, float(gradient_clip_val)) if gradient_clip_val else None
+    hardware = strategy.hardware if isinstance(strategy.hardware, HardwareProfile) else HardwareProfile()
+    plan = resolve(module, optimizer, storage, schedule, dtypes, device, hardware, clip=clip)
+    ssd_dir = plan.storage.ssd_dir
+    shape, checkpoint_bytes, logits_bytes, tokens = plan.shape, 0, 0, 0
+    if batch is not None:
+        micro = split_micro_batches(batch, plan.schedule.num_micro_batches)[0]
+        tokens = micro_batch_tokens(micro)
+        heads = head_linears(module)
+        checkpoint_bytes = _hidden_bytes(module, micro)
+        logits_bytes = tokens * sum(m.out_features for m in heads) * 4  # fp32, as the engine sizes it
+        shape = dataclasses.replace(shape, head_params=sum({id(m.weight): m.weight.numel() for m in heads}.values()),
+                                    tokens_per_micro=tokens, checkpoint_bytes=checkpoint_bytes)
+    probe_dir = ssd_dir if ssd_dir and os.path.isdir(ssd_dir) else None
+    prediction, profile = first_prediction(plan, shape, plan.schedule.alpha, strategy.hardware, device, probe_dir,
+                                           plan.largest_block_matrix(), strategy.hardware == "probe", optimizer,
+                                           dtypes.master)
+    plan = with_prediction(plan, shape, profile, prediction, plan.schedule.alpha, plan.kept_units)
+    s = plan.schedule
+    per_task = s.num_micro_batches if s.batched_backward or s.batched_forward else 1
+    items = plan.host_items(checkpoint_bytes, loss_logits_bytes=logits_bytes * per_task)
+    host_peak = plan.process_baseline_bytes + sum(items.values())
+    ssd_bytes = sum(ssd_plan(plan.memory_inputs(checkpoint_bytes)).values())
+    free = _free_bytes(ssd_dir)
+    problems = []
+    if plan.storage.host_budget_bytes is not None and sum(items.values()) > plan.storage.host_budget_bytes:
+        problems.append(f"host RAM: the plan needs {sum(items.values()) / 2**30:.2f} GiB of "
+                        f"storage.host_budget_bytes={plan.storage.host_budget_bytes}; move shares to 'ssd', use "
+                        "fewer or smaller micro-batches, or raise storage.host_budget_bytes")
+    elif host_peak > plan.host_budget_bytes + plan.process_baseline_bytes and plan.host_budget_bytes:
+        problems.append(f"host RAM: a peak of {host_peak / 2**30:.2f} GiB above the machine's "
+                        f"{(plan.host_budget_bytes + plan.process_baseline_bytes) / 2**30:.2f} GiB; set "
+                        "storage.host_budget_bytes and move shares to 'ssd'")
+    if free is not None and ssd_bytes > free:
+        problems.append(f"SSD space: {ssd_bytes / 1e9:.1f} GB needed, {free / 1e9:.1f} GB free in "
+                        f"{ssd_dir or tempfile.gettempdir()}; set storage.ssd_dir to a larger disk")
+    written = prediction.ssd_write_bytes
+    tbw = int(plan.storage.ssd_endurance_tbw * 1e12)
+    days = days_to_endurance(plan.storage.ssd_endurance_tbw, written, prediction.roofline_s)
+    knee = plan.knee
+    return DryRun(
+        plan=plan, fits=not problems, problems=problems, predicted_s_per_step=prediction.roofline_s,
+        bound=prediction.bound, tokens_per_step=tokens * s.num_micro_batches,
+        compute_bound_from_tokens_per_step=knee.tokens_per_step if knee is not None else None,
+        host_peak_bytes=host_peak, host_items=items, host_budget_bytes=plan.host_budget_bytes, ssd_bytes=ssd_bytes,
+        ssd_free_bytes=free, ssd_dir=ssd_dir,
+        bytes_per_step={"ssd/read": prediction.ssd_read_bytes, "ssd/write": prediction.ssd_write_bytes},
+        ssd_write_bytes_per_1000_steps=1000 * written, tbw_bytes=tbw, days_to_rated_endurance=days)
+
+
+def _optimizer(module: nn.Module) -> torch.optim.Optimizer:
+    """The optimizer ``configure_optimizers`` returns (alone, in a list, or in Lightning's dict)."""
+    out = module.configure_optimizers()
+    if isinstance(out, dict):
+        out = out["optimizer"]
+    if isinstance(out, (list, tuple)):
+        out = out[0]
+        if isinstance(out, dict):
+            out = out["optimizer"]
+    if not isinstance(out, torch.optim.Optimizer):
+        raise ValueError(f"configure_optimizers returned {type(out).__name__}; the dry run needs a "
+                         "torch.optim.Optimizer (alone, in a list or in Lightning's dict)")
+    return out
+
+
+def _hidden_bytes(module: nn.Module, micro_batch: Any) -> int:
+    """Bytes of one unit input (an activation checkpoint) of ``micro_batch``: ``pre_stage`` on meta copies."""
+    staged = meta_pre_stage(module, micro_batch)
+    return 0 if staged is None else staged[0].numel() * staged[0].element_size()
+
+
+def _free_bytes(directory: str | None) -> int | None:
+    path = directory or tempfile.gettempdir()
+    while path and not os.path.exists(path):
+        path = os.path.dirname(path)
+    return shutil.disk_usage(path).free if path else None
