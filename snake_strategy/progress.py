@@ -26,9 +26,11 @@ lines appear at the same cadence, and an end event closes such a long step.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -133,6 +135,24 @@ class Progress:
         self.predictions: dict[str, float] = {}
         self.clock = clock
         self._progress_bar = True
+        self._group: list[str] | None = None  # summaries of short phases inside ``group``, written as one line
+
+    @contextlib.contextmanager
+    def group(self, label: str) -> Iterator[None]:
+        """The phases of one piece of work (a save: write, verify, consolidate): each that ends within
+        ``delay_s`` writes no summary line of its own; one line names them all at the end ("consolidate: done
+        in 0.1 s (checkpoint_verify: done, ...; consolidate_write: done, ...)"). A phase that lasts shows
+        its progress and its summary as usual. Nested groups: the outer one writes the line."""
+        if self._group is not None:
+            yield
+            return
+        self._group, start_s = [], self.clock()
+        try:
+            yield
+        finally:
+            parts, self._group = self._group, None
+        if parts and self.logs:
+            self.write_line(f"{label}: done in {self.clock() - start_s:.1f} s ({'; '.join(parts)})")
 
     def follow_progress_bar(self, enabled: bool) -> None:
         """With ``log=None``: write lines exactly when the Trainer shows its progress bar."""
@@ -227,6 +247,9 @@ class _Tracker:
             if self._bar is not None:
                 self._bar.close()
                 self._bar = None
+            if progress._group is not None and not self.shown:
+                progress._group.append(event.message)  # a short phase of a group: its line comes at the end
+                return
             progress.write_line(event.message)
             return
         if not self.shown:

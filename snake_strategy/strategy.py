@@ -219,8 +219,6 @@ class GreedySnakeStrategy(DataParallelMixin, ParallelStrategy):
         self._predicted_at_step_one = False
         with contextlib.suppress(ValueError):  # a batch the run refuses: that refusal comes with its own check
             self.prediction = self._predict(batch, at_setup=True) if batch is not None else None
-        if self.prediction is not None and self.is_global_zero:
-            log.info("planner: %s", ssd_wear(self.plan.storage, self.prediction))
         # Lightning's strategies set the device through module.to(); the blocks must not move, so set the
         # attribute LightningModule.device reads, as model_to_device would have.
         module._device = self.root_device
@@ -353,6 +351,8 @@ class GreedySnakeStrategy(DataParallelMixin, ParallelStrategy):
                     self.plan, step_host_bytes=sum(engine.host_bytes_plan(engine.checkpoint_bytes).values()))
             ran = engine.use_plan(self._rank_plan())  # the rate-dependent settings (prefetch depth), between steps
             self.plan = dataclasses.replace(self.plan, schedule=ran.schedule)
+        if self.prediction is None and self.is_global_zero:  # the run's first prediction: its wear, said once
+            log.info("planner: %s", ssd_wear(self.plan.storage, prediction))
         return prediction
 
     def _calibrate(self) -> None:

@@ -248,6 +248,12 @@ def consolidate(path: str | os.PathLike, out_path: str | os.PathLike,
     if not out.parent.is_dir():
         raise ValueError(f"the output directory {out.parent} does not exist; create it or write elsewhere")
     progress = or_quiet(progress)
+    with progress.group("consolidate"):  # verify, read, write: one line when they are short
+        return _consolidate(path, out_path, progress, base)
+
+
+def _consolidate(path: str | os.PathLike, out_path: str | os.PathLike, progress: Progress, base: Any) -> dict[str, Any]:
+    out = Path(out_path)
     if base is not None:
         checkpoint = load_consolidated_with_base(path, base, progress)
     else:

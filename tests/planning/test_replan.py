@@ -15,7 +15,7 @@ from snake_strategy.gpt import GPTModule
 
 STEPS, MICRO, MICRO_SIZE = 5, 4, 2
 # The disk, slowed down deterministically: every SSD chunk sleeps as if moved at this rate per I/O thread.
-SLOW_SSD_BYTES_PER_S = 5e6
+SLOW_SSD_BYTES_PER_S = 2e6
 IO_THREADS = 2
 
 
@@ -37,10 +37,12 @@ class _AheadAtStep(L.Callback):
 
 
 def test_a_profile_off_by_3x_is_replanned_after_the_first_steady_step_and_the_math_stays():
-    # The profile says the disk is 3x faster than it is, and the compute of a slow machine (0.25 GFLOP/s):
+    # The profile says the disk is 3x faster than it is, and the compute of a slow machine (0.08 GFLOP/s):
     # the first plan thinks compute hides the disk (one unit ahead); the steps measure a disk that outlasts it.
+    # The margins hold on a loaded machine: the slowed disk takes about 2.5x the real compute of an idle one,
+    # so compute at a third of its speed (the suite beside another job) still does not hide it.
     profile = HardwareProfile(ssd_read_gb_per_s=3 * IO_THREADS * SLOW_SSD_BYTES_PER_S / 1e9,
-                              ssd_write_gb_per_s=3 * IO_THREADS * SLOW_SSD_BYTES_PER_S / 1e9, flops_per_s=2.5e8)
+                              ssd_write_gb_per_s=3 * IO_THREADS * SLOW_SSD_BYTES_PER_S / 1e9, flops_per_s=8e7)
     ahead = _AheadAtStep()
     ref = run_reference(SMALL_GPT, STEPS, MICRO, MICRO_SIZE, "64-true")
     loader = token_loader(STEPS * MICRO * MICRO_SIZE, MICRO * MICRO_SIZE, SMALL_GPT.context_len, SMALL_GPT.vocab_size)

@@ -150,6 +150,25 @@ def test_short_work_writes_one_summary_line_long_work_shows_progress(caplog):
                      "checkpoint_save: done, 10/10 files, 10 MB in 10.0 s (1 MB/s)"], lines
 
 
+def test_a_group_of_short_phases_writes_one_line(caplog):
+    """A save's phases (write, verify, consolidate) that each end within delay_s: one line for all of them;
+    a phase of the group that lasts shows its own progress and summary."""
+    caplog.set_level(logging.INFO, logger=LOGGER_NAME)
+    clock = FakeClock()
+    progress = Progress(log=True, bar=False, clock=clock)
+    with progress.group("consolidate"):
+        _run_phase(progress, clock, items=3, seconds_per_item=0.01)
+        _run_phase(progress, clock, items=2, seconds_per_item=0.01)
+    lines = [r.getMessage() for r in _records(caplog)]
+    assert len(lines) == 1 and lines[0].startswith("consolidate: done in 0.1 s (checkpoint_save: done, 3/3 files")
+    assert lines[0].count("checkpoint_save: done") == 2
+    caplog.clear()
+    with progress.group("consolidate"):
+        _run_phase(progress, clock, items=4, seconds_per_item=1.0)  # lasts: shown as usual
+    lines = [r.getMessage() for r in _records(caplog)]
+    assert lines[-1] == "checkpoint_save: done, 4/4 files, 4 MB in 4.0 s (1 MB/s)" and len(lines) > 1
+
+
 def test_a_terminal_gets_a_bar_and_the_summary_line(caplog, capsys):
     caplog.set_level(logging.INFO, logger=LOGGER_NAME)
     clock = FakeClock()
@@ -269,11 +288,13 @@ def test_cli_prints_progress_lines(saved_run, tmp_path):
     assert done.returncode == 0, done.stderr
     lines = [line for line in done.stderr.splitlines() if line.split(":")[0] in
              ("checkpoint_verify", "consolidate", "consolidate_write")]
-    # Work of milliseconds: one summary line per phase, no start or progress lines (issue 36, item 5).
-    assert len(lines) == 3, lines
-    assert lines[0].startswith(f"checkpoint_verify: done, {CHECKPOINT_FILES}/{CHECKPOINT_FILES} files"), lines
-    assert lines[1].startswith(f"consolidate: done, {NUM_UNITS}/{NUM_UNITS} units"), lines
-    assert lines[-1].startswith("consolidate_write: done, 1/1 files"), lines
+    # Work of milliseconds: one line for the whole consolidation, naming each of its phases' summaries, no
+    # start or progress lines (issue 36, item 5; issue 43, item 5: one line per save, not per phase).
+    assert len(lines) == 1, lines
+    assert lines[0].startswith("consolidate: done in "), lines
+    assert f"(checkpoint_verify: done, {CHECKPOINT_FILES}/{CHECKPOINT_FILES} files" in lines[0], lines
+    assert f"; consolidate: done, {NUM_UNITS}/{NUM_UNITS} units" in lines[0], lines
+    assert "; consolidate_write: done, 1/1 files" in lines[0], lines
     assert done.stdout.startswith(f"wrote {out}")
 
 
@@ -283,4 +304,4 @@ def test_cli_quiet_writes_no_progress(saved_run, tmp_path, caplog, capsys):
     assert snake_checkpoint.main(["--quiet", str(fit.checkpoint), str(tmp_path / "quiet.ckpt")]) == 0
     assert _records(caplog) == []
     assert snake_checkpoint.main([str(fit.checkpoint), str(tmp_path / "loud.ckpt")]) == 0
-    assert [r.getMessage().split(":")[0] for r in _records(caplog)][0] == "checkpoint_verify"
+    assert [r.getMessage().split(":")[0] for r in _records(caplog)] == ["consolidate"]
