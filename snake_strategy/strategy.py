@@ -324,6 +324,9 @@ class GreedySnakeStrategy(DataParallelMixin, ParallelStrategy):
         check_not_empty(batch, args[1] if len(args) > 1 else kwargs.get("batch_idx"), self.lightning_module)
         self._saver.step_started()  # until optimizer_step: a save asked for now waits for the step's end
         self._step_start_s = time.perf_counter()
+        if self.prediction is None:  # no batch at setup (a DataModule): the prediction before step 1 is made now
+            with contextlib.suppress(ValueError):
+                self.prediction = self._predict(batch, at_setup=True)
         loss = self.engine.train_step(batch)
         if not self._predicted_at_step_one:  # with what the first step measured (kept graphs, checkpoints)
             self._predicted_at_step_one = True
@@ -351,8 +354,10 @@ class GreedySnakeStrategy(DataParallelMixin, ParallelStrategy):
                     self.plan, step_host_bytes=sum(engine.host_bytes_plan(engine.checkpoint_bytes).values()))
             ran = engine.use_plan(self._rank_plan())  # the rate-dependent settings (prefetch depth), between steps
             self.plan = dataclasses.replace(self.plan, schedule=ran.schedule)
-        if self.prediction is None and self.is_global_zero:  # the run's first prediction: its wear, said once
-            log.info("planner: %s", ssd_wear(self.plan.storage, prediction))
+        if self.prediction is None and self.plan is not None:  # the run's first prediction: before step 1
+            self.plan = dataclasses.replace(self.plan, setup_prediction=prediction)
+            if self.is_global_zero:
+                log.info("planner: %s", ssd_wear(self.plan.storage, prediction))  # said once
         return prediction
 
     def _calibrate(self) -> None:

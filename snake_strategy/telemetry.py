@@ -122,6 +122,7 @@ class StepReport(pl.Callback):
         self.step_optimizer_wait_s: list[float] = []
         self.total_traffic: dict[str, int] | None = None
         self.predicted_s: float | None = None
+        self.predicted_before_step_1_s: float | None = None  # the plan's prediction made before step 1 ran
         self._start: float | None = None
 
     # ------------------------------------------------------------------ hooks
@@ -167,6 +168,10 @@ class StepReport(pl.Callback):
         metrics["perf/rollbacks"] = float(stats.rollbacks)
         prediction = getattr(trainer.strategy, "prediction", None)
         hardware = getattr(trainer.strategy, "hardware_profile", None)
+        plan = getattr(trainer.strategy, "plan", None)
+        setup = getattr(plan, "setup_prediction", None)
+        if setup is not None:
+            self.predicted_before_step_1_s = setup.roofline_s
         if prediction is not None:
             self.predicted_s = prediction.roofline_s
             metrics["perf/predicted_floor_s"] = prediction.roofline_s
@@ -181,7 +186,10 @@ class StepReport(pl.Callback):
         step = len(self.step_seconds)
         if self.log_every_n_steps and step % self.log_every_n_steps == 0:
             loss_text = f"{self.losses[-1]:.4f}" if self.losses else "n/a"
-            floor = f" (planner floor {prediction.roofline_s:.3f} s)" if prediction is not None else ""
+            floor = f" (planner floor {prediction.roofline_s:.3f} s" if prediction is not None else ""
+            if floor and setup is not None:
+                floor += f", {setup.roofline_s:.3f} s predicted before step 1"
+            floor += ")" if floor else ""
             log.info("step %d | loss %s | %.3f s%s | %.0f tokens/s | ssd %s | host %s", step, loss_text, seconds, floor,
                      tokens / seconds if seconds > 0 else 0.0, format_bytes(per_tier["ssd"]),
                      format_bytes(per_tier["host"]))
@@ -234,7 +242,8 @@ class StepReport(pl.Callback):
             "bytes_per_tier": bytes_per_tier(total) if total is not None else None,
             "bytes_per_tier_state": bytes_per_tier_state(total) if total is not None else None,
             "step_bytes_mean": step_bytes,
-            "predicted_floor_s_per_step": self.predicted_s,
+            "predicted_floor_s_per_step": self.predicted_s,  # the last: after the first step and calibration
+            "predicted_before_step_1_s_per_step": self.predicted_before_step_1_s,
             "train_s": sum(self.step_seconds),
             "exposed_io_s": sum(self.step_io_wait_s),
             "exposed_optimizer_s": sum(self.step_optimizer_wait_s),
@@ -252,6 +261,9 @@ class StepReport(pl.Callback):
         if s["predicted_floor_s_per_step"]:
             lines.append(f"planner floor {s['predicted_floor_s_per_step']:.3f} s/step | achieved / floor "
                          f"{s['median_s_per_step'] / s['predicted_floor_s_per_step']:.2f}")
+        if s["predicted_before_step_1_s_per_step"]:
+            lines.append(f"predicted before step 1 {s['predicted_before_step_1_s_per_step']:.3f} s/step | measured / "
+                         f"predicted {s['median_s_per_step'] / s['predicted_before_step_1_s_per_step']:.2f}")
         if s["bytes_per_tier"] is not None:
             tiers = ", ".join(f"{t} {format_bytes(n)}" for t, n in s["bytes_per_tier"].items())
             lines.append(f"bytes moved (whole run): {tiers}")

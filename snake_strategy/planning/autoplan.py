@@ -89,6 +89,9 @@ class RunPlan:
     host_budget_source: str = SOURCE_AVAILABLE  # which bound it was (host_memory.SOURCE_*)
     host_budget_detail: str = ""  # the numbers behind it
     prediction: StepPrediction | None = None  # the floor of one step, from the first batch's shapes
+    # The prediction made before step 1 ran (from shapes and probed rates only), kept as it was: ``prediction``
+    # is replaced by the first step's measured sizes and by the calibration.
+    setup_prediction: StepPrediction | None = None
     kept_units: list[int] | None = None  # units whose forward graph is kept (known after the first step)
     # The model laid out in units and its shape before any batch (setup_layouts): what the engine builds
     # from, so the model is laid out and checked once. Not part of as_dict (module references).
@@ -179,6 +182,8 @@ class RunPlan:
         text += f", above the process's {self.process_baseline_bytes / 2**30:.2f} GiB at setup"
         if self.optimizer is not None:
             text += f"; {self.optimizer.describe(self.shape.state_bytes)}"
+        if self.setup_prediction is not None:
+            text += f"; predicted before step 1 {self.setup_prediction.roofline_s:.3f} s/step"
         if self.prediction is not None:
             text += f"; predicted {self.prediction.roofline_s:.3f} s/step ({self.prediction.bound}-bound"
             c = self.calibration
@@ -208,6 +213,7 @@ class RunPlan:
                 "rollback_held_bytes": self.rollback_held_bytes,
                 "placement_budget_bytes": self.placement_budget_bytes, "evaluating": self.evaluating,
                 "prediction": self.prediction.as_dict() if self.prediction is not None else None,
+                "setup_prediction": self.setup_prediction.as_dict() if self.setup_prediction is not None else None,
                 "knee": self.knee.as_dict() if self.knee is not None else None,
                 "calibration": self.calibration,
                 "hardware": dataclasses.asdict(self.hardware) if self.hardware is not None else None,

@@ -114,7 +114,7 @@ def test_every_storage_override_works_on_the_default_auto_storage(tmp_path):
               "gradients": "host", "checkpoints": "ssd", "checkpoint_host_ends": "1", "use_o_direct": "false",
               "num_io_threads": "4", "keep_ssd_files": "true", "host_budget_bytes": "1000000000",
               "optimizer_chunk_elems": "8192", "placement": "manual", "rollback": "ssd",
-              "export_dir": str(tmp_path / "weights")}
+              "export_dir": str(tmp_path / "weights"), "ssd_endurance_tbw": "1200"}
     assert set(values) == {f.name for f in dataclasses.fields(StorageConfig)}  # a new field needs a line here
     for field, value in values.items():
         storage = instantiate(compose_train([f"storage.{field}={value}"]).storage, _convert_="all")
