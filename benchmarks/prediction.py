@@ -65,7 +65,7 @@ def run_case(name: str, steps: int, ssd_root: str | None) -> dict:
 
     class Probe(L.Callback):
         def on_train_start(self, trainer, pl_module):
-            marks["setup_prediction"] = trainer.strategy.plan.prediction
+            marks["setup_host"] = trainer.strategy.plan.step_host_bytes  # planned before step 1 (None: no batch yet)
             marks["setup_rss"] = _vm_status("VmRSS")
             Path("/proc/self/clear_refs").write_text("5")  # VmHWM from here: the steps' peak
 
@@ -99,7 +99,7 @@ def run_case(name: str, steps: int, ssd_root: str | None) -> dict:
                         limit_val_batches=0, num_sanity_val_steps=0, callbacks=[Probe()])
     trainer.fit(module, train_dataloaders=loader)
     plan = strategy.plan
-    setup = marks["setup_prediction"]
+    setup = plan.setup_prediction  # made before step 1 ran
     steady = step_s[1:] or step_s
     measured = statistics.median(steady)
     return dict(
@@ -116,6 +116,10 @@ def run_case(name: str, steps: int, ssd_root: str | None) -> dict:
         ssd_write_bytes_per_step=statistics.median(ssd_bytes(s.step_traffic(), "write") for s in stats[1:] or stats),
         host_budget_bytes=plan.host_budget_bytes, plan_host_bytes=plan.host_bytes,
         engine_host_bytes=marks["engine_host"], engine_host_items=marks["engine_items"],
+        setup_host_bytes=marks["setup_host"],
+        # the process's baseline at setup + the host plan made before step 1, against the steps' peak RSS
+        setup_memory_error=((plan.process_baseline_bytes + marks["setup_host"]) / marks["peak"] - 1)
+        if marks["setup_host"] else None,
         setup_rss_bytes=marks["setup_rss"], peak_rss_bytes=marks["peak"], describe=plan.describe(),
         plan=plan.as_dict())
 
@@ -148,7 +152,8 @@ def main() -> None:
               f"error {100 * r['error']:+.0f}%), at setup {r['setup_prediction']['roofline_s']:.2f} "
               f"({r['setup_prediction']['bound']}, {100 * r['setup_error']:+.0f}%), after step 1 "
               f"{r['step1_prediction']['roofline_s']:.2f} ({100 * r['step1_error']:+.0f}%); host plan "
-              f"{r['engine_host_bytes'] / 2**30:.2f} GiB, peak RSS {r['peak_rss_bytes'] / 2**30:.2f} GiB, budget "
+              f"{r['engine_host_bytes'] / 2**30:.2f} GiB (before step 1: memory error "
+              f"{100 * (r['setup_memory_error'] or 0):+.0f}%), peak RSS {r['peak_rss_bytes'] / 2**30:.2f} GiB, budget "
               f"{r['host_budget_bytes'] / 2**30:.2f} GiB", flush=True)
     RESULTS.mkdir(parents=True, exist_ok=True)
     path = RESULTS / f"{args.name or '+'.join(args.cases.split(','))}.json"

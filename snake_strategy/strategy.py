@@ -339,7 +339,10 @@ class GreedySnakeStrategy(DataParallelMixin, ParallelStrategy):
         """The planner's roofline for this run, from ``batch``'s shapes (at setup, before kept graphs and
         checkpoint sizes are measured; again after the first step)."""
         engine = self.engine
-        self.model_shape = engine.model_shape(engine.micro_batches(batch)[0][0])
+        micro_batch = engine.micro_batches(batch)[0][0]
+        # Before the first forward the activations are sized from shapes; after it, as measured.
+        sized = engine.activation_sizes(micro_batch) if at_setup and not engine.checkpoint_bytes else 0
+        self.model_shape = engine.model_shape(micro_batch, sized)
         prediction, self.hardware_profile = first_prediction(
             self.plan, self.model_shape, engine.alpha, self.hardware, self.root_device,
             engine.ssd.path if engine.ssd else None, engine.largest_block_matrix(), self.hardware == "probe",
@@ -349,9 +352,9 @@ class GreedySnakeStrategy(DataParallelMixin, ParallelStrategy):
             kept = self.plan.kept_units if at_setup else engine.kept_units
             self.plan = with_prediction(self.plan, self.model_shape, self.hardware_profile, prediction, engine.alpha,
                                         kept)
-            if not at_setup:  # the first step measured the activations: what the steps hold
-                self.plan = dataclasses.replace(
-                    self.plan, step_host_bytes=sum(engine.host_bytes_plan(engine.checkpoint_bytes).values()))
+            # What the steps hold: with the activations sized from shapes before step 1, as measured after it.
+            self.plan = dataclasses.replace(self.plan, step_host_bytes=sum(engine.host_bytes_plan(
+                engine.checkpoint_bytes or self.model_shape.checkpoint_bytes).values()))
             ran = engine.use_plan(self._rank_plan())  # the rate-dependent settings (prefetch depth), between steps
             self.plan = dataclasses.replace(self.plan, schedule=ran.schedule)
         if self.prediction is None and self.plan is not None:  # the run's first prediction: before step 1

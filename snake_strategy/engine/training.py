@@ -23,7 +23,7 @@ import torch
 from torch import Tensor, nn
 
 from snake_strategy.activations import ActivationStore
-from snake_strategy.contract import (batch_size, check_contract, head_linears, micro_batch_tokens,
+from snake_strategy.contract import (batch_size, check_contract, head_linears, meta_pre_stage, micro_batch_tokens,
                                      slice_batch, split_micro_batches, unpack_pre_stage)
 from snake_strategy.engine.base import EngineBase
 from snake_strategy.engine.step.batch_check import batching_tolerance
@@ -198,12 +198,27 @@ class SnakeEngine(EngineBase):
             room -= self.plan.process_baseline_bytes
         return room - sum(self.host_bytes_plan(checkpoint_bytes).values())
 
-    def model_shape(self, micro_batch: Any) -> ModelShape:
-        """The planner's view of this model for the given micro-batch (shapes only, no compute)."""
+    def model_shape(self, micro_batch: Any, checkpoint_bytes: int = 0) -> ModelShape:
+        """The planner's view of this model for the given micro-batch (shapes only, no compute), with the
+        checkpoints measured by the first forward, else of ``checkpoint_bytes`` (sized from shapes)."""
         head = {id(m.weight): m.weight.numel() for m in self._head_linears()}
-        return dataclasses.replace(self.shape, head_params=sum(head.values()), tokens_per_micro=micro_batch_tokens(micro_batch),
-                                   checkpoint_bytes=self.checkpoint_bytes, first_backward_unit=self.runner.first_backward,
+        return dataclasses.replace(self.shape, head_params=sum(head.values()),
+                                   tokens_per_micro=micro_batch_tokens(micro_batch),
+                                   checkpoint_bytes=self.checkpoint_bytes or checkpoint_bytes,
+                                   first_backward_unit=self.runner.first_backward,
                                    kept_units=len(self.runner.kept.units or ()))
+
+    def activation_sizes(self, micro_batch: Any) -> int:
+        """Before the first forward, from shapes (``pre_stage`` on meta copies): the bytes of one activation
+        checkpoint of ``micro_batch`` (0 when the model cannot run on meta); the loss head's output is sized
+        too, and counted in the host plan from now on."""
+        self.logits_bytes = self.logits_bytes or self._logits_bytes(micro_batch)
+        staged = meta_pre_stage(self.module, micro_batch)
+        return 0 if staged is None else staged[0].numel() * staged[0].element_size()
+
+    def _logits_bytes(self, micro_batch: Any) -> int:
+        """The loss head's output of one micro-batch, fp32 (the loss is taken in fp32)."""
+        return micro_batch_tokens(micro_batch) * sum(m.out_features for m in self._head_linears()) * 4
 
     @property
     def kept_units(self) -> list[int]:
@@ -247,8 +262,7 @@ class SnakeEngine(EngineBase):
         if not self._backward_planned:
             self.runner.find_backward_floor(micro_batches[0])  # which units need a backward (frozen parameters)
             self._tasks, self._backward_planned = {}, True
-            # the loss head's output of one micro-batch, fp32 (the loss is taken in fp32): in the budget from now on
-            self.logits_bytes = micro_batch_tokens(micro_batches[0]) * sum(m.out_features for m in self._head_linears()) * 4
+            self.logits_bytes = self._logits_bytes(micro_batches[0])  # in the budget from now on
         if self.storage.host_budget_bytes is not None and not self.checkpoint_bytes:
             # The checkpoints' size is known only now: check the budget before any block runs. The RNG
             # stream is restored, so an embedding's dropout masks are the same with or without a budget.
