@@ -37,7 +37,8 @@ from snake_strategy.engine import EngineHooks, EngineRuntime, EvalEngine, SnakeE
 from snake_strategy.engine.state.weights_file import weights_file_name
 from snake_strategy.module import LayeredModule
 from snake_strategy.planning.autoplan import RunPlan, example_batch, resolve
-from snake_strategy.planning.prediction import first_prediction, recalibrated, ssd_wear, with_prediction
+from snake_strategy.planning.prediction import (first_prediction, recalibrated, ssd_wear, unit_flops_per_s,
+                                                with_prediction)
 from snake_strategy.planning.calibration import CALIBRATION_STEPS, STEADY_STEP, MeasuredStep
 from snake_strategy.planning.planner import HardwareProfile, ModelShape, StepPrediction
 from snake_strategy.precision import GreedySnakePrecision
@@ -113,6 +114,7 @@ class GreedySnakeStrategy(DataParallelMixin, ParallelStrategy):
         self._init_data_parallel(process_group_backend, timeout)
         self.shard_optimizer_state = shard_optimizer_state
         self._predicted_at_step_one = False
+        self._unit_flops_per_s: float | None = None  # this model's unit timed before step 1 (hardware probed)
         self._step_start_s = 0.0  # when the running step's training_step began (the calibration's wall time)
         self._steady_steps: list[MeasuredStep] = []  # what the steady steps so far measured (the calibration's)
         self._created_ssd_dirs: list[str] = []  # ssd_dir levels several ranks made, removed at close
@@ -216,7 +218,7 @@ class GreedySnakeStrategy(DataParallelMixin, ParallelStrategy):
         self.engine, self._created_ssd_dirs = build_engine(build, self.storage, self.global_rank, self.world_size)
         if self.world_size > 1:
             sync_initial_state(self.engine, self.root_device)  # every rank starts from rank 0's weights
-        self._predicted_at_step_one = False
+        self._predicted_at_step_one, self._unit_flops_per_s = False, None
         with contextlib.suppress(ValueError):  # a batch the run refuses: that refusal comes with its own check
             self.prediction = self._predict(batch, at_setup=True) if batch is not None else None
         # Lightning's strategies set the device through module.to(); the blocks must not move, so set the
@@ -343,10 +345,16 @@ class GreedySnakeStrategy(DataParallelMixin, ParallelStrategy):
         # Before the first forward the activations are sized from shapes; after it, as measured.
         sized = engine.activation_sizes(micro_batch) if at_setup and not engine.checkpoint_bytes else 0
         self.model_shape = engine.model_shape(micro_batch, sized)
+        if self._unit_flops_per_s is None and self.hardware in (None, "probe"):
+            # This model's own unit, forward and backward, timed once before step 1 (a few % of a step).
+            seconds, params, tokens = engine.time_unit(batch)
+            self._unit_flops_per_s = unit_flops_per_s(self.model_shape, seconds, params, engine.unit_numel(0), tokens)
+            log.info("planner: unit 0's forward and backward over %d tokens took %.3f s before step 1: %.1f GFLOP/s",
+                     tokens, seconds, self._unit_flops_per_s / 1e9)
         prediction, self.hardware_profile = first_prediction(
             self.plan, self.model_shape, engine.alpha, self.hardware, self.root_device,
             engine.ssd.path if engine.ssd else None, engine.largest_block_matrix(), self.hardware == "probe",
-            engine.optimizer, engine.dtypes.master)
+            engine.optimizer, engine.dtypes.master, self._unit_flops_per_s)
         if self.plan is not None:
             # "auto" decides the kept graphs at the first step
             kept = self.plan.kept_units if at_setup else engine.kept_units

@@ -208,6 +208,16 @@ class SnakeEngine(EngineBase):
                                    first_backward_unit=self.runner.first_backward,
                                    kept_units=len(self.runner.kept.units or ()))
 
+    def time_unit(self, batch: Any) -> tuple[float, int, int]:
+        """(seconds, parameters, tokens) of unit 0's forward and backward over the micro-batches one task of
+        ``batch`` runs (all of them under batched passes), before step 1: the compute rate of this model at
+        its own shapes and precision (``StepRunner.time_unit``)."""
+        micro_batches, sizes = self.micro_batches(batch)
+        if not self.schedule.batched_forward:
+            micro_batches, sizes = micro_batches[:1], sizes[:1]
+        seconds = self.runner.time_unit(0, micro_batches, sizes)
+        return seconds, self.units[0].layout.numel, sum(micro_batch_tokens(b) for b in micro_batches)
+
     def activation_sizes(self, micro_batch: Any) -> int:
         """Before the first forward, from shapes (``pre_stage`` on meta copies): the bytes of one activation
         checkpoint of ``micro_batch`` (0 when the model cannot run on meta); the loss head's output is sized

@@ -109,6 +109,35 @@ class StepRunner:
         self.first_backward = 0 if self.pre_trains else first
         self.kept.begin(self.first_backward, len(self.units))
 
+    def time_unit(self, u: int, micro_batches: list[Any], sizes: list[int]) -> float:
+        """Seconds of unit ``u``'s forward and backward (input and weight gradients) over ``micro_batches`` in
+        one pass, with the weights a step reads: this model's own compute rate, measured at setup (the faster
+        of two runs: the first also warms allocator and kernels). The RNG streams are restored, so dropout
+        draws nothing the run sees; nothing is accumulated or stepped."""
+        devices = [self.device] if self.device.type == "cuda" else []
+        sync = torch.cuda.synchronize if devices else (lambda: None)
+        best_s = float("inf")
+        with torch.random.fork_rng(devices=devices, device_type=self.device.type if devices else "cuda"):
+            with torch.no_grad(), self.autocast():
+                staged = [unpack_pre_stage(self.module.pre_stage(b)) for b in micro_batches]
+            hidden = torch.cat([h for h, _ in staged]) if len(staged) > 1 else staged[0][0]
+            side = stack_side_inputs([s for _, s in staged], sizes)
+            w = self.weights.leaves(u)
+            wt = w[:self.units[u].layout.num_trainable]
+            for _ in range(2):
+                x = hidden.detach().requires_grad_(True)
+                sync()
+                start_s = time.perf_counter()
+                with torch.enable_grad(), self.autocast():
+                    outs: list[Tensor] = []
+                    y = self.unit_forward(u, w, x, side, outs)
+                    roots = [y, *outs]
+                    _grad(roots, [x, *wt], [torch.ones_like(r) for r in roots])
+                sync()
+                best_s = min(best_s, time.perf_counter() - start_s)
+        self.weights.release()
+        return best_s
+
     def autocast(self):
         if self._autocast_dtype is None:
             return contextlib.nullcontext()
