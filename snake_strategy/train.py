@@ -86,12 +86,11 @@ def _choices() -> dict[str, str]:
     return {k: str(v) for k, v in choices.items() if not k.startswith("hydra/") and v is not None}
 
 
-def run(cfg: DictConfig) -> dict[str, Any]:
-    """Train with a composed config; return the report (also written to ``<output dir>/report.json``)."""
+def _objects(cfg: DictConfig) -> tuple[Path, Any, Any, StorageConfig, ScheduleConfig]:
+    """(output dir, model, data module, storage, schedule) of a composed config, the run seeded."""
     out_dir = output_dir(cfg)
     out_dir.mkdir(parents=True, exist_ok=True)
     L.seed_everything(cfg.seed, workers=True)
-
     # One `_target_` per group; _convert_="all" hands the library plain dicts and lists, not OmegaConf nodes.
     model = instantiate(cfg.model, _convert_="all")
     datamodule = instantiate(cfg.data, _convert_="all")
@@ -100,6 +99,12 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     if not isinstance(storage, StorageConfig) or not isinstance(schedule, ScheduleConfig):
         raise ValueError("configs storage/ and schedule/ must target snake_strategy.StorageConfig and "
                          f"snake_strategy.ScheduleConfig; got {type(storage).__name__}, {type(schedule).__name__}")
+    return out_dir, model, datamodule, storage, schedule
+
+
+def run(cfg: DictConfig) -> dict[str, Any]:
+    """Train with a composed config; return the report (also written to ``<output dir>/report.json``)."""
+    out_dir, model, datamodule, storage, schedule = _objects(cfg)
 
     # A relative trace_path lands in the run's output directory, next to report.json.
     trace_path = out_dir / Path(str(cfg.trace_path)).expanduser() if cfg.get("trace_path") else None
@@ -193,13 +198,7 @@ def _jsonable(value: Any) -> Any:
 def dry_run(cfg: DictConfig) -> DryRun:
     """The dry run of a composed config (``snake_strategy.dry_run.plan_run``): the model built on meta, the
     plan ``run(cfg)`` would use, its prediction for the data's first batch; written to ``<output dir>/plan.json``."""
-    out_dir = output_dir(cfg)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    L.seed_everything(cfg.seed, workers=True)
-    model = instantiate(cfg.model, _convert_="all")
-    datamodule = instantiate(cfg.data, _convert_="all")
-    storage = instantiate(cfg.storage, _convert_="all")
-    schedule = instantiate(cfg.schedule, _convert_="all")
+    out_dir, model, datamodule, storage, schedule = _objects(cfg)
     strategy = GreedySnakeStrategy(storage=storage, schedule=schedule, progress=False)
     trainer = trainer_kwargs(cfg, out_dir)
     datamodule.setup("fit")

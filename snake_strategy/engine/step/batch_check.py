@@ -40,7 +40,7 @@ def batching_tolerance(compute: torch.dtype, autocast: torch.dtype | None, devic
 
 
 @contextlib.contextmanager
-def _eval_mode(blocks: list[nn.Module]):
+def eval_mode(blocks: list[nn.Module]):
     modes = [(m, m.training) for b in blocks for m in b.modules()]
     try:
         for b in blocks:
@@ -57,7 +57,7 @@ def check_batching(forward: Callable[[Tensor, dict[str, Any]], Tensor], blocks: 
     """Run ``forward`` over ``xs`` concatenated and over each alone; ValueError when they differ by more
     than ``tolerance`` (relative). ``settings`` names what turned batching on, for the message."""
     devices = [device] if device.type == "cuda" else []
-    with torch.no_grad(), _eval_mode(blocks), \
+    with torch.no_grad(), eval_mode(blocks), \
             torch.random.fork_rng(devices=devices, device_type=device.type if devices else "cuda"):
         start = torch.get_rng_state()
         batched = forward(torch.cat(xs), batched_side)

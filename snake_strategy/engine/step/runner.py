@@ -24,7 +24,7 @@ from torch import Tensor, nn
 
 from snake_strategy.activations import ActivationStore
 from snake_strategy.contract import check_block_output, reads_block_outputs, stack_side_inputs, unpack_pre_stage
-from snake_strategy.engine.step.batch_check import check_batching
+from snake_strategy.engine.step.batch_check import check_batching, eval_mode
 from snake_strategy.engine.step.gradients import GradientPath
 from snake_strategy.engine.step.kept_graphs import KeptGraph, KeptGraphs
 from snake_strategy.engine.step.split_backward import DeferLinearWeights, WeightGradStash
@@ -111,19 +111,24 @@ class StepRunner:
 
     def time_unit(self, u: int, micro_batches: list[Any], sizes: list[int]) -> float:
         """Seconds of unit ``u``'s forward and backward (input and weight gradients) over ``micro_batches`` in
-        one pass, with the weights a step reads: this model's own compute rate, measured at setup (the faster
-        of two runs: the first also warms allocator and kernels). The RNG streams are restored, so dropout
-        draws nothing the run sees; nothing is accumulated or stepped."""
+        one pass: this model's own compute rate, measured at setup (the faster of two runs: the first also
+        warms allocator and kernels). It runs in eval mode (no dropout), as the batch check does, on a fresh
+        copy of the unit's weights (not the streamer's buffers), with the RNG streams restored: nothing the
+        run sees changes, nothing is accumulated or stepped."""
         devices = [self.device] if self.device.type == "cuda" else []
         sync = torch.cuda.synchronize if devices else (lambda: None)
         best_s = float("inf")
-        with torch.random.fork_rng(devices=devices, device_type=self.device.type if devices else "cuda"):
+        unit = self.units[u]
+        with torch.random.fork_rng(devices=devices, device_type=self.device.type if devices else "cuda"), \
+                eval_mode([self.module]):
             with torch.no_grad(), self.autocast():
                 staged = [unpack_pre_stage(self.module.pre_stage(b)) for b in micro_batches]
             hidden = torch.cat([h for h, _ in staged]) if len(staged) > 1 else staged[0][0]
             side = stack_side_inputs([s for _, s in staged], sizes)
-            w = self.weights.leaves(u)
-            wt = w[:self.units[u].layout.num_trainable]
+            main = unit.weights.read_full().to(self.device)
+            tail = unit.tail.read_full().to(self.device) if unit.tail is not None else None
+            w = unit.leaves(main, tail)
+            wt = w[:unit.layout.num_trainable]
             for _ in range(2):
                 x = hidden.detach().requires_grad_(True)
                 sync()
@@ -135,7 +140,6 @@ class StepRunner:
                     _grad(roots, [x, *wt], [torch.ones_like(r) for r in roots])
                 sync()
                 best_s = min(best_s, time.perf_counter() - start_s)
-        self.weights.release()
         return best_s
 
     def autocast(self):
