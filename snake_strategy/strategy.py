@@ -115,6 +115,7 @@ class GreedySnakeStrategy(DataParallelMixin, ParallelStrategy):
         self.shard_optimizer_state = shard_optimizer_state
         self._predicted_at_step_one = False
         self._unit_flops_per_s: float | None = None  # this model's unit timed before step 1 (hardware probed)
+        self._expected_kept = (0, 0)  # units "auto" is expected to keep, and bytes each: from that timing
         self._step_start_s = 0.0  # when the running step's training_step began (the calibration's wall time)
         self._steady_steps: list[MeasuredStep] = []  # what the steady steps so far measured (the calibration's)
         self._created_ssd_dirs: list[str] = []  # ssd_dir levels several ranks made, removed at close
@@ -218,7 +219,7 @@ class GreedySnakeStrategy(DataParallelMixin, ParallelStrategy):
         self.engine, self._created_ssd_dirs = build_engine(build, self.storage, self.global_rank, self.world_size)
         if self.world_size > 1:
             sync_initial_state(self.engine, self.root_device)  # every rank starts from rank 0's weights
-        self._predicted_at_step_one, self._unit_flops_per_s = False, None
+        self._predicted_at_step_one, self._unit_flops_per_s, self._expected_kept = False, None, (0, 0)
         with contextlib.suppress(ValueError):  # a batch the run refuses: that refusal comes with its own check
             self.prediction = self._predict(batch, at_setup=True) if batch is not None else None
         # Lightning's strategies set the device through module.to(); the blocks must not move, so set the
@@ -346,11 +347,18 @@ class GreedySnakeStrategy(DataParallelMixin, ParallelStrategy):
         sized = engine.activation_sizes(micro_batch) if at_setup and not engine.checkpoint_bytes else 0
         self.model_shape = engine.model_shape(micro_batch, sized)
         if self._unit_flops_per_s is None and self.hardware in (None, "probe"):
-            # This model's own unit, forward and backward, timed once before step 1 (a few % of a step).
-            seconds, params, tokens = engine.time_unit(batch)
+            # This model's own unit, forward and backward, timed once before step 1 (a few % of a step); its
+            # forward graph's size says how many units "auto" will keep (no recompute for them).
+            seconds, params, tokens, kept = engine.time_unit(batch, self.model_shape.checkpoint_bytes)
             self._unit_flops_per_s = unit_flops_per_s(self.model_shape, seconds, params, engine.unit_numel(0), tokens)
-            log.info("planner: unit 0's forward and backward over %d tokens took %.3f s before step 1: %.1f GFLOP/s",
-                     tokens, seconds, self._unit_flops_per_s / 1e9)
+            self._expected_kept = kept
+            log.info("planner: unit 0's forward and backward over %d tokens took %.3f s before step 1: %.1f GFLOP/s; "
+                     "%d units expected to keep their forward graph", tokens, seconds, self._unit_flops_per_s / 1e9,
+                     kept[0])
+        expected_graphs = 0
+        if at_setup and not engine.kept_units:
+            self.model_shape = dataclasses.replace(self.model_shape, kept_units=self._expected_kept[0])
+            expected_graphs = self._expected_kept[0] * self._expected_kept[1]
         prediction, self.hardware_profile = first_prediction(
             self.plan, self.model_shape, engine.alpha, self.hardware, self.root_device,
             engine.ssd.path if engine.ssd else None, engine.largest_block_matrix(), self.hardware == "probe",
@@ -361,7 +369,7 @@ class GreedySnakeStrategy(DataParallelMixin, ParallelStrategy):
             self.plan = with_prediction(self.plan, self.model_shape, self.hardware_profile, prediction, engine.alpha,
                                         kept)
             # What the steps hold: with the activations sized from shapes before step 1, as measured after it.
-            self.plan = dataclasses.replace(self.plan, step_host_bytes=sum(engine.host_bytes_plan(
+            self.plan = dataclasses.replace(self.plan, step_host_bytes=expected_graphs + sum(engine.host_bytes_plan(
                 engine.checkpoint_bytes or self.model_shape.checkpoint_bytes).values()))
             ran = engine.use_plan(self._rank_plan())  # the rate-dependent settings (prefetch depth), between steps
             self.plan = dataclasses.replace(self.plan, schedule=ran.schedule)

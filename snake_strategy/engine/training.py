@@ -208,15 +208,18 @@ class SnakeEngine(EngineBase):
                                    first_backward_unit=self.runner.first_backward,
                                    kept_units=len(self.runner.kept.units or ()))
 
-    def time_unit(self, batch: Any) -> tuple[float, int, int]:
-        """(seconds, parameters, tokens) of unit 0's forward and backward over the micro-batches one task of
-        ``batch`` runs (all of them under batched passes), before step 1: the compute rate of this model at
-        its own shapes and precision (``StepRunner.time_unit``)."""
+    def time_unit(self, batch: Any, checkpoint_bytes: int) -> tuple[float, int, int, tuple[int, int]]:
+        """(seconds, parameters, tokens, (units the first step will keep the graphs of, bytes each)) from unit 0's
+        forward and
+        backward over the micro-batches one task of ``batch`` runs (all of them under batched passes), before
+        step 1: the compute rate of this model at its own shapes and precision (``StepRunner.time_unit``), and
+        the kept graphs "auto" will choose in the budget the plan leaves with checkpoints of that size."""
         micro_batches, sizes = self.micro_batches(batch)
         if not self.schedule.batched_forward:
             micro_batches, sizes = micro_batches[:1], sizes[:1]
-        seconds = self.runner.time_unit(0, micro_batches, sizes)
-        return seconds, self.units[0].layout.numel, sum(micro_batch_tokens(b) for b in micro_batches)
+        seconds, graph_bytes = self.runner.time_unit(0, micro_batches, sizes)
+        kept = self.runner.kept.expected_units(graph_bytes, self._free_host_bytes(checkpoint_bytes), len(self.units))
+        return seconds, self.units[0].layout.numel, sum(micro_batch_tokens(b) for b in micro_batches), kept
 
     def activation_sizes(self, micro_batch: Any) -> int:
         """Before the first forward, from shapes (``pre_stage`` on meta copies): the bytes of one activation

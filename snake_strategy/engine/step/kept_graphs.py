@@ -125,6 +125,16 @@ class KeptGraphs:
         """Host bytes of the kept graphs at their peak (every kept unit's graphs alive at once)."""
         return len(self.units or ()) * self.bytes_per_unit
 
+    def expected_units(self, graph_bytes: int, free: int | None, num_units: int) -> tuple[int, int]:
+        """(how many units the first step will keep, the host bytes of one unit's graphs) from a graph of
+        ``graph_bytes`` measured before it (one forward task's) and ``free`` budget bytes: the decision ``keep``
+        makes, for the prediction before step 1 (all units but the last as candidates: frozen lower units are
+        known only at the first step)."""
+        candidates, per_unit = max(0, num_units - 1), graph_bytes * self._forward_tasks_per_unit
+        if isinstance(self.setting, int):
+            return min(self.setting, candidates), per_unit
+        return min(candidates, max(0, free or 0) // max(1, per_unit)), per_unit
+
     # ------------------------------------------------------------------ forward
     @contextlib.contextmanager
     def recording(self, leaves: list[Tensor]):

@@ -109,12 +109,13 @@ class StepRunner:
         self.first_backward = 0 if self.pre_trains else first
         self.kept.begin(self.first_backward, len(self.units))
 
-    def time_unit(self, u: int, micro_batches: list[Any], sizes: list[int]) -> float:
+    def time_unit(self, u: int, micro_batches: list[Any], sizes: list[int]) -> tuple[float, int]:
         """Seconds of unit ``u``'s forward and backward (input and weight gradients) over ``micro_batches`` in
         one pass: this model's own compute rate, measured at setup (the faster of two runs: the first also
         warms allocator and kernels). It runs in eval mode (no dropout), as the batch check does, on a fresh
         copy of the unit's weights (not the streamer's buffers), with the RNG streams restored: nothing the
-        run sees changes, nothing is accumulated or stepped."""
+        run sees changes, nothing is accumulated or stepped. Returns (seconds, the bytes its forward graph
+        saves: what keeping it would hold, as ``KeptGraphs`` records it; the first run records it)."""
         devices = [self.device] if self.device.type == "cuda" else []
         sync = torch.cuda.synchronize if devices else (lambda: None)
         best_s = float("inf")
@@ -129,18 +130,24 @@ class StepRunner:
             tail = unit.tail.read_full().to(self.device) if unit.tail is not None else None
             w = unit.leaves(main, tail)
             wt = w[:unit.layout.num_trainable]
-            for _ in range(2):
+            graph_bytes = 0
+            for run in range(2):
                 x = hidden.detach().requires_grad_(True)
                 sync()
                 start_s = time.perf_counter()
-                with torch.enable_grad(), self.autocast():
-                    outs: list[Tensor] = []
-                    y = self.unit_forward(u, w, x, side, outs)
-                    roots = [y, *outs]
-                    _grad(roots, [x, *wt], [torch.ones_like(r) for r in roots])
+                recording = self.kept.recording(w) if run == 0 else contextlib.nullcontext()
+                with recording as rec, self.autocast():
+                    with torch.enable_grad():
+                        outs: list[Tensor] = []
+                        y = self.unit_forward(u, w, x, side, outs)
+                        roots = [y, *outs]
+                    with self.kept.unpacking(w):
+                        _grad(roots, [x, *wt], [torch.ones_like(r) for r in roots])
+                if rec is not None:
+                    graph_bytes = rec.num_bytes
                 sync()
                 best_s = min(best_s, time.perf_counter() - start_s)
-        return best_s
+        return best_s, graph_bytes
 
     def autocast(self):
         if self._autocast_dtype is None:
