@@ -37,10 +37,9 @@ from snake_strategy.engine import EngineHooks, EngineRuntime, EvalEngine, SnakeE
 from snake_strategy.engine.state.weights_file import weights_file_name
 from snake_strategy.module import LayeredModule
 from snake_strategy.planning.autoplan import RunPlan, example_batch, resolve
-from snake_strategy.planning.prediction import (first_prediction, recalibrated, ssd_wear, unit_flops_per_s,
-                                                with_prediction)
-from snake_strategy.planning.calibration import CALIBRATION_STEPS, STEADY_STEP, MeasuredStep
+from snake_strategy.planning.calibration import CALIBRATION_STEPS, STEADY_STEP
 from snake_strategy.planning.planner import HardwareProfile, ModelShape, StepPrediction
+from snake_strategy.planning.run_prediction import RunPredictor
 from snake_strategy.precision import GreedySnakePrecision
 from snake_strategy.progress import Progress
 from snake_strategy.telemetry import EvalTraffic
@@ -101,10 +100,8 @@ class GreedySnakeStrategy(DataParallelMixin, ParallelStrategy):
         if isinstance(hardware, str) and hardware != "probe":
             raise ValueError(f"hardware='{hardware}' is not understood; pass 'probe', a HardwareProfile, a mapping or None")
         self.hardware = hardware if hardware in (None, "probe") else coerce_config(HardwareProfile, hardware, "hardware")
-        self.hardware_profile: HardwareProfile | None = None  # resolved at the first step
         self.pretrained = pretrained  # a state dict / .ckpt file streamed in unit by unit at setup
         self.prediction: StepPrediction | None = None  # the planner's floor for this run's step
-        self.model_shape: ModelShape | None = None  # the planner's view of the model, at the step's shapes
         self.engine: SnakeEngine | EvalEngine | None = None
         self.hooks = hooks
         self.progress = progress if isinstance(progress, Progress) else Progress(log=progress)
@@ -114,10 +111,8 @@ class GreedySnakeStrategy(DataParallelMixin, ParallelStrategy):
         self._init_data_parallel(process_group_backend, timeout)
         self.shard_optimizer_state = shard_optimizer_state
         self._predicted_at_step_one = False
-        self._unit_flops_per_s: float | None = None  # this model's unit timed before step 1 (hardware probed)
-        self._expected_kept = (0, 0)  # units "auto" is expected to keep, and bytes each: from that timing
+        self.predictor: RunPredictor | None = None  # the fit's prediction, from before step 1 to its calibration
         self._step_start_s = 0.0  # when the running step's training_step began (the calibration's wall time)
-        self._steady_steps: list[MeasuredStep] = []  # what the steady steps so far measured (the calibration's)
         self._created_ssd_dirs: list[str] = []  # ssd_dir levels several ranks made, removed at close
         self._saver = checkpoint_saver.CheckpointSaver(self.progress)
         self._handback = WeightsHandback()
@@ -219,7 +214,8 @@ class GreedySnakeStrategy(DataParallelMixin, ParallelStrategy):
         self.engine, self._created_ssd_dirs = build_engine(build, self.storage, self.global_rank, self.world_size)
         if self.world_size > 1:
             sync_initial_state(self.engine, self.root_device)  # every rank starts from rank 0's weights
-        self._predicted_at_step_one, self._unit_flops_per_s, self._expected_kept = False, None, (0, 0)
+        self._predicted_at_step_one = False
+        self.predictor = RunPredictor(self.hardware, self.root_device, self.is_global_zero)
         with contextlib.suppress(ValueError):  # a batch the run refuses: that refusal comes with its own check
             self.prediction = self._predict(batch, at_setup=True) if batch is not None else None
         # Lightning's strategies set the device through module.to(); the blocks must not move, so set the
@@ -339,61 +335,37 @@ class GreedySnakeStrategy(DataParallelMixin, ParallelStrategy):
         return loss
 
     def _predict(self, batch: Any, at_setup: bool = False) -> StepPrediction:
-        """The planner's roofline for this run, from ``batch``'s shapes (at setup, before kept graphs and
-        checkpoint sizes are measured; again after the first step)."""
-        engine = self.engine
-        micro_batch = engine.micro_batches(batch)[0][0]
-        # Before the first forward the activations are sized from shapes; after it, as measured.
-        sized = engine.activation_sizes(micro_batch) if at_setup and not engine.checkpoint_bytes else 0
-        self.model_shape = engine.model_shape(micro_batch, sized)
-        if self._unit_flops_per_s is None and self.hardware in (None, "probe"):
-            # This model's own unit, forward and backward, timed once before step 1 (a few % of a step); its
-            # forward graph's size says how many units "auto" will keep (no recompute for them).
-            seconds, params, tokens, kept = engine.time_unit(batch, self.model_shape.checkpoint_bytes)
-            self._unit_flops_per_s = unit_flops_per_s(self.model_shape, seconds, params, engine.unit_numel(0), tokens)
-            self._expected_kept = kept
-            log.info("planner: unit 0's forward and backward over %d tokens took %.3f s before step 1: %.1f GFLOP/s; "
-                     "%d units expected to keep their forward graph", tokens, seconds, self._unit_flops_per_s / 1e9,
-                     kept[0])
-        expected_graphs = 0
-        if at_setup and not engine.kept_units:
-            self.model_shape = dataclasses.replace(self.model_shape, kept_units=self._expected_kept[0])
-            expected_graphs = self._expected_kept[0] * self._expected_kept[1]
-        prediction, self.hardware_profile = first_prediction(
-            self.plan, self.model_shape, engine.alpha, self.hardware, self.root_device,
-            engine.ssd.path if engine.ssd else None, engine.largest_block_matrix(), self.hardware == "probe",
-            engine.optimizer, engine.dtypes.master, self._unit_flops_per_s)
-        if self.plan is not None:
-            # "auto" decides the kept graphs at the first step
-            kept = self.plan.kept_units if at_setup else engine.kept_units
-            self.plan = with_prediction(self.plan, self.model_shape, self.hardware_profile, prediction, engine.alpha,
-                                        kept)
-            # What the steps hold: with the activations sized from shapes before step 1, as measured after it.
-            self.plan = dataclasses.replace(self.plan, step_host_bytes=expected_graphs + sum(engine.host_bytes_plan(
-                engine.checkpoint_bytes or self.model_shape.checkpoint_bytes).values()))
-            ran = engine.use_plan(self._rank_plan())  # the rate-dependent settings (prefetch depth), between steps
-            self.plan = dataclasses.replace(self.plan, schedule=ran.schedule)
-        if self.prediction is None and self.plan is not None:  # the run's first prediction: before step 1
-            self.plan = dataclasses.replace(self.plan, setup_prediction=prediction)
-            if self.is_global_zero:
-                log.info("planner: %s", ssd_wear(self.plan.storage, prediction))  # said once
-        return prediction
+        """The planner's roofline for this run from ``batch``'s shapes (``planning.run_prediction``), before
+        step 1 and again after it; the engine runs the rate-dependent settings from the next step on."""
+        self.plan = self.predictor.predict(self.plan, self.engine, batch, at_setup)
+        self._run_plan()
+        return self.predictor.prediction
 
     def _calibrate(self) -> None:
-        """After each of the first steady steps: the prediction against the median of what they measured,
-        re-planned with the measured rates when it missed (``planning.prediction.recalibrated``)."""
-        engine = self.engine
-        self._steady_steps.append(MeasuredStep.from_stats(time.perf_counter() - self._step_start_s, engine.last_step))
-        self.plan = recalibrated(self.plan, self.model_shape, MeasuredStep.median(self._steady_steps),
-                                 engine.step_count, engine.alpha, len(self._steady_steps))
+        """After each of the first steady steps: checked, and re-planned when it missed (``RunPredictor``)."""
+        self.plan = self.predictor.calibrate(self.plan, self.engine, time.perf_counter() - self._step_start_s)
         self.prediction = self.plan.prediction
         self.progress.predictions["step"] = self.prediction.roofline_s
-        self.plan = dataclasses.replace(self.plan, schedule=engine.use_plan(self._rank_plan()).schedule)
+        self._run_plan()
+
+    def _run_plan(self) -> None:
+        """The engine switches to the plan's rate-dependent settings (the prefetch depth) between steps; a deeper
+        prefetch the budget has no room for keeps the current one (``SnakeEngine.use_plan``)."""
+        self.plan = dataclasses.replace(self.plan, schedule=self.engine.use_plan(self._rank_plan()).schedule)
+
+    @property
+    def model_shape(self) -> ModelShape | None:
+        """The planner's view of the model, at the step's shapes (the latest prediction's)."""
+        return self.predictor.model_shape if self.predictor is not None else None
+
+    @property
+    def hardware_profile(self) -> HardwareProfile | None:
+        """The machine's rates of the latest prediction (probed, given, or corrected from measured steps)."""
+        return self.predictor.hardware_profile if self.predictor is not None else None
 
     def _resolve_plan(self, optimizer: Any, clip: tuple[str, float] | None = None) -> None:
         """The planner turns the requested "auto" settings (and ``clip``: alpha, step mode) into concrete ones."""
         storage, schedule = self.requested
-        self._steady_steps = []  # a new plan is calibrated by its own steps
         hardware = self.hardware if isinstance(self.hardware, HardwareProfile) else HardwareProfile()
         self.plan = resolve(self.lightning_module, optimizer, storage, schedule, self.precision_plugin.dtypes,
                             self.root_device, hardware, processes_per_node=self.num_processes,

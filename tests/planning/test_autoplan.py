@@ -134,7 +134,9 @@ def test_bad_placement_is_refused():
 
 def test_the_prediction_is_made_at_setup_and_refined_at_the_first_step():
     """A map-style DataLoader given to fit: the floor is known before the first step (from a batch collated
-    from its first samples), then recomputed with what the first step measured (kept graphs: no recompute)."""
+    from its first samples), then recomputed with what the first step measured. The units whose forward
+    graph "auto" keeps (no recompute) are expected before step 1 from the timed unit's graph size: the
+    first step keeps those units, and the prediction before step 1 already counted them."""
     import lightning as L
 
     seen = {}
@@ -146,10 +148,12 @@ def test_the_prediction_is_made_at_setup_and_refined_at_the_first_step():
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
             seen.setdefault("step1", trainer.strategy.prediction)
 
-    run_snake(SMALL_GPT, 1, MICRO, MICRO_SIZE, "64-true", schedule_kind="auto", callbacks=[Watch()])
+    _, strategy = run_snake(SMALL_GPT, 1, MICRO, MICRO_SIZE, "64-true", schedule_kind="auto", callbacks=[Watch()])
     assert seen["setup"] is not None and seen["setup"].roofline_s > 0
-    # every unit below the last keeps its graph here: the refined compute has no recompute
-    assert seen["step1"].compute_s < seen["setup"].compute_s
+    assert strategy.plan.setup_prediction == seen["setup"]  # kept as it was made
+    # every unit below the last keeps its graph here, as expected before step 1: no recompute counted in either
+    assert strategy.plan.kept_units == list(range(SMALL_GPT.num_layers - 1))
+    assert seen["step1"].compute_s == pytest.approx(seen["setup"].compute_s)
 
 
 def test_no_example_batch_from_an_iterable_dataset():
