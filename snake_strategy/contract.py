@@ -162,6 +162,23 @@ def head_linears(module: nn.Module) -> list[nn.Linear]:
     return [m for m in module.modules() if isinstance(m, nn.Linear) and id(m.weight) not in block_ids]
 
 
+def head_params(module: nn.Module) -> int:
+    """Parameters of the output projections (a tied weight once)."""
+    return sum({id(m.weight): m.weight.numel() for m in head_linears(module)}.values())
+
+
+def loss_head_bytes(module: nn.Module, micro_batch: Any) -> int:
+    """The loss head's output of one micro-batch, fp32 (the loss is taken in fp32): what the host plan counts."""
+    return micro_batch_tokens(micro_batch) * sum(m.out_features for m in head_linears(module)) * 4
+
+
+def checkpoint_bytes_from_shapes(module: nn.Module, micro_batch: Any) -> int:
+    """Bytes of one activation checkpoint (a unit input) of ``micro_batch``, from ``pre_stage`` on meta copies
+    (0 when the model cannot run on the meta device)."""
+    staged = meta_pre_stage(module, micro_batch)
+    return 0 if staged is None else staged[0].numel() * staged[0].element_size()
+
+
 def check_outputs_on_meta(module: nn.Module, batch: Any, num_micro_batches: int) -> bool:
     """Run ``pre_stage`` and every block once on meta copies of the first micro-batch of ``batch`` and of
     the parameters (no FLOP, no memory) and check what they return, so a tuple-returning block or a

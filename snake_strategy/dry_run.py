@@ -31,14 +31,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from snake_strategy.contract import check_contract, head_linears, meta_pre_stage, micro_batch_tokens, split_micro_batches
+from snake_strategy.contract import (check_contract, checkpoint_bytes_from_shapes, head_params, loss_head_bytes,
+                                     micro_batch_tokens, split_micro_batches)
 from snake_strategy.planning.autoplan import RunPlan, resolve
 from snake_strategy.planning.hardware import HardwareProfile
 from snake_strategy.planning.memory import ssd_plan
 from snake_strategy.planning.prediction import days_to_endurance, first_prediction, ssd_wear, with_prediction
 from snake_strategy.precision import GreedySnakePrecision
 from snake_strategy.strategy import GreedySnakeStrategy
-
 
 
 @dataclass
@@ -114,22 +114,20 @@ def plan_run(module: nn.Module, strategy: Any = None, batch: Any = None, *, prec
     plan = resolve(module, optimizer, storage, schedule, dtypes, device, hardware, clip=clip)
     ssd_dir = plan.storage.ssd_dir
     shape, checkpoint_bytes, logits_bytes, tokens = plan.shape, 0, 0, 0
-    if batch is not None:
+    if batch is not None:  # sized as the engine sizes them before step 1
         micro = split_micro_batches(batch, plan.schedule.num_micro_batches)[0]
         tokens = micro_batch_tokens(micro)
-        heads = head_linears(module)
-        checkpoint_bytes = _hidden_bytes(module, micro)
-        logits_bytes = tokens * sum(m.out_features for m in heads) * 4  # fp32, as the engine sizes it
-        shape = dataclasses.replace(shape, head_params=sum({id(m.weight): m.weight.numel() for m in heads}.values()),
-                                    tokens_per_micro=tokens, checkpoint_bytes=checkpoint_bytes)
+        checkpoint_bytes = checkpoint_bytes_from_shapes(module, micro)
+        logits_bytes = loss_head_bytes(module, micro)
+        shape = dataclasses.replace(shape, head_params=head_params(module), tokens_per_micro=tokens,
+                                    checkpoint_bytes=checkpoint_bytes)
     probe_dir = ssd_dir if ssd_dir and os.path.isdir(ssd_dir) else None
     prediction, profile = first_prediction(plan, shape, plan.schedule.alpha, strategy.hardware, device, probe_dir,
                                            plan.largest_block_matrix(), strategy.hardware == "probe", optimizer,
                                            dtypes.master)
     plan = with_prediction(plan, shape, profile, prediction, plan.schedule.alpha, plan.kept_units)
     s = plan.schedule
-    per_task = s.num_micro_batches if s.batched_backward or s.batched_forward else 1
-    items = plan.host_items(checkpoint_bytes, loss_logits_bytes=logits_bytes * per_task)
+    items = plan.host_items(checkpoint_bytes, loss_logits_bytes=plan.loss_logits_bytes(logits_bytes))
     host_peak = plan.process_baseline_bytes + sum(items.values())
     ssd_bytes = sum(ssd_plan(plan.memory_inputs(checkpoint_bytes)).values())
     free = _free_bytes(ssd_dir)
@@ -172,12 +170,6 @@ def _optimizer(module: nn.Module) -> torch.optim.Optimizer:
         raise ValueError(f"configure_optimizers returned {type(out).__name__}; the dry run needs a "
                          "torch.optim.Optimizer (alone, in a list or in Lightning's dict)")
     return out
-
-
-def _hidden_bytes(module: nn.Module, micro_batch: Any) -> int:
-    """Bytes of one unit input (an activation checkpoint) of ``micro_batch``: ``pre_stage`` on meta copies."""
-    staged = meta_pre_stage(module, micro_batch)
-    return 0 if staged is None else staged[0].numel() * staged[0].element_size()
 
 
 def _free_bytes(directory: str | None) -> int | None:

@@ -52,7 +52,7 @@ def save(engine: CheckpointedEngine, checkpoint: dict[str, Any], path: str | os.
     """Write the checkpoint directory ``path``, each rank its own shard, rank 0 the manifest last (see the
     module docstring). Every rank calls it, in the same order (collectives)."""
     assert engine.partitioned, "per-rank shards are for partitioned optimizer state"
-    rank, world = engine.rank, engine.world_size
+    rank, world = engine.shard_rank, engine.world_size
     final = Path(path)
     engine.flush()  # pending deferred updates belong to the saved state
     tmp, error = None, None

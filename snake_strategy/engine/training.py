@@ -23,8 +23,9 @@ import torch
 from torch import Tensor, nn
 
 from snake_strategy.activations import ActivationStore
-from snake_strategy.contract import (batch_size, check_contract, head_linears, meta_pre_stage, micro_batch_tokens,
-                                     slice_batch, split_micro_batches, unpack_pre_stage)
+from snake_strategy.contract import (batch_size, check_contract, checkpoint_bytes_from_shapes, head_params,
+                                     loss_head_bytes, micro_batch_tokens, slice_batch, split_micro_batches,
+                                     unpack_pre_stage)
 from snake_strategy.engine.base import EngineBase
 from snake_strategy.engine.step.batch_check import batching_tolerance
 from snake_strategy.engine.state.build import build_model
@@ -173,17 +174,13 @@ class SnakeEngine(EngineBase):
 
     @property
     def loss_logits_bytes(self) -> int:
-        s = self.schedule
-        return self.logits_bytes * (s.num_micro_batches if s.batched_backward or s.batched_forward else 1)
+        return self.plan.loss_logits_bytes(self.logits_bytes)
 
     def measured_host_items(self) -> dict[str, int]:
         """The kept graphs, known at the first step."""
         if self.runner is not None and self.runner.kept.planned_bytes:
             return {"kept_graphs": self.runner.kept.planned_bytes}
         return {}
-
-    def _head_linears(self) -> list[nn.Linear]:
-        return head_linears(self.module)
 
     def _free_host_bytes(self, checkpoint_bytes: int) -> int | None:
         """What the plan's budget leaves once the plan with checkpoints of this size is placed, less
@@ -201,19 +198,18 @@ class SnakeEngine(EngineBase):
     def model_shape(self, micro_batch: Any, checkpoint_bytes: int = 0) -> ModelShape:
         """The planner's view of this model for the given micro-batch (shapes only, no compute), with the
         checkpoints measured by the first forward, else of ``checkpoint_bytes`` (sized from shapes)."""
-        head = {id(m.weight): m.weight.numel() for m in self._head_linears()}
-        return dataclasses.replace(self.shape, head_params=sum(head.values()),
+        return dataclasses.replace(self.shape, head_params=head_params(self.module),
                                    tokens_per_micro=micro_batch_tokens(micro_batch),
                                    checkpoint_bytes=self.checkpoint_bytes or checkpoint_bytes,
                                    first_backward_unit=self.runner.first_backward,
                                    kept_units=len(self.runner.kept.units or ()))
 
     def time_unit(self, batch: Any, checkpoint_bytes: int) -> tuple[float, int, int, tuple[int, int]]:
-        """(seconds, parameters, tokens, (units the first step will keep the graphs of, bytes each)) from unit 0's
-        forward and
-        backward over the micro-batches one task of ``batch`` runs (all of them under batched passes), before
-        step 1: the compute rate of this model at its own shapes and precision (``StepRunner.time_unit``), and
-        the kept graphs "auto" will choose in the budget the plan leaves with checkpoints of that size."""
+        """(seconds, parameters, tokens, (units the first step will keep the graphs of, bytes each)) from unit
+        0's forward and backward over the micro-batches one task of ``batch`` runs (all of them under batched
+        passes), before step 1: the compute rate of this model at its own shapes and precision
+        (``StepRunner.time_unit``), and the kept graphs "auto" will choose in the budget the plan leaves with
+        checkpoints of that size."""
         micro_batches, sizes = self.micro_batches(batch)
         if not self.schedule.batched_forward:
             micro_batches, sizes = micro_batches[:1], sizes[:1]
@@ -225,13 +221,8 @@ class SnakeEngine(EngineBase):
         """Before the first forward, from shapes (``pre_stage`` on meta copies): the bytes of one activation
         checkpoint of ``micro_batch`` (0 when the model cannot run on meta); the loss head's output is sized
         too, and counted in the host plan from now on."""
-        self.logits_bytes = self.logits_bytes or self._logits_bytes(micro_batch)
-        staged = meta_pre_stage(self.module, micro_batch)
-        return 0 if staged is None else staged[0].numel() * staged[0].element_size()
-
-    def _logits_bytes(self, micro_batch: Any) -> int:
-        """The loss head's output of one micro-batch, fp32 (the loss is taken in fp32)."""
-        return micro_batch_tokens(micro_batch) * sum(m.out_features for m in self._head_linears()) * 4
+        self.logits_bytes = self.logits_bytes or loss_head_bytes(self.module, micro_batch)
+        return checkpoint_bytes_from_shapes(self.module, micro_batch)
 
     @property
     def kept_units(self) -> list[int]:
@@ -275,7 +266,7 @@ class SnakeEngine(EngineBase):
         if not self._backward_planned:
             self.runner.find_backward_floor(micro_batches[0])  # which units need a backward (frozen parameters)
             self._tasks, self._backward_planned = {}, True
-            self.logits_bytes = self._logits_bytes(micro_batches[0])  # in the budget from now on
+            self.logits_bytes = loss_head_bytes(self.module, micro_batches[0])  # in the budget from now on
         if self.storage.host_budget_bytes is not None and not self.checkpoint_bytes:
             # The checkpoints' size is known only now: check the budget before any block runs. The RNG
             # stream is restored, so an embedding's dropout masks are the same with or without a budget.
@@ -408,10 +399,6 @@ class SnakeEngine(EngineBase):
     def partitioned(self) -> bool:
         """Whether each rank keeps only its shard of the optimizer state (checkpoints then write shards)."""
         return self.partition is not None
-
-    @property
-    def rank(self) -> int:
-        return self.partition.rank if self.partition is not None else 0
 
     @property
     def compute_dtype(self) -> torch.dtype:

@@ -134,6 +134,12 @@ class RunPlan:
             micro_per_backward_task=s.num_micro_batches if s.batched_backward or s.split_backward else 1,
             shard_rank=shard_rank, evaluating=self.evaluating, loss_logits_bytes=loss_logits_bytes)
 
+    def loss_logits_bytes(self, per_micro_batch: int) -> int:
+        """The loss head's output over the micro-batches one backward task runs (all of them when batched),
+        from one micro-batch's (``contract.loss_head_bytes``)."""
+        s = self.schedule
+        return per_micro_batch * (s.num_micro_batches if s.batched_backward or s.batched_forward else 1)
+
     def largest_block_matrix(self) -> tuple[int, int]:
         """(out, in) of the largest 2-D block parameter: the matmul shape the compute roof is probed at."""
         shapes = [s.shape for layout in self.layouts for s in layout.slots if len(s.shape) == 2]

@@ -52,7 +52,9 @@ class CheckpointedEngine(Protocol):
     blocks_prefix: str
 
     @property
-    def rank(self) -> int: ...
+    def shard_rank(self) -> int:
+        """This rank's index among the ranks the optimizer state is cut over (0 when not partitioned)."""
+        ...
 
     @property
     def partitioned(self) -> bool:
