@@ -71,7 +71,8 @@ def module_class(name: str) -> type:
                 for p in self.parameters():
                     if p.dim() < 2:
                         p.requires_grad_(False)
-            optimizer = {"adamw8bit": _adamw8bit, "fused_adamw8bit": _fused_adamw8bit}.get(name, OPTIMIZERS.get(name))(self)
+            optimizer = {"adamw8bit": _adamw8bit, "fused_adamw8bit": _fused_adamw8bit,
+                         "fast_adamw8bit": _fast_adamw8bit}.get(name, OPTIMIZERS.get(name))(self)
             scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + 0.3 * step))
             return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
@@ -107,6 +108,11 @@ def own_spread(name: str, ref: list[dict], trainer_extra: dict | None = None, pr
 def _fused_adamw8bit(module):
     from snake_strategy.optimizers import FusedAdamW8bit
     return FusedAdamW8bit(_groups(module, 1e-3), lr=1e-3, min_8bit_size=256)
+
+
+def _fast_adamw8bit(module):
+    from snake_strategy.optimizers import FastAdamW8bit
+    return FastAdamW8bit(_groups(module, 1e-3), lr=1e-3, min_8bit_size=256)
 
 
 def _run_both(name, precision, tmp_path, storage, **snake_kw):
@@ -154,6 +160,20 @@ def test_fused_adamw8bit_matches_plain_lightning(kind, tmp_path):
     with the same class (fp64: measured 5.5e-16 from it)."""
     layout = _Layout()
     got, ref, _ = _run_both("fused_adamw8bit", "64-true", tmp_path, SSD, schedule_kind=kind,
+                            schedule_extra={"alpha": 0.5}, callbacks=[layout])
+    assert max_abs_diff(ref[0], ref[-1]) > 1e-4
+    assert_steps_close(got, ref, "64-true", steps=STEPS)
+    unit = layout.units[0]
+    assert unit["exp_avg_codes_ssd"] == unit["exp_avg_sq_codes_ssd"] > 0 and unit["exp_avg_absmax_ssd"] > 0, unit
+
+
+@pytest.mark.parametrize("kind", ["vertical", "horizontal"])
+def test_fast_adamw8bit_matches_plain_lightning(kind, tmp_path):
+    """The opt-in FastAdamW8bit (its compiled step, or the eager one where no compiler is found: one choice
+    per process, so both runs take the same): int8/uint8 codes and per-block maxima on the SSD, the same
+    numbers as plain Lightning with the same class."""
+    layout = _Layout()
+    got, ref, _ = _run_both("fast_adamw8bit", "64-true", tmp_path, SSD, schedule_kind=kind,
                             schedule_extra={"alpha": 0.5}, callbacks=[layout])
     assert max_abs_diff(ref[0], ref[-1]) > 1e-4
     assert_steps_close(got, ref, "64-true", steps=STEPS)

@@ -1,0 +1,180 @@
+"""``FastAdamW8bit``: AdamW with 8-bit moments (2.03 B/param) whose host step is one compiled kernel.
+
+bitsandbytes' blockwise dynamic code finds each value's 8-bit code by a search over 256 map values, and that
+search is what makes ``FusedAdamW8bit`` step ~60 M params/s per core. This class keeps one scale per block
+of 256 values but uses codes that are arithmetic to encode:
+
+- the first moment, linear: ``m = code * absmax / 127`` (int8, round to nearest), ``absmax`` the block's
+  largest ``|m|`` after the step;
+- the second moment, linear in its square root (the quantity Adam divides by): ``sqrt(v) = code *
+  sqrt(vmax) / 255`` (uint8), rounded *up*, so a stored denominator is never smaller than the true one and
+  a small ``v`` never rounds to zero under a nonzero ``m`` (which would step by ``m / eps``).
+
+One step of a parameter dequantizes both moments, runs the AdamW update in fp32 and requantizes against the
+new block maxima in a single pass over memory: ``torch.compile`` turns ``_step_rows`` into one loop per block
+(the maxima, then the codes and the parameter), compiled once per process for every row count (rows are a
+dynamic dimension) and cached on disk by inductor. Where no C++ compiler is found the same function runs
+eagerly (slower, and its last bits may differ from the compiled kernel's; the choice is made once per
+process, so two runs in one process always agree). Measured in benchmarks/optimizer_kernels.py.
+
+Its math is its own: neither bitsandbytes' nor torchao's AdamW8bit. greedysnake never substitutes it for
+the user's class; a user returns it from ``configure_optimizers`` and plain Lightning trains it the same way
+(greedysnake steps it whole tensor by whole tensor, the per-tensor kind). Tensors under ``min_8bit_size``
+elements keep fp32 moments and step with torch's fused AdamW.
+"""
+from __future__ import annotations
+
+import math
+import threading
+import warnings
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.optim.adam import adam as functional_adam
+
+BLOCK = 256  # values per scale
+M_LEVELS = 127.0  # int8 codes -127..127
+V_LEVELS = 255.0  # uint8 codes 0..255
+_TINY = 1e-30  # a block of zeros keeps scale 0 without dividing by it
+
+
+def _step_rows(p: Tensor, g: Tensor, m_codes: Tensor, m_absmax: Tensor, v_codes: Tensor, v_max: Tensor,
+               hp: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """One AdamW step of ``p`` ([rows, BLOCK], updated in place) with gradient ``g``; returns the new
+    (m codes, m absmax, v codes, v max). ``m_absmax`` / ``v_max`` are [rows, 1]; ``hp`` holds
+    (1 - lr * weight_decay, beta1, 1 - beta1, beta2, 1 - beta2, lr / bias_correction1,
+    1 / sqrt(bias_correction2), eps). Everything is computed in ``p``'s dtype."""
+    decay, beta1, one_minus_beta1, beta2, one_minus_beta2, step_size, inv_sqrt_bc2, eps = hp.unbind()
+    m = m_codes.to(p.dtype) * (m_absmax * (beta1 / M_LEVELS)) + one_minus_beta1 * g
+    root_v = v_codes.to(p.dtype) * (torch.sqrt(v_max) * (1.0 / V_LEVELS))
+    v = beta2 * (root_v * root_v) + one_minus_beta2 * (g * g)
+    root_v = torch.sqrt(v)
+    p.copy_(p * decay - step_size * m / (root_v * inv_sqrt_bc2 + eps))
+    m_absmax = m.abs().amax(dim=1, keepdim=True)
+    v_max = v.amax(dim=1, keepdim=True)
+    m_codes = torch.round(m * (M_LEVELS / torch.clamp(m_absmax, min=_TINY))).to(torch.int8)
+    # The block's largest value lands on 255 up to rounding: the clamp keeps a 255.00001 from wrapping to 0.
+    v_codes = torch.ceil(torch.clamp(root_v * (V_LEVELS / torch.sqrt(torch.clamp(v_max, min=_TINY))), max=V_LEVELS))
+    v_codes = v_codes.to(torch.uint8)
+    return m_codes, m_absmax, v_codes, v_max
+
+
+class _Kernel:
+    """``_step_rows`` compiled once per process (or eager where compiling fails, decided at the first call)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._fn: Any = None
+        self.compiled: bool | None = None  # None until the first step
+
+    def __call__(self, *args: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        if self.compiled is None:
+            with self._lock:  # the first call compiles; later callers (the engine's worker) reuse it
+                if self.compiled is None:
+                    self._first_call(args)
+                    return self._last
+        for t in args[:-1]:
+            torch._dynamo.mark_dynamic(t, 0)
+        return self._fn(*args)
+
+    def _first_call(self, args: tuple[Tensor, ...]) -> None:
+        p_before = args[0].clone()
+        compiled = torch.compile(_step_rows, dynamic=None, fullgraph=True)
+        for t in args[:-1]:
+            torch._dynamo.mark_dynamic(t, 0)
+        try:
+            self._last = compiled(*args)
+            self._fn, self.compiled = compiled, True
+        except torch._dynamo.exc.BackendCompilerFailed as error:
+            warnings.warn(f"FastAdamW8bit: torch.compile could not build its step ({error.__class__.__name__}: "
+                          f"{str(error).splitlines()[0][:200]}); stepping eagerly (same math, slower)")
+            args[0].copy_(p_before)
+            self._last = _step_rows(*args)
+            self._fn, self.compiled = _step_rows, False
+
+
+KERNEL = _Kernel()
+
+
+class FastAdamW8bit(torch.optim.Optimizer):
+    """AdamW (decoupled weight decay) whose moments are 8-bit codes plus one fp32 scale per 256 values.
+
+    State of a parameter of ``min_8bit_size`` elements or more: ``exp_avg_codes`` (int8) and ``exp_avg_sq_codes``
+    (uint8), [ceil(numel / 256), 256] each; ``exp_avg_absmax`` and ``exp_avg_sq_max`` (fp32, one per block);
+    ``step``. Smaller ones keep ``exp_avg`` / ``exp_avg_sq`` in the parameter's dtype. Parameters are fp32
+    (fp64 also steps, with fp64 scales: the exactness tests' precision)."""
+
+    def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 1e-2, min_8bit_size: int = 4096) -> None:
+        if not (lr >= 0 and eps >= 0 and weight_decay >= 0 and all(0 <= b < 1 for b in betas)):
+            raise ValueError(f"FastAdamW8bit: invalid lr={lr}, betas={betas}, eps={eps} or weight_decay={weight_decay}")
+        if min_8bit_size < BLOCK:
+            raise ValueError(f"FastAdamW8bit: min_8bit_size={min_8bit_size} is under one block ({BLOCK} values); "
+                             f"pass min_8bit_size >= {BLOCK}")
+        super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
+                                      min_8bit_size=min_8bit_size))
+
+    @torch.no_grad()
+    def step(self, closure=None) -> Any:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                if p.dtype not in (torch.float32, torch.float64) or p.grad.dtype != p.dtype:
+                    raise ValueError(f"FastAdamW8bit steps fp32 parameters, got {p.dtype} (gradient {p.grad.dtype}); "
+                                     "keep fp32 weights (Lightning's precision='bf16-mixed' does)")
+                state = self.state[p]
+                if p.numel() < group["min_8bit_size"]:
+                    self._step_fp32(group, p, state)
+                else:
+                    self._step_8bit(group, p, state)
+        return loss
+
+    @staticmethod
+    def _step_fp32(group: dict[str, Any], p: Tensor, state: dict[str, Any]) -> None:
+        if not state:
+            state["step"] = torch.zeros((), dtype=torch.float32)
+            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        beta1, beta2 = group["betas"]
+        functional_adam([p], [p.grad], [state["exp_avg"]], [state["exp_avg_sq"]], [], [state["step"]], fused=True,
+                        amsgrad=False, beta1=beta1, beta2=beta2, lr=float(group["lr"]),
+                        weight_decay=group["weight_decay"], eps=group["eps"], maximize=False,
+                        decoupled_weight_decay=True)
+
+    @staticmethod
+    def _step_8bit(group: dict[str, Any], p: Tensor, state: dict[str, Any]) -> None:
+        rows = -(-p.numel() // BLOCK)
+        if not state:
+            state["step"] = torch.zeros((), dtype=torch.float32)
+            state["exp_avg_codes"] = torch.zeros(rows, BLOCK, dtype=torch.int8, device=p.device)
+            state["exp_avg_absmax"] = torch.zeros(rows, dtype=p.dtype, device=p.device)
+            state["exp_avg_sq_codes"] = torch.zeros(rows, BLOCK, dtype=torch.uint8, device=p.device)
+            state["exp_avg_sq_max"] = torch.zeros(rows, dtype=p.dtype, device=p.device)
+        state["step"] += 1
+        step = float(state["step"])
+        beta1, beta2 = group["betas"]
+        lr, wd = float(group["lr"]), group["weight_decay"]
+        hp = torch.tensor([1 - lr * wd, beta1, 1 - beta1, beta2, 1 - beta2, lr / (1 - beta1 ** step),
+                           1 / math.sqrt(1 - beta2 ** step), group["eps"]], dtype=p.dtype, device=p.device)
+        padded = rows * BLOCK != p.numel() or not p.is_contiguous()
+        if padded:  # the last block's missing values are zeros: they change no maximum and step to zero
+            weights = p.new_zeros(rows * BLOCK)
+            weights[:p.numel()] = p.reshape(-1)
+            grad = p.grad.new_zeros(rows * BLOCK)
+            grad[:p.numel()] = p.grad.reshape(-1)
+        else:
+            weights, grad = p.view(-1), p.grad.reshape(-1)
+        weights2d = weights.view(rows, BLOCK)
+        m_codes, m_absmax, v_codes, v_max = KERNEL(
+            weights2d, grad.view(rows, BLOCK), state["exp_avg_codes"], state["exp_avg_absmax"].view(rows, 1),
+            state["exp_avg_sq_codes"], state["exp_avg_sq_max"].view(rows, 1), hp)
+        if padded:
+            p.copy_(weights[:p.numel()].view_as(p))
+        state["exp_avg_codes"], state["exp_avg_sq_codes"] = m_codes, v_codes
+        state["exp_avg_absmax"], state["exp_avg_sq_max"] = m_absmax.view(rows), v_max.view(rows)
