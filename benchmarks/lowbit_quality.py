@@ -64,11 +64,10 @@ def validation_loss(module: GPTModule, data: TextDataModule, batches: int) -> fl
     module.eval()
     losses = []
     with torch.no_grad():
-        for i, (x, y) in enumerate(data.val_dataloader()):
+        for i, batch in enumerate(data.val_dataloader()):
             if i == batches:
                 break
-            logits = module(x)
-            losses.append(float(torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten())))
+            losses.append(float(module.compute_loss(module(batch), batch)))
     return statistics.mean(losses)
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -213,9 +214,16 @@ def dry_run(cfg: DictConfig) -> DryRun:
 @hydra.main(version_base="1.3", config_path=str(CONFIG_DIR), config_name="train")
 def plan_main(cfg: DictConfig) -> None:
     """``python -m snake_strategy.plan``: print the dry run and where its JSON is."""
-    report = dry_run(cfg)
+    try:
+        report = dry_run(cfg)
+    except ValueError as err:  # the placement's refusal (even the working set does not fit): fit raises the same
+        (output_dir(cfg) / "plan.json").write_text(json.dumps({"fits": False, "problems": [str(err)]}, indent=2) + "\n")
+        print(f"fits: NO -- {err}\njson: {output_dir(cfg) / 'plan.json'}")
+        sys.exit(1)
     print(report.describe())
     print(f"json: {output_dir(cfg) / 'plan.json'}")
+    if not report.fits:
+        sys.exit(1)
 
 
 @hydra.main(version_base="1.3", config_path=str(CONFIG_DIR), config_name="train")

@@ -73,6 +73,8 @@ class _Kernel:
         self.compiled: bool | None = None  # None until the first step
 
     def __call__(self, *args: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        if args[0].is_meta:  # a planner finding the state's layout: shapes only, and no say in compiling
+            return _step_rows(*args)
         if self.compiled is None:
             with self._lock:  # the first call compiles; later callers (the engine's worker) reuse it
                 if self.compiled is None:

@@ -324,8 +324,19 @@ def resolve(module: nn.Module, optimizer: torch.optim.Optimizer | None, storage:
     rollback_given = storage.rollback  # None: placed after the states (placement sets every field)
     given_depth = schedule.prefetch_depth  # None: each candidate placement gets its own (planner.prefetch_depth)
     try:
-        storage, placed = _place(shape, hardware, storage, kind, alpha, placement_budget, given_depth, speculative,
-                                 evaluating)
+        try:
+            storage, placed = _place(shape, hardware, storage, kind, alpha, placement_budget, given_depth,
+                                     speculative, evaluating)
+        except ValueError:
+            if schedule.alpha is not None or alpha == 0.0 or evaluating:
+                raise
+            # The forward part's gradients wait on the host for the next forward; at alpha 0 none wait (the
+            # whole update overlaps the backward) and the working set is smallest.
+            storage, placed = _place(shape, hardware, storage, kind, 0.0, placement_budget, given_depth,
+                                     speculative, evaluating)
+            reasons["alpha"] = (f"0: the gradients parked at alpha {alpha:g} for the next forward do not fit the "
+                                "host budget; the whole update overlaps the backward")
+            alpha = 0.0
     except ValueError as err:
         # the placement's figure alone reads as the user's setting: say what it is a share of, and whence
         raise ValueError(f"{err}. The placement gets {1 - ACTIVATION_RESERVE_SHARE:.0%} of the host budget "

@@ -329,13 +329,16 @@ def plan(shape: ModelShape, hw: HardwareProfile, host_budget_bytes: int, kind: s
     all_ssd = StorageConfig(ssd_dir=ssd_dir, weights="ssd", master="ssd", optimizer="ssd", gradients="host",
                             checkpoints="ssd", rollback="ssd")
     depth = prefetch_depth(all_ssd)[0] if depth is None else depth
-    fixed = sum(host_plan(memory_inputs(shape, hw, all_ssd, kind, alpha, depth, speculative)).values())
+    working_set = host_plan(memory_inputs(shape, hw, all_ssd, kind, alpha, depth, speculative))
+    fixed = sum(working_set.values())
     if fixed > host_budget_bytes:
+        items = ", ".join(f"{name} {size / 2**30:.2f}" for name, size in
+                          sorted(working_set.items(), key=lambda kv: -kv[1]) if size)
         raise ValueError(
             f"host_budget_bytes={host_budget_bytes / 2**30:.2f} GiB ({host_budget_bytes} bytes) cannot hold the "
-            f"working set of {fixed / 2**30:.2f} GiB ({fixed} bytes) (units of weights in flight, one unit's optimizer chunk, gradient buffers, "
-            "turning-point checkpoints); raise the budget, use more, smaller units (schedule.blocks_per_unit), "
-            "or fewer micro-batches"
+            f"working set of {fixed / 2**30:.2f} GiB ({fixed} bytes) with every state on the SSD (GiB: {items}); "
+            "raise the budget, use more, smaller units (schedule.blocks_per_unit), fewer micro-batches, or an "
+            "optimizer with a smaller state for the non-layer parameters"
         )
     free = host_budget_bytes - fixed
     fractions = {}

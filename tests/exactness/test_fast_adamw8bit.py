@@ -114,3 +114,22 @@ def test_refusals():
     half.grad = torch.randn_like(half)
     with pytest.raises(ValueError, match="fp32"):
         FastAdamW8bit([half]).step()
+
+
+def test_a_step_on_meta_tensors_does_not_decide_against_compiling():
+    """A planner steps the optimizer on meta tensors to read its state's layout; torch.compile cannot build the
+    kernel there, and that must not leave the process stepping eagerly. Own process: the choice is per process."""
+    import shutil
+    import subprocess
+    import sys
+    if shutil.which("g++") is None and shutil.which("c++") is None:
+        pytest.skip("no C++ compiler: the kernel steps eagerly anyway")
+    code = ("import torch; from snake_strategy.optimizers import FastAdamW8bit; "
+            "from snake_strategy.optimizers.fast_adamw8bit import KERNEL\n"
+            "for device in ('meta', 'cpu'):\n"
+            "    p = torch.nn.Parameter(torch.zeros(64, 256, device=device)); p.grad = torch.ones_like(p)\n"
+            "    FastAdamW8bit([p], min_8bit_size=256).step()\n"
+            "print(KERNEL.compiled)")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip().splitlines()[-1] == "True"
