@@ -195,6 +195,13 @@ def _step_blocks(weights: Tensor, grad: Tensor, states: list[Tensor], hp: Tensor
     state's rows for them), CHUNK_ROWS rows per kernel call."""
     for a in range(0, weights.shape[0], CHUNK_ROWS):
         b = min(weights.shape[0], a + CHUNK_ROWS)
-        new = KERNEL(weights[a:b], grad[a:b], *(s[a:b] for s in states), hp)
+        new = KERNEL(*(_plain(t[a:b]) for t in (weights, grad, *states)), hp)
         for held, value in zip(states, new):
             held[a:b].copy_(value)
+
+
+def _plain(view: Tensor) -> Tensor:
+    """``view`` as a tensor of its own over the same memory: torch.compile guards a view on its base's storage
+    offset, so the slices of one flat buffer (the engine's chunks) would each compile a kernel."""
+    return torch.empty(0, dtype=view.dtype, device=view.device).set_(
+        view.untyped_storage(), view.storage_offset(), view.shape, view.stride())
