@@ -96,9 +96,14 @@ def verdict(runs: list[dict]) -> dict:
         out[key] = {"adamw_spread": [lo, hi]}
         for name in sorted({r["optimizer"] for r in runs} - {"adamw"}):
             vals = [r[key] for r in runs if r["optimizer"] == name]
+            # the same seed is the same initial weights and data order: the paired difference isolates the optimizer
+            paired = [r[key] - next(b[key] for b in base if b["seed"] == r["seed"])
+                      for r in runs if r["optimizer"] == name]
             out[key][name] = dict(values=vals, mean=statistics.mean(vals),
                                   mean_within_adamw_spread=lo <= statistics.mean(vals) <= hi,
-                                  all_within_adamw_spread=all(lo <= v <= hi for v in vals))
+                                  all_within_adamw_spread=all(lo <= v <= hi for v in vals),
+                                  none_above_adamw_spread=all(v <= hi for v in vals),
+                                  minus_adamw_same_seed=paired)
     return out
 
 
@@ -131,9 +136,13 @@ def main() -> None:
     ap.add_argument("--tail", type=int, default=20)
     ap.add_argument("--val-batches", type=int, default=16)
     ap.add_argument("--out", default=str(results_dir("lowbit_quality") / "lowbit_quality.json"))
+    ap.add_argument("--verdict-only", action="store_true", help="recompute the verdict and plot of --out's runs")
     args = ap.parse_args()
     args.seeds = [int(s) for s in args.seeds.split(",")]
     report = dict(args=vars(args), runs=[])
+    if args.verdict_only:
+        report = json.loads(Path(args.out).read_text())
+        args.seeds = []
     for seed in args.seeds:
         for name in args.optimizers.split(","):
             row = run(name, seed, args)

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -36,11 +37,11 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
-from benchmarks.common import results_dir, ssd_bytes, step_probe  # noqa: E402
+from benchmarks.common import make_cgroup, results_dir, ssd_bytes, step_probe  # noqa: E402
 
 RESULTS = results_dir("optimizers")
-CASES = ("adamw", "adamw8bit", "fused_adamw8bit", "adafactor", "sgd_momentum", "muon")
-LR = {"adamw": 1e-3, "adamw8bit": 1e-3, "fused_adamw8bit": 1e-3, "adafactor": 1e-2, "sgd_momentum": 0.05,
+CASES = ("adamw", "fast_adamw8bit", "adamw8bit", "fused_adamw8bit", "adafactor", "sgd_momentum", "muon")
+LR = {"adamw": 1e-3, "fast_adamw8bit": 1e-3, "adamw8bit": 1e-3, "fused_adamw8bit": 1e-3, "adafactor": 1e-2, "sgd_momentum": 0.05,
       "muon": 0.02}
 
 
@@ -58,6 +59,9 @@ def make_optimizer(name: str, module, lr: float):
     if name == "fused_adamw8bit":
         from snake_strategy.optimizers import FusedAdamW8bit
         return FusedAdamW8bit(groups, lr=lr)
+    if name == "fast_adamw8bit":
+        from snake_strategy.optimizers import FastAdamW8bit
+        return FastAdamW8bit(groups, lr=lr)
     if name == "adafactor":
         return torch.optim.Adafactor(groups, lr=lr)
     if name == "sgd_momentum":
@@ -193,8 +197,12 @@ def _summary_line(c: dict) -> str:
             f"{c['peak_rss_bytes'] / 2**30:.2f} of {c['host_budget_bytes'] / 2**30:.2f} GiB")
 
 
-def _subprocess(args: list[str]) -> dict:
-    proc = subprocess.Popen([sys.executable, __file__, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+def _subprocess(args: list[str], cgroup_gib: float | None = None) -> dict:
+    """A worker process, inside a fresh memory cgroup of ``cgroup_gib`` when given (its peak recorded)."""
+    cgroup = make_cgroup(int(cgroup_gib * 2**30), "optimizers") if cgroup_gib else None
+    enter = (lambda: Path(cgroup, "cgroup.procs").write_text(str(os.getpid()))) if cgroup else None
+    proc = subprocess.Popen([sys.executable, __file__, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=enter)
     result = None
     for line in proc.stdout:
         if line.startswith("RESULT "):
@@ -203,7 +211,13 @@ def _subprocess(args: list[str]) -> dict:
             print(line, end="", flush=True)
     error = proc.stderr.read()
     proc.wait()
-    return result if proc.returncode == 0 and result is not None else {"error": error[-3000:], "args": args}
+    result = result if proc.returncode == 0 and result is not None else {"error": error[-3000:], "args": args}
+    if cgroup:
+        peak = Path(cgroup, "memory.max_usage_in_bytes")
+        if peak.exists():
+            result.update(cgroup_bytes=int(cgroup_gib * 2**30), cgroup_peak_bytes=int(peak.read_text()))
+        os.rmdir(cgroup)
+    return result
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -216,6 +230,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--loss-steps", type=int, default=50)
     p.add_argument("--host-budget-bytes", type=int, default=None)
     p.add_argument("--ssd-root", default=None)
+    p.add_argument("--cgroup-gib", type=float, default=None,
+                   help="run each scale case in a memory cgroup of this size, on its default host budget there")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
@@ -227,19 +243,20 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     out = Path(args.out or RESULTS / f"{args.preset}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
-    if args.host_budget_bytes is None:
+    if args.host_budget_bytes is None and args.cgroup_gib is None:
         from snake_strategy.planning.host_memory import host_budget
         args.host_budget_bytes = host_budget(None).budget_bytes
-    report = {"preset": args.preset, "steps": args.steps, "context_len": args.context_len,
+    report = {"preset": args.preset, "steps": args.steps, "context_len": args.context_len, "cgroup_gib": args.cgroup_gib,
               "loss_preset": args.loss_preset, "loss_steps": args.loss_steps,
               "host_budget_bytes": args.host_budget_bytes, "cases": [], "losses": []}
     common = ["--preset", args.preset, "--steps", str(args.steps), "--context-len", str(args.context_len),
-              "--host-budget-bytes", str(args.host_budget_bytes), "--loss-preset", args.loss_preset,
+              "--loss-preset", args.loss_preset,
               "--loss-steps", str(args.loss_steps)] + (["--ssd-root", args.ssd_root] if args.ssd_root else [])
+    common += ["--host-budget-bytes", str(args.host_budget_bytes)] if args.host_budget_bytes is not None else []
     names = args.cases.split(",")
     for name in names:
         if args.steps > 0:
-            report["cases"].append(_subprocess(["--worker", f"scale:{name}", *common]))
+            report["cases"].append(_subprocess(["--worker", f"scale:{name}", *common], args.cgroup_gib))
         if args.loss_steps > 0:
             report["losses"].append(_subprocess(["--worker", f"losses:{name}", *common]))
         base = next((c for c in report["cases"] if c.get("case") == "adamw" and "s_per_step" in c), None)
