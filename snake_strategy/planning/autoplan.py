@@ -54,8 +54,8 @@ from snake_strategy.planning.calibration import Knee
 from snake_strategy.planning.host_memory import SOURCE_AVAILABLE, host_budget, process_baseline_bytes
 from snake_strategy.planning.memory import (MemoryInputs, format_plan, host_plan, rollback_copied_elems,
                                             rollback_held_bytes)
-from snake_strategy.planning.planner import (HardwareProfile, ModelShape, StepPrediction, choose_alpha, memory_inputs,
-                                             plan, prefetch_depth)
+from snake_strategy.planning.planner import (HardwareProfile, ModelShape, StepPrediction, choose_alpha, kept_activations,
+                                             memory_inputs, plan, prefetch_depth)
 from snake_strategy.precision import DtypePolicy
 from snake_strategy.progress import format_bytes
 from snake_strategy.optimizers.kind import scratch_elems
@@ -187,7 +187,8 @@ class RunPlan:
             text += f", {self.step_host_bytes / 2**30:.2f} GiB in the steps with the activations"
         text += f", above the process's {self.process_baseline_bytes / 2**30:.2f} GiB at setup"
         if self.optimizer is not None:
-            text += f"; {self.optimizer.describe(self.shape.state_bytes)}"
+            text += "; " + self.optimizer.describe(self.shape.state_bytes, self.shape.moment_elems, 2 * self.shape.master_bytes,
+                                                   self.prediction.optimizer_s if self.prediction is not None else None)
         if self.setup_prediction is not None:
             text += f"; predicted before step 1 {self.setup_prediction.roofline_s:.3f} s/step"
         if self.prediction is not None:
@@ -351,7 +352,7 @@ def resolve(module: nn.Module, optimizer: torch.optim.Optimizer | None, storage:
     reasons.update(why)
     concrete = dataclasses.replace(schedule, kind=kind, alpha=alpha, prefetch_depth=depth, speculation=speculation,
                                    **batching)
-    keep, reasons["keep_activations"] = _kept_activations(concrete, device)
+    keep, reasons["keep_activations"] = kept_activations(concrete, device)
     concrete = dataclasses.replace(concrete, keep_activations=keep)
     storage, reasons["rollback"] = _place_rollback(shape, hardware, storage, rollback_given, kind, alpha, depth,
                                                    placement_budget, speculative)
@@ -373,26 +374,6 @@ def resolve(module: nn.Module, optimizer: torch.optim.Optimizer | None, storage:
             100 * storage.checkpoints.ssd, concrete.num_micro_batches, storage.checkpoint_host_ends)
     return dataclasses.replace(run_plan, host_bytes=sum(host_plan(inputs).values()), rollback_bytes=rollback_bytes,
                                rollback_held_bytes=rollback_held_bytes(inputs))
-
-
-def _kept_activations(schedule: ScheduleConfig, device: torch.device) -> tuple[int | str, str]:
-    """(the effective ``keep_activations``, why) for a concrete schedule: engine/step/kept_graphs.py keeps exactly this."""
-    keep = schedule.keep_activations
-    if keep == 0:
-        return 0, "given (0 is an explicit kind's default)"
-    if schedule.split_backward:
-        return 0, "0: the split backward defers a recompute's weight gradients, so no graph is kept"
-    if schedule.kind == "vertical" and schedule.batched_forward != schedule.batched_backward:
-        return 0, "0: a kept graph covers one forward task, and the forward and backward group micro-batches differently"
-    if keep != "auto":
-        return keep, "given"
-    if device.type != "cpu":
-        log.info("schedule.keep_activations='auto' keeps no graph on %s: they would live in device memory. "
-                 "Set an integer to keep the top units' graphs there", device.type)
-        return 0, (f"0: on {device.type} the graphs would live in device memory, which the host budget does not "
-                   "see; set an integer to keep the top units' graphs there")
-    return "auto", ("auto: the top units whose forward graph fits the host budget left by the plan, measured at the "
-                    "first step")
 
 
 def _place_rollback(shape: ModelShape, hw: HardwareProfile, storage: StorageConfig, given: str | None, kind: str,

@@ -20,16 +20,20 @@ Roofline, per resource: the step cannot be faster than the busiest resource's to
 """
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
+import torch
 from torch import nn
 
-from snake_strategy.config import StorageConfig, TierShares
+from snake_strategy.config import ScheduleConfig, StorageConfig, TierShares
 from snake_strategy.planning.memory import (MemoryInputs, checkpoint_tiers, forward_part_end,
                                             host_plan, shard_bounds, unit_rollback_elems)
 from snake_strategy.storage.tiered import tier_bytes
 from snake_strategy.units import UnitLayout, nonlayer_numel
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -363,3 +367,23 @@ def plan(shape: ModelShape, hw: HardwareProfile, host_budget_bytes: int, kind: s
                             optimizer=fractions["optimizer"], gradients=TierShares(host=1.0),
                             checkpoints=fractions["checkpoints"], rollback="ssd")
     return Placement(storage, alpha)
+
+
+def kept_activations(schedule: ScheduleConfig, device: torch.device) -> tuple[int | str, str]:
+    """(the effective ``keep_activations``, why) for a concrete schedule: engine/step/kept_graphs.py keeps exactly this."""
+    keep = schedule.keep_activations
+    if keep == 0:
+        return 0, "given (0 is an explicit kind's default)"
+    if schedule.split_backward:
+        return 0, "0: the split backward defers a recompute's weight gradients, so no graph is kept"
+    if schedule.kind == "vertical" and schedule.batched_forward != schedule.batched_backward:
+        return 0, "0: a kept graph covers one forward task, and the forward and backward group micro-batches differently"
+    if keep != "auto":
+        return keep, "given"
+    if device.type != "cpu":
+        log.info("schedule.keep_activations='auto' keeps no graph on %s: they would live in device memory. "
+                 "Set an integer to keep the top units' graphs there", device.type)
+        return 0, (f"0: on {device.type} the graphs would live in device memory, which the host budget does not "
+                   "see; set an integer to keep the top units' graphs there")
+    return "auto", ("auto: the top units whose forward graph fits the host budget left by the plan, measured at the "
+                    "first step")

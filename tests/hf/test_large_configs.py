@@ -3,6 +3,7 @@ fine-tune in a 16 GiB container is refused before step 1, by the dry run and by 
 the bytes needed and the items; a 7B one fits because the planner gives up the parked gradients (alpha 0) rather
 than refusing, and with 8-bit moments its SSD state is half of fp32 AdamW's."""
 import json
+import re
 import subprocess
 import sys
 import time
@@ -94,3 +95,8 @@ def test_a_7b_fits_with_alpha_0_and_8bit_moments_halve_its_ssd_state(tmp_path):
     assert fp32.ssd_bytes == pytest.approx(12 * params, rel=0.08)
     assert 0.8 * (4 + 2 + 8 / 256) * params < low.ssd_bytes <= (4 + 2 + 8 / 256) * params  # a share on the host
     assert low.ssd_bytes < 0.55 * fp32.ssd_bytes
+    text = low.plan.describe()
+    found = re.search(r"([0-9.]+) GB less than Adam's moments, its step ([0-9.]+) s per training step", text)
+    assert found is not None, text
+    assert float(found.group(1)) == pytest.approx(6e-9 * params, rel=0.1)  # 8 - 2.03 B/param, fewer small tensors
+    assert "less than Adam's moments" not in fp32.plan.describe()
