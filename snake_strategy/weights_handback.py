@@ -173,7 +173,7 @@ def give_back_weights(module: nn.Module, engine: SnakeEngine | EvalEngine, budge
         name = os.path.basename(path)
         leftovers.record_file(directory, name)
         leftovers.record_file(directory, os.path.join(name + ".partial", "model.safetensors"))
-    size_bytes = export_to_file(engine, path, specs, progress)
+    size_bytes = export_to_file(engine, path, specs, progress, scratch=not keep_file)
     if keep_file:
         log.info("%s: the module's parameters now map %s (%.2f GiB, %d bytes), kept there (storage.export_dir)",
                  over, path, size_bytes / 2**30, size_bytes)

@@ -155,6 +155,11 @@ def test_weights_over_a_cgroup_budget_are_mapped_from_a_file(mapped_run):
     assert not os.path.exists(strategy.weights_file)
     assert set(mapped_parameters(module).values()) == {strategy.weights_file}
     assert set(mapped_parameters(module)) == {n for n, _ in module.named_parameters()}
+    # Mapped shared (the kernel's "s" flag): a private writable map is charged whole against the commit limit,
+    # which refuses one larger than the machine's RAM (a 7B model's 27 GB on 24 GiB).
+    with open("/proc/self/maps") as maps:
+        flags = {line.split()[1] for line in maps if strategy.weights_file in line}
+    assert flags and all(f.endswith("s") for f in flags), flags
     _assert_equal(_values(module), expected)  # bitwise the weights an in-memory export gives
     buffer = io.BytesIO()
     torch.save(module.state_dict(), buffer)

@@ -89,12 +89,13 @@ def file_bytes_needed(specs: list[WeightSpec]) -> int:
 
 @torch.no_grad()
 def export_to_file(weights: TrainedWeights, path: str, specs: list[WeightSpec],
-                   progress: Progress | None = None) -> int:
+                   progress: Progress | None = None, scratch: bool = True) -> int:
     """Write every parameter's trained value into the safetensors file ``path``, one unit in memory at a
     time, and make the module's parameters views of that file (``map_weights_file``). ``specs``: the
     engine's ``weight_specs()``, which the caller sized the file from. Returns the file's size. The file is
     written under a temporary name and renamed when complete: a module still mapping an older file at
-    ``path`` (the previous fit's) keeps reading it until its parameters are replaced."""
+    ``path`` (the previous fit's) keeps reading it until its parameters are replaced. ``scratch``: the file is
+    this process's (its name is released next), so it is mapped shared (``give_module_file_weights``)."""
     weights.release_working_memory()  # the pending updates land; the working buffers' memory goes back first
     partial_dir = path + ".partial"
     writer = ShardedSafetensorsWriter(partial_dir, specs, _ONE_FILE_BYTES)
@@ -118,12 +119,15 @@ def export_to_file(weights: TrainedWeights, path: str, specs: list[WeightSpec],
         raise
     shutil.rmtree(partial_dir, ignore_errors=True)
     tracker.finish()
-    give_module_file_weights(weights.module, path)
+    give_module_file_weights(weights.module, path, shared=scratch)
     return os.path.getsize(path)
 
 
-def map_weights_file(path: str) -> dict[str, Tensor]:
-    """Every tensor of the safetensors file ``path``, as views of private memory maps (no copy is made)."""
+def map_weights_file(path: str, shared: bool = False) -> dict[str, Tensor]:
+    """Every tensor of the safetensors file ``path``, as views of memory maps (no copy is made): private (a
+    write stays in this process) or ``shared`` (a write reaches the file). A private writable map is charged
+    to the kernel's commit limit whole, so one larger than the machine's RAM is refused (ENOMEM); a shared
+    one is not."""
     entries = read_header(path)
     by_dtype: dict[torch.dtype, list] = {}
     for name, entry in entries.items():
@@ -134,7 +138,7 @@ def map_weights_file(path: str) -> dict[str, Tensor]:
         item = dtype.itemsize
         # The map covers the file from its start; each tensor's start is a multiple of its item size
         # (wider dtypes first after an 8-byte aligned header), asserted rather than assumed.
-        mapped = torch.from_file(path, shared=False, size=-(-end_byte // item), dtype=dtype)
+        mapped = torch.from_file(path, shared=shared, size=-(-end_byte // item), dtype=dtype)
         for name, entry in group:
             assert entry.start_byte % item == 0, f"{path}: '{name}' starts at {entry.start_byte}, not {dtype}-aligned"
             first = entry.start_byte // item
@@ -142,12 +146,16 @@ def map_weights_file(path: str) -> dict[str, Tensor]:
     return out
 
 
-def give_module_file_weights(module: nn.Module, path: str) -> None:
+def give_module_file_weights(module: nn.Module, path: str, shared: bool | None = None) -> None:
     """Swap every parameter of ``module`` named in the file for its mapped view (the Parameter objects,
     which the optimizer and tied modules refer to, are kept). A file whose name was released is opened
-    through its kept descriptor."""
+    through its kept descriptor. ``shared`` (default: whether the name was released): the file is this
+    process's scratch, so writes to the weights may land in it, and a private map of a model larger than RAM
+    would be refused; a kept file (``storage.export_dir``) is mapped private, so changing the module never
+    changes the file."""
     fd = _UNLINKED.get(path)
-    mapped = map_weights_file(path if fd is None else f"/proc/self/fd/{fd}")
+    shared = fd is not None if shared is None else shared
+    mapped = map_weights_file(path if fd is None else f"/proc/self/fd/{fd}", shared=shared)
     for name, value in mapped.items():
         p = module.get_parameter(name)
         torch.utils.swap_tensors(p, nn.Parameter(value, p.requires_grad))
