@@ -10,10 +10,13 @@ once as bf16 safetensors shards under ``--root``, so nothing is downloaded:
 - ``lora`` (8 GiB): ``HFCausalLM(dir)`` + ``peft.get_peft_model`` (rank 8 on q_proj/v_proj) and
   ``Trainer(strategy="greedysnake")``, the base streamed from the SSD tier: ``--steps-lora`` steps, then
   (inside fit, the engine reading its tiers) ``save_adapter`` and ``export_merged_hf`` (bf16).
-- ``full`` (16 GiB): ``HFCausalLM(dir)`` whose ``configure_optimizers`` returns ``FastAdamW8bit`` and
-  ``Trainer(strategy="greedysnake")``, nothing else: 2 steps, a zero-copy directory checkpoint
-  (``ModelCheckpoint``) after step 2, ``export_hf`` (bf16) inside fit after the last step.
+- ``full_checkpoint`` (16 GiB): ``HFCausalLM(dir)`` whose ``configure_optimizers`` returns ``FastAdamW8bit``
+  and ``Trainer(strategy="greedysnake")``, nothing else: 2 steps with a zero-copy directory checkpoint
+  (``ModelCheckpoint``) after step 2, ``export_hf`` (bf16) inside fit after the last step. A kept checkpoint
+  may come to hold one copy of the SSD state (36 GB here) once training moves past it, and the strategy
+  checks that room at setup: on a disk with less free it is refused before step 1 (recorded as such).
 - ``resume`` (16 GiB): the same module and ``fit(ckpt_path=<the checkpoint>)`` for 1 more step.
+- ``full``: as ``full_checkpoint`` without the checkpoint.
 - ``generate`` (16 GiB): ``HFCausalLM(<the export>)`` and ``trainer.predict`` under greedysnake with
   ``generate_in_predict`` (greedy decoding, the weights streamed from the SSD per token).
 
@@ -42,7 +45,7 @@ GIB = 2**30
 LLAMA2_7B = dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
                  num_attention_heads=32, num_key_value_heads=32, max_position_embeddings=4096, rms_norm_eps=1e-5,
                  tie_word_embeddings=False)
-CGROUP_GIB = {"lora": 8, "full": 16, "resume": 16, "generate": 16}
+CGROUP_GIB = {"lora": 8, "full_checkpoint": 16, "full": 16, "resume": 16, "generate": 16}
 
 
 def write_model(model_dir: Path, layers: int) -> dict:
@@ -116,7 +119,7 @@ def worker(args) -> dict:
                 export_merged_hf(peft_model, root / "merged", dtype=torch.bfloat16)
                 out["export_s"], out["export_bytes"] = time.perf_counter() - start, dir_bytes(root / "merged")
                 shutil.rmtree(root / "merged")  # disk: the full phase needs the room
-            elif phase in ("full", "resume") and args.export:
+            elif phase in ("full", "full_checkpoint", "resume") and args.export:
                 export_hf(pl_module, root / "export", dtype=torch.bfloat16)
                 out["export_s"], out["export_bytes"] = time.perf_counter() - start, dir_bytes(root / "export")
 
@@ -146,9 +149,9 @@ def worker(args) -> dict:
         steps = args.steps_lora
     else:
         module = Llama8bit(root / "model", learning_rate=1e-5)
-        steps = 2 if phase == "full" else 3
+        steps = 3 if phase == "resume" else 2
     ckpt_path = None
-    if phase == "full":
+    if phase == "full_checkpoint":
         class TimedCheckpoint(L.pytorch.callbacks.ModelCheckpoint):
             def _save_checkpoint(self, trainer, filepath):
                 begin = time.perf_counter()
@@ -162,7 +165,7 @@ def worker(args) -> dict:
         ckpt_path = str(next((root / "ckpt").glob("step*")))
     trainer = L.Trainer(strategy="greedysnake", accelerator="cpu", devices=1, max_steps=steps, logger=False,
                         enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
-                        num_sanity_val_steps=0, callbacks=callbacks, enable_checkpointing=phase == "full")
+                        num_sanity_val_steps=0, callbacks=callbacks, enable_checkpointing=phase == "full_checkpoint")
     try:
         trainer.fit(module, train_dataloaders=loader, ckpt_path=ckpt_path)
     except ValueError as err:  # a refusal at setup: record it with how long it took to come
@@ -188,7 +191,7 @@ def worker(args) -> dict:
         host_plan_items=probe.host_plan_bytes, host_budget_bytes=plan.host_budget_bytes,
         process_baseline_bytes=plan.process_baseline_bytes, plan=plan.describe(),
         peak_rss_after_teardown_bytes=peak_rss_bytes())
-    if phase == "full":
+    if phase == "full_checkpoint":
         ckpt = next((root / "ckpt").glob("step*"))
         out["checkpoint_bytes"] = dir_bytes(ckpt)
     return out
@@ -230,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--root", default="/var/tmp/snake-llama7b", help="model, checkpoint and exports (same disk as "
                    "the temporary directory, where the SSD tier goes on the defaults)")
-    p.add_argument("--phases", default="lora,full,resume,generate")
+    p.add_argument("--phases", default="lora,full_checkpoint,resume,full,generate")
     p.add_argument("--layers", type=int, default=32)
     p.add_argument("--context", type=int, default=32)
     p.add_argument("--batch", type=int, default=4, help="sequences per optimizer step (the default 4 micro-batches of 1)")
