@@ -143,10 +143,9 @@ def give_back_weights(module: nn.Module, engine: SnakeEngine | EvalEngine, budge
     they went back in memory (or a guard was installed because no file could be written). With
     ``keep_file`` False the file gets a name of its own, which is removed once it is mapped. After an
     evaluation: weights an earlier fit mapped from a file are mapped again (evaluation did not change
-    them), else the evaluated weights go back in memory."""
-    if isinstance(engine, EvalEngine):
-        if not (pre_fit is not None and pre_fit.restore(module)):
-            engine.export_to_module()
+    them), else the evaluated weights go back as a fit's do: in memory when they fit, else mapped from a
+    file (a model larger than RAM, evaluated from its HF directory, was OOM-killed copying them in)."""
+    if isinstance(engine, EvalEngine) and pre_fit is not None and pre_fit.restore(module):
         return None
     weights_bytes = engine.master_bytes()
     if weights_fit(weights_bytes, budget_bytes, engine_host_bytes):

@@ -100,3 +100,33 @@ def test_a_7b_fits_with_alpha_0_and_8bit_moments_halve_its_ssd_state(tmp_path):
     assert found is not None, text
     assert float(found.group(1)) == pytest.approx(6e-9 * params, rel=0.1)  # 8 - 2.03 B/param, fewer small tensors
     assert "less than Adam's moments" not in fp32.plan.describe()
+
+
+def test_an_evaluation_whose_weights_exceed_the_budget_gives_them_back_mapped_from_a_file(tmp_path):
+    """Evaluating a model larger than the host budget from its HF directory: after predict the module maps the
+    weights from a file, as after fit, instead of copying them into memory (Llama-2-7B's 27 GB in a 16 GiB
+    container was OOM-killed that way). The values are the directory's."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from snake_strategy.engine.state.weights_file import mapped_parameters
+    config = LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+                         num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64,
+                         tie_word_embeddings=False)
+    torch.manual_seed(0)
+    reference = LlamaForCausalLM(config)
+    reference.save_pretrained(tmp_path / "model")
+    module = HFCausalLM(tmp_path / "model", generate_in_predict={"max_new_tokens": 2})
+    # 16 MiB holds the evaluation's working set (~11 MiB) but not that and the weights' 14 MiB copy together
+    strategy = snake_strategy.GreedySnakeStrategy(storage={"host_budget_bytes": 16 * 2**20,
+                                                           "ssd_dir": str(tmp_path / "ssd")})
+    trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=1, logger=False, enable_progress_bar=False)
+    prompts = torch.utils.data.DataLoader([{"input_ids": torch.arange(8), "attention_mask": torch.ones(8, dtype=torch.long)}],
+                                          batch_size=1)
+    (tokens,) = trainer.predict(module, prompts)
+    assert tokens.shape == (1, 10)
+    assert strategy.weights_file is not None
+    assert set(mapped_parameters(module).values()) == {strategy.weights_file}
+    assert set(mapped_parameters(module)) == {n for n, _ in module.named_parameters()}
+    expected = reference.state_dict()
+    for name, p in module.named_parameters():
+        torch.testing.assert_close(p.detach(), expected[name], rtol=0, atol=0)
