@@ -10,7 +10,8 @@ For each optimizer (``CASES``), in its own process, one after the other in one c
   optimizer's own spread: plain Lightning against itself with the step's samples in 2 micro-batches of 4
   instead of 4 of 2 (only the summation order differs).
 
-Cases: ``adamw`` (torch.optim.AdamW, fp32 state: the fused fast path), ``adamw8bit`` (bitsandbytes'
+Cases: ``adamw`` (torch.optim.AdamW, fp32 state: the fused fast path), ``fast_adamw8bit`` (the opt-in
+``snake_strategy.optimizers.FastAdamW8bit``: 8-bit moments of its own format, one compiled step), ``adamw8bit`` (bitsandbytes'
 AdamW8bit: uint8 moments + fp32 scales per 256 values, its own step), ``fused_adamw8bit`` (the opt-in
 ``snake_strategy.optimizers.FusedAdamW8bit``: the same kind of state, stepped by torch's fused kernel), ``adafactor`` (torch.optim.Adafactor:
 factored second moments), ``sgd_momentum`` (torch.optim.SGD, momentum 0.9), ``muon`` (torch.optim.Muon on the
@@ -20,6 +21,8 @@ gains and biases are frozen in this case).
     flock /tmp/snake-bench.lock python benchmarks/optimizers.py                  # gpt_1b, 3 steps per case
     python benchmarks/optimizers.py --preset gpt_4b --cases adamw,adamw8bit --steps 3 --loss-steps 0
     python benchmarks/optimizers.py --preset small --steps 3 --loss-steps 10 --out /tmp/o.json   # a quick look
+    python benchmarks/optimizers.py --cases adamw,fast_adamw8bit --steps 4 --loss-steps 0 --cgroup-gib 16 \
+        --out benchmarks/results/optimizers/gpt_1b_fast_adamw8bit.json    # each case in a 16 GiB memory cgroup
 
 Writes ``benchmarks/results/optimizers/<preset>.json`` and ``.png``. Not part of the test suite.
 """
