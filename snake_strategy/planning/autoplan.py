@@ -329,8 +329,8 @@ def resolve(module: nn.Module, optimizer: torch.optim.Optimizer | None, storage:
             storage, placed = _place(shape, hardware, storage, kind, alpha, placement_budget, given_depth,
                                      speculative, evaluating)
         except ValueError:
-            if schedule.alpha is not None or alpha == 0.0 or evaluating:
-                raise
+            if schedule.alpha is not None or step_mode == "deferred" or alpha == 0.0 or evaluating:
+                raise  # a given alpha, or the deferred step's 1, is the run's: never lowered behind the user
             # The forward part's gradients wait on the host for the next forward; at alpha 0 none wait (the
             # whole update overlaps the backward) and the working set is smallest.
             storage, placed = _place(shape, hardware, storage, kind, 0.0, placement_budget, given_depth,

@@ -130,3 +130,13 @@ def test_an_evaluation_whose_weights_exceed_the_budget_gives_them_back_mapped_fr
     expected = reference.state_dict()
     for name, p in module.named_parameters():
         torch.testing.assert_close(p.detach(), expected[name], rtol=0, atol=0)
+
+
+def test_the_deferred_step_keeps_its_alpha_1_and_is_refused_rather_than_lowered(tmp_path):
+    """Norm clipping with speculation off defers each unit's whole update until the global norm is known
+    (alpha 1); lowering that alpha to fit would step before the norm exists. So the 7B plan that fits at alpha 0
+    is refused here, naming the working set."""
+    strategy = snake_strategy.GreedySnakeStrategy(storage={"host_budget_bytes": BUDGET_16G, "ssd_dir": str(tmp_path)},
+                                                  schedule={"speculation": "off"})
+    with pytest.raises(ValueError, match=r"cannot hold the working set"):
+        plan_run(HFCausalLM(path=llama2_config_dir(tmp_path, "7b")), strategy, _batch(), gradient_clip_val=1.0)
