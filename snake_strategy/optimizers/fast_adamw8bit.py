@@ -36,10 +36,10 @@ from torch.optim.adam import adam as functional_adam
 BLOCK = 256  # values per scale
 M_LEVELS = 127.0  # int8 codes -127..127
 V_LEVELS = 255.0  # uint8 codes 0..255
-_TINY = 1e-30
+_TINY = 1e-30  # a block of zeros keeps scale 0 without dividing by it
 # Rows per kernel call: its new codes (2 x 1 MiB) are copied into the state while still in cache, and
-# allocations of that size are recycled by malloc (whole-parameter outputs were fresh pages every step: page
-# faults cost about half the step).
+# allocations of that size are recycled by malloc (whole-parameter outputs would be fresh pages every step,
+# whose page faults cost about half the step).
 CHUNK_ROWS = 4096
 
 
@@ -167,8 +167,9 @@ class FastAdamW8bit(torch.optim.Optimizer):
         hp = torch.tensor([1 - lr * wd, beta1, 1 - beta1, beta2, 1 - beta2, lr / (1 - beta1 ** step),
                            1 / math.sqrt(1 - beta2 ** step), group["eps"]], dtype=p.dtype, device=p.device)
         # A non-contiguous parameter steps a contiguous copy; a contiguous one steps in place, its whole blocks
-        # directly and a last partial block in a one-row scratch (zeros change no maximum and step to zero).
-        weights = p.detach().view(-1) if p.is_contiguous() else p.detach().contiguous().view(-1)
+        # directly and a last partial block in a scratch (zeros change no maximum and step to zero). Detached:
+        # the compiled kernel would otherwise be guarded on requires_grad and built twice.
+        weights = p.detach().contiguous().view(-1)
         grad = p.grad.reshape(-1)
         whole_rows = p.numel() // BLOCK
         states = (state["exp_avg_codes"], state["exp_avg_absmax"].view(rows, 1), state["exp_avg_sq_codes"],
