@@ -1,6 +1,6 @@
 """What the benchmark scripts share: where results go, the peak RSS, SSD bytes in a step's traffic, the
-per-step probe of a Lightning run, a memory cgroup to run a child in, and the per-rank plot of the
-data-parallel benchmarks.
+per-step probe of a Lightning run, a memory cgroup to run a child in (and its peak), the disk's used bytes,
+and the per-rank plot of the data-parallel benchmarks.
 
 The scripts run as ``python benchmarks/<script>.py`` (this folder is then first on ``sys.path``), so they
 import it as ``common``. Lightning and matplotlib are imported inside the functions that need them: every
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import resource
+import shutil
 import statistics
 import time
 from pathlib import Path
@@ -99,6 +100,25 @@ def make_cgroup(limit_bytes: int, label: str = "bench") -> str:
         os.mkdir(path)
         Path(path, "memory.limit_in_bytes").write_text(str(limit_bytes))
     return path
+
+
+def enter_cgroup(path: str):
+    """A ``preexec_fn`` for ``subprocess``: the child moves itself into the cgroup ``path`` before it starts."""
+    def enter() -> None:
+        Path(path, "cgroup.procs").write_text(str(os.getpid()))
+    return enter
+
+
+def cgroup_peak_bytes(path: str) -> int | None:
+    """The cgroup's peak memory (v2 ``memory.peak``, v1 ``memory.max_usage_in_bytes``), None where neither exists."""
+    peak = next((Path(path, n) for n in ("memory.peak", "memory.max_usage_in_bytes") if Path(path, n).exists()), None)
+    return int(peak.read_text()) if peak is not None else None
+
+
+def disk_used_bytes(path: str) -> int:
+    """Bytes in use on the filesystem holding ``path``."""
+    usage = shutil.disk_usage(path)
+    return usage.total - usage.free
 
 
 def plot_ranks(report: dict, path: Path, keys: list[tuple[str, str]], ylabel: str, title: str) -> None:

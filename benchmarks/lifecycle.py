@@ -36,7 +36,7 @@ import threading
 import time
 from pathlib import Path
 
-from common import make_cgroup
+from common import disk_used_bytes, enter_cgroup, make_cgroup
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results" / "lifecycle"
@@ -244,11 +244,6 @@ def child(args) -> None:
 
 
 # ---------------------------------------------------------------------- parent: cgroup, kill, disk
-def disk_used_bytes(path: str) -> int:
-    usage = shutil.disk_usage(path)
-    return usage.total - usage.free
-
-
 def tree_bytes(path: Path) -> int:
     """Allocated bytes under ``path`` (sparse state files count what they hold, not their length)."""
     return sum(f.stat().st_blocks * 512 for f in path.rglob("*") if f.is_file()) if path.exists() else 0
@@ -271,15 +266,9 @@ def run_child(args, name: str, work: Path, cgroup: str, kill_at_step: int | None
         elif value not in (None, False):
             cmd += [f"--{key.replace('_', '-')}", str(value)]
     env = {**os.environ, "TMPDIR": str(tmp), "PYTHONPATH": str(HERE.parent)}
-    procs_file = os.path.join(cgroup, "cgroup.procs")
-
-    def enter_cgroup():
-        with open(procs_file, "w") as f:
-            f.write(str(os.getpid()))
-
     disk_start = disk_used_bytes(str(work))
     high_water = [disk_start]
-    proc = subprocess.Popen(cmd, env=env, preexec_fn=enter_cgroup, cwd=root_dir)
+    proc = subprocess.Popen(cmd, env=env, preexec_fn=enter_cgroup(cgroup), cwd=root_dir)
     killed_at = None
     step_s = None
     while proc.poll() is None:

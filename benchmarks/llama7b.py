@@ -37,7 +37,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import make_cgroup, peak_rss_bytes, results_dir, ssd_bytes, step_probe
+from common import (cgroup_peak_bytes, disk_used_bytes, enter_cgroup, make_cgroup, peak_rss_bytes, results_dir,
+                    ssd_bytes, step_probe)
 
 HERE = Path(__file__).resolve().parent
 RESULTS = results_dir("llama7b")
@@ -69,11 +70,6 @@ def write_model(model_dir: Path, layers: int) -> dict:
     export_hf(tensors(), model_dir, config=config, dtype=torch.bfloat16, max_shard_bytes=2 * GIB)
     return dict(params=sum(s.numel() for _, s in shapes), write_s=time.perf_counter() - start,
                 bytes=sum(f.stat().st_size for f in model_dir.iterdir()))
-
-
-def disk_used_bytes(path: str) -> int:
-    usage = shutil.disk_usage(path)
-    return usage.total - usage.free
 
 
 def dir_bytes(path: Path) -> int:
@@ -205,7 +201,7 @@ def run_phase(phase: str, args) -> dict:
     cmd += ["--export"] if args.export else []
     start = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            preexec_fn=lambda: Path(cgroup, "cgroup.procs").write_text(str(os.getpid())))
+                            preexec_fn=enter_cgroup(cgroup))
     lines = []
     for line in proc.stdout:
         lines.append(line)
@@ -217,9 +213,7 @@ def run_phase(phase: str, args) -> dict:
     if proc.returncode != 0 or result is None:
         result = dict(phase=phase, failed=True, returncode=proc.returncode, output_tail="".join(lines[-60:]))
     result["process_s"] = time.perf_counter() - start
-    peak_file = Path(cgroup, "memory.max_usage_in_bytes")
-    if peak_file.exists():
-        result["cgroup_peak_bytes"] = int(peak_file.read_text())
+    result["cgroup_peak_bytes"] = cgroup_peak_bytes(cgroup)
     left = sorted(set(os.listdir(tempfile.gettempdir())) - tmp_before)
     result["left_in_tmp_after_exit"] = left
     try:

@@ -29,7 +29,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import make_cgroup, peak_rss_bytes, results_dir, step_probe
+from common import cgroup_peak_bytes, enter_cgroup, make_cgroup, peak_rss_bytes, results_dir, step_probe
 
 HERE = Path(__file__).resolve().parent
 RESULTS = results_dir("moe")
@@ -85,16 +85,9 @@ def run_case(args, case: str, batch: int, context_len: int, work: Path) -> dict:
            "--batch", str(batch), "--context-len", str(context_len), "--steps", str(args.steps), "--lr", str(args.lr),
            "--json-out", str(out)]
     env = {**os.environ, "TMPDIR": str(work), "PYTHONPATH": str(HERE.parent)}
-
-    def enter_cgroup():
-        with open(os.path.join(cgroup, "cgroup.procs"), "w") as f:
-            f.write(str(os.getpid()))
-
-    proc = subprocess.run(cmd, env=env, preexec_fn=enter_cgroup)
-    peak = next((Path(cgroup, n) for n in ("memory.peak", "memory.max_usage_in_bytes") if Path(cgroup, n).exists()),
-                Path(cgroup, "memory.peak"))
+    proc = subprocess.run(cmd, env=env, preexec_fn=enter_cgroup(cgroup))
     result = json.loads(out.read_text()) if out.exists() else {"case": case, "returncode": proc.returncode}
-    result["cgroup_peak_bytes"] = int(peak.read_text()) if peak.exists() else None
+    result["cgroup_peak_bytes"] = cgroup_peak_bytes(cgroup)
     result["memory_limit_bytes"] = int(args.memory_limit_gib * 2**30)
     os.rmdir(cgroup)
     return result

@@ -40,7 +40,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
-from benchmarks.common import make_cgroup, results_dir, ssd_bytes, step_probe  # noqa: E402
+from benchmarks.common import cgroup_peak_bytes, enter_cgroup, make_cgroup, results_dir, ssd_bytes, step_probe  # noqa: E402
 
 RESULTS = results_dir("optimizers")
 CASES = ("adamw", "fast_adamw8bit", "adamw8bit", "fused_adamw8bit", "adafactor", "sgd_momentum", "muon")
@@ -203,9 +203,8 @@ def _summary_line(c: dict) -> str:
 def _subprocess(args: list[str], cgroup_gib: float | None = None) -> dict:
     """A worker process, inside a fresh memory cgroup of ``cgroup_gib`` when given (its peak recorded)."""
     cgroup = make_cgroup(int(cgroup_gib * 2**30), "optimizers") if cgroup_gib else None
-    enter = (lambda: Path(cgroup, "cgroup.procs").write_text(str(os.getpid()))) if cgroup else None
     proc = subprocess.Popen([sys.executable, __file__, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            preexec_fn=enter)
+                            preexec_fn=enter_cgroup(cgroup) if cgroup else None)
     result = None
     for line in proc.stdout:
         if line.startswith("RESULT "):
@@ -216,9 +215,7 @@ def _subprocess(args: list[str], cgroup_gib: float | None = None) -> dict:
     proc.wait()
     result = result if proc.returncode == 0 and result is not None else {"error": error[-3000:], "args": args}
     if cgroup:
-        peak = Path(cgroup, "memory.max_usage_in_bytes")
-        if peak.exists():
-            result.update(cgroup_bytes=int(cgroup_gib * 2**30), cgroup_peak_bytes=int(peak.read_text()))
+        result.update(cgroup_bytes=int(cgroup_gib * 2**30), cgroup_peak_bytes=cgroup_peak_bytes(cgroup))
         os.rmdir(cgroup)
     return result
 
