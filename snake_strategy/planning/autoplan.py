@@ -187,8 +187,9 @@ class RunPlan:
             text += f", {self.step_host_bytes / 2**30:.2f} GiB in the steps with the activations"
         text += f", above the process's {self.process_baseline_bytes / 2**30:.2f} GiB at setup"
         if self.optimizer is not None:
-            text += "; " + self.optimizer.describe(self.shape.state_bytes, self.shape.moment_elems, 2 * self.shape.master_bytes,
-                                                   self.prediction.optimizer_s if self.prediction is not None else None)
+            step_s = self.prediction.optimizer_s if self.prediction is not None else None
+            text += "; " + self.optimizer.describe(self.shape.state_bytes, self.shape.moment_elems,
+                                                   2 * self.shape.master_bytes, step_s)
         if self.setup_prediction is not None:
             text += f"; predicted before step 1 {self.setup_prediction.roofline_s:.3f} s/step"
         if self.prediction is not None:

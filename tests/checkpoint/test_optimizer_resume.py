@@ -9,7 +9,8 @@ import pytest
 from tests.exactness.test_any_optimizer import module_class
 from tests.helpers import assert_bitwise, fit_resumable
 
-CASES = ["nadam", "asgd", "adafactor", "muon", "fast_adamw8bit"] + (["adamw8bit"] if importlib.util.find_spec("bitsandbytes") else [])
+CASES = (["nadam", "asgd", "adafactor", "muon", "fast_adamw8bit"]
+         + (["adamw8bit"] if importlib.util.find_spec("bitsandbytes") else []))
 
 
 @pytest.mark.parametrize("name", CASES)

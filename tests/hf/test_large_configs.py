@@ -120,8 +120,8 @@ def test_an_evaluation_whose_weights_exceed_the_budget_gives_them_back_mapped_fr
     strategy = snake_strategy.GreedySnakeStrategy(storage={"host_budget_bytes": 16 * 2**20,
                                                            "ssd_dir": str(tmp_path / "ssd")})
     trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=1, logger=False, enable_progress_bar=False)
-    prompts = torch.utils.data.DataLoader([{"input_ids": torch.arange(8), "attention_mask": torch.ones(8, dtype=torch.long)}],
-                                          batch_size=1)
+    prompt = {"input_ids": torch.arange(8), "attention_mask": torch.ones(8, dtype=torch.long)}
+    prompts = torch.utils.data.DataLoader([prompt], batch_size=1)
     (tokens,) = trainer.predict(module, prompts)
     assert tokens.shape == (1, 10)
     assert strategy.weights_file is not None
