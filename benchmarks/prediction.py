@@ -14,6 +14,7 @@ Not part of the test suite (gpt_4b: ~15 minutes).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import subprocess
@@ -66,6 +67,8 @@ def run_case(name: str, steps: int, ssd_root: str | None) -> dict:
     class Probe(L.Callback):
         def on_train_start(self, trainer, pl_module):
             marks["setup_host"] = trainer.strategy.plan.step_host_bytes  # planned before step 1 (None: no batch yet)
+            hardware = trainer.strategy.plan.hardware  # the rates before step 1: the probe's and the timed unit's
+            marks["setup_hardware"] = dataclasses.asdict(hardware) if hardware is not None else None
             marks["setup_rss"] = _vm_status("VmRSS")
             Path("/proc/self/clear_refs").write_text("5")  # VmHWM from here: the steps' peak
 
@@ -105,7 +108,7 @@ def run_case(name: str, steps: int, ssd_root: str | None) -> dict:
     return dict(
         case=name, **case, steps=steps, step_s=step_s, s_per_step=measured,
         tokens_per_step=batch * case["context_len"],
-        setup_prediction=setup.as_dict() if setup else None,
+        setup_prediction=setup.as_dict() if setup else None, setup_hardware=marks.get("setup_hardware"),
         step1_prediction=marks["step1_prediction"].as_dict() if marks.get("step1_prediction") else None,
         step1_error=(marks["step1_prediction"].roofline_s / measured - 1) if marks.get("step1_prediction") else None,
         prediction=plan.prediction.as_dict() if plan.prediction else None,

@@ -11,9 +11,12 @@ model=gpt_4b storage.host_budget_bytes=17179869184``; snake_strategy/plan.py).
 
 The module is built on the meta device (its structure, no weight), its optimizer inspected as at setup, and the
 plan resolved by the same function the strategy calls (``planning.autoplan.resolve``): the dry run's plan is the
-fit's. The prediction is the planner's roofline from the batch's shapes and the machine's probed rates (cached
-on disk, as the strategy's ``hardware="probe"``): step time, its bound, the tokens per step from which the run
-is compute-bound, the bytes each tier moves per step. Memory: the host plan with the activation checkpoints and
+fit's. The prediction is the planner's roofline from the batch's shapes and the machine's rates as a fit
+measures them before step 1: the probe's disk and copy rates (cached on disk, as the strategy's
+``hardware="probe"``) and the model's own unit 0, forward and backward timed at the batch's shapes and the
+run's precision on random weights (the only weights the dry run builds), whose forward graph also says how many
+units "auto" keeps; step time, its bound, the tokens per step from which the run is compute-bound, the bytes
+each tier moves per step. Memory: the host plan with the activation checkpoints and
 the loss head's output sized from shapes (``pre_stage`` on meta copies of the batch), next to the host budget;
 the SSD space next to the free space of ``storage.ssd_dir``. Wear: the SSD bytes one step writes, per 1,000
 steps, and the days at this run's rate until the drive's rated endurance (``storage.ssd_endurance_tbw``,
@@ -21,7 +24,9 @@ terabytes written) is used up.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import logging
 import os
 import shutil
 import tempfile
@@ -31,14 +36,23 @@ from typing import Any
 import torch
 from torch import nn
 
-from snake_strategy.contract import (check_contract, checkpoint_bytes_from_shapes, head_params, loss_head_bytes,
-                                     micro_batch_tokens, split_micro_batches)
+from snake_strategy.contract import (batch_size, check_contract, checkpoint_bytes_from_shapes, head_params,
+                                     loss_head_bytes, meta_pre_stage, micro_batch_tokens, split_micro_batches,
+                                     stack_side_inputs)
+from snake_strategy.engine.step.batch_check import eval_mode
+from snake_strategy.engine.step.kept_graphs import KeptGraphs
+from snake_strategy.engine.step.unit_timing import time_forward_backward, timed_micro_batches
 from snake_strategy.planning.autoplan import RunPlan, resolve
 from snake_strategy.planning.hardware import HardwareProfile
-from snake_strategy.planning.memory import ssd_plan
+from snake_strategy.planning.host_memory import SOURCE_GIVEN
+from snake_strategy.planning.memory import ssd_plan, unplanned_room_bytes
+from snake_strategy.planning.planner import UnitTiming
 from snake_strategy.planning.prediction import days_to_endurance, first_prediction, ssd_wear, with_prediction
-from snake_strategy.precision import GreedySnakePrecision
+from snake_strategy.precision import DtypePolicy, GreedySnakePrecision
 from snake_strategy.strategy import GreedySnakeStrategy
+from snake_strategy.units import WeightFormat
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -121,13 +135,20 @@ def plan_run(module: nn.Module, strategy: Any = None, batch: Any = None, *, prec
         logits_bytes = loss_head_bytes(module, micro)
         shape = dataclasses.replace(shape, head_params=head_params(module), tokens_per_micro=tokens,
                                     checkpoint_bytes=checkpoint_bytes)
+    items = plan.host_items(checkpoint_bytes, loss_logits_bytes=plan.loss_logits_bytes(logits_bytes))
+    timing = None
+    if batch is not None and strategy.hardware in (None, "probe"):
+        timing = _time_unit(module, plan, dtypes, device, batch, items)
+    if timing is not None:
+        shape = dataclasses.replace(shape, kept_units=timing.kept_units)
+        if timing.kept_units:
+            items["kept_graphs"] = timing.kept_units * timing.graph_bytes_per_unit
     probe_dir = ssd_dir if ssd_dir and os.path.isdir(ssd_dir) else None
     prediction, profile = first_prediction(plan, shape, plan.schedule.alpha, strategy.hardware, device, probe_dir,
                                            plan.largest_block_matrix(), strategy.hardware == "probe", optimizer,
-                                           dtypes.master)
+                                           dtypes.master, timing)
     plan = with_prediction(plan, shape, profile, prediction, plan.schedule.alpha, plan.kept_units)
     s = plan.schedule
-    items = plan.host_items(checkpoint_bytes, loss_logits_bytes=plan.loss_logits_bytes(logits_bytes))
     host_peak = plan.process_baseline_bytes + sum(items.values())
     ssd_bytes = sum(ssd_plan(plan.memory_inputs(checkpoint_bytes)).values())
     free = _free_bytes(ssd_dir)
@@ -155,6 +176,56 @@ def plan_run(module: nn.Module, strategy: Any = None, batch: Any = None, *, prec
         ssd_free_bytes=free, ssd_dir=ssd_dir,
         bytes_per_step={"ssd/read": prediction.ssd_read_bytes, "ssd/write": prediction.ssd_write_bytes},
         ssd_write_bytes_per_1000_steps=1000 * written, tbw_bytes=tbw, days_to_rated_endurance=days)
+
+
+def _time_unit(module: nn.Module, plan: RunPlan, dtypes: DtypePolicy, device: torch.device, batch: Any,
+               items: dict[str, int]) -> UnitTiming | None:
+    """Unit 0's forward and backward over the micro-batches one task runs (up to ``TIMED_TOKENS``), as a fit
+    times them before step 1
+    (``engine.step.unit_timing``), on random weights of the unit's layout (normal, std 0.02) and random inputs
+    of the shapes ``pre_stage`` gives on meta; and the units "auto" keeps in the budget ``items`` leave."""
+    s, layout = plan.schedule, plan.layouts[0]
+    micro_batches = split_micro_batches(batch, s.num_micro_batches)
+    task = len(micro_batches) if s.batched_forward else 1
+    timed = timed_micro_batches(task, micro_batch_tokens(micro_batches[0]))
+    micro_batches = micro_batches[:timed]
+    staged = [meta_pre_stage(module, b) for b in micro_batches]
+    if any(x is None for x in staged):
+        log.warning("dry run: %s.pre_stage does not run on the meta device, so its blocks are not timed: the compute "
+                    "rate is the probe's (a fit times them on its own weights)", type(module).__name__)
+        return None
+    hidden = torch.cat([_random_like(h, device) for h, _ in staged])
+    side = stack_side_inputs([{k: _random_like(v, device) for k, v in side.items()} for _, side in staged],
+                             [batch_size(b) for b in micro_batches])
+    flat = torch.randn(layout.numel, dtype=dtypes.master, device=device) * 0.02
+    if dtypes.half_weights is not None:
+        fmt = WeightFormat.for_layout(layout, dtypes.half_weights, dtypes.master)
+        main, tail = fmt.store(flat.cpu())
+        leaves = fmt.leaves(layout, main.to(device), tail.to(device))
+    else:
+        leaves = layout.leaves(flat.to(dtypes.compute))
+    kept = KeptGraphs.for_schedule(s, device)
+    autocast = (lambda: torch.autocast(device.type, dtype=dtypes.autocast)) if dtypes.autocast else contextlib.nullcontext
+    with eval_mode(list(module.blocks)):
+        forward_s, backward_s, graph_bytes = time_forward_backward(
+            lambda x, outs: layout.forward(leaves, x, side, None, outs), hidden, leaves, layout.num_trainable, kept,
+            autocast, device)
+    room = unplanned_room_bytes(plan.host_budget_bytes, plan.host_budget_source == SOURCE_GIVEN,
+                                plan.process_baseline_bytes, sum(items.values()))
+    units, per_unit = kept.expected_units(graph_bytes * task // timed, room, len(plan.layouts))
+    return UnitTiming(forward_s, backward_s, layout.numel, layout.train_end, hidden.shape[0] * hidden.shape[1]
+                      if hidden.dim() > 2 else hidden.shape[0], units, per_unit)
+
+
+def _random_like(value: Any, device: torch.device) -> Any:
+    """A real tensor for a meta one (floats normal, integers 0, booleans True); other values as they are."""
+    if not isinstance(value, torch.Tensor):
+        return value
+    if value.dtype.is_floating_point:
+        return torch.randn(value.shape, dtype=value.dtype, device=device)
+    if value.dtype == torch.bool:
+        return torch.ones(value.shape, dtype=torch.bool, device=device)
+    return torch.zeros(value.shape, dtype=value.dtype, device=device)
 
 
 def _optimizer(module: nn.Module) -> torch.optim.Optimizer:

@@ -31,6 +31,7 @@ from snake_strategy.engine.step.batch_check import batching_tolerance
 from snake_strategy.engine.state.build import build_model
 from snake_strategy.engine.step.gradients import GradientPath
 from snake_strategy.engine.step.kept_graphs import KeptGraphs
+from snake_strategy.engine.step.unit_timing import timed_micro_batches
 from snake_strategy.engine.optimizer.update import ChunkUpdate
 from snake_strategy.engine.optimizer.worker import OptimizerOverlap
 from snake_strategy.engine.parallel.partition import Partition, shard_range
@@ -42,10 +43,10 @@ from snake_strategy.engine.stream.forward_only import stream_blocks, streamed_fo
 from snake_strategy.engine.view import StepStats
 from snake_strategy.engine.stream.streamer import WeightStreamer
 from snake_strategy.planning.host_memory import SOURCE_GIVEN
-from snake_strategy.planning.memory import UNPLANNED_SHARE, pool_sizes
+from snake_strategy.planning.memory import pool_sizes, unplanned_room_bytes
 from snake_strategy.optimizers import hyper_params, step_kind
 from snake_strategy.planning.autoplan import RunPlan
-from snake_strategy.planning.planner import ModelShape
+from snake_strategy.planning.planner import ModelShape, UnitTiming
 from snake_strategy.precision import LossScaler
 from snake_strategy.schedule import build_tasks
 from snake_strategy.storage.counters import traffic_delta
@@ -183,17 +184,11 @@ class SnakeEngine(EngineBase):
         return {}
 
     def _free_host_bytes(self, checkpoint_bytes: int) -> int | None:
-        """What the plan's budget leaves once the plan with checkpoints of this size is placed, less
-        ``memory.UNPLANNED_SHARE`` of it (kept graphs fill it); None when the plan has no budget. A budget
-        derived from the machine (MemAvailable, the cgroup) also leaves out what the process held at setup:
-        it is the machine's share the run reports, and an optional speed-up must not take the process above
-        it. A given ``storage.host_budget_bytes`` is what the run may fill above that baseline."""
-        if not self.plan.host_budget_bytes:
-            return None
-        room = int(self.plan.host_budget_bytes * (1 - UNPLANNED_SHARE))
-        if self.plan.host_budget_source != SOURCE_GIVEN:
-            room -= self.plan.process_baseline_bytes
-        return room - sum(self.host_bytes_plan(checkpoint_bytes).values())
+        """What the plan's budget leaves once the plan with checkpoints of this size is placed
+        (``memory.unplanned_room_bytes``): kept graphs fill it."""
+        p = self.plan
+        return unplanned_room_bytes(p.host_budget_bytes, p.host_budget_source == SOURCE_GIVEN, p.process_baseline_bytes,
+                                    sum(self.host_bytes_plan(checkpoint_bytes).values()))
 
     def model_shape(self, micro_batch: Any, checkpoint_bytes: int = 0) -> ModelShape:
         """The planner's view of this model for the given micro-batch (shapes only, no compute), with the
@@ -204,18 +199,20 @@ class SnakeEngine(EngineBase):
                                    first_backward_unit=self.runner.first_backward,
                                    kept_units=len(self.runner.kept.units or ()))
 
-    def time_unit(self, batch: Any, checkpoint_bytes: int) -> tuple[float, int, int, tuple[int, int]]:
-        """(seconds, parameters, tokens, (units the first step will keep the graphs of, bytes each)) from unit
-        0's forward and backward over the micro-batches one task of ``batch`` runs (all of them under batched
-        passes), before step 1: the compute rate of this model at its own shapes and precision
+    def time_unit(self, batch: Any, checkpoint_bytes: int) -> UnitTiming:
+        """Unit 0's forward and backward timed over the micro-batches one task of ``batch`` runs (all of them
+        under batched passes, up to ``unit_timing.TIMED_TOKENS``), before step 1: this model's compute rates at its own shapes and precision
         (``StepRunner.time_unit``), and the kept graphs "auto" will choose in the budget the plan leaves with
         checkpoints of that size."""
         micro_batches, sizes = self.micro_batches(batch)
-        if not self.schedule.batched_forward:
-            micro_batches, sizes = micro_batches[:1], sizes[:1]
-        seconds, graph_bytes = self.runner.time_unit(0, micro_batches, sizes)
-        kept = self.runner.kept.expected_units(graph_bytes, self._free_host_bytes(checkpoint_bytes), len(self.units))
-        return seconds, self.units[0].layout.numel, sum(micro_batch_tokens(b) for b in micro_batches), kept
+        task = len(micro_batches) if self.schedule.batched_forward else 1
+        timed = timed_micro_batches(task, micro_batch_tokens(micro_batches[0]))
+        micro_batches, sizes = micro_batches[:timed], sizes[:timed]
+        forward_s, backward_s, graph_bytes = self.runner.time_unit(0, micro_batches, sizes)
+        kept, per_unit = self.runner.kept.expected_units(graph_bytes * task // timed,
+                                                         self._free_host_bytes(checkpoint_bytes), len(self.units))
+        return UnitTiming(forward_s, backward_s, self.units[0].layout.numel, self.unit_numel(0),
+                          sum(micro_batch_tokens(b) for b in micro_batches), kept, per_unit)
 
     def activation_sizes(self, micro_batch: Any) -> int:
         """Before the first forward, from shapes (``pre_stage`` on meta copies): the bytes of one activation

@@ -7,7 +7,8 @@ time in every step (``StepStats``: the main thread's compute, the SSD's busy tim
 so after the first steady step (step 1 also allocates, measures kept graphs and writes the first file
 versions) the rates are taken from it:
 
-- compute FLOP/s = the step's FLOPs (``planner.step_flops``) / the main thread's compute seconds;
+- compute FLOP/s: the forward's and the backward's rates scaled so that the step's FLOPs
+  (``planner.step_flops_split``) take the main thread's compute seconds;
 - SSD: the probe's read and write rates scaled so that the step's bytes take the measured busy seconds;
 - optimizer params/s = trainable parameters / the worker's busy seconds.
 
@@ -30,7 +31,7 @@ import statistics
 from dataclasses import dataclass
 
 from snake_strategy.config import StorageConfig
-from snake_strategy.planning.planner import HardwareProfile, ModelShape, StepPrediction, predict, step_flops
+from snake_strategy.planning.planner import HardwareProfile, ModelShape, StepPrediction, compute_seconds, predict
 
 # A prediction further than this from the measured step is re-planned with the measured rates.
 REPLAN_MISS = 0.15
@@ -72,7 +73,10 @@ def calibrated(hw: HardwareProfile, shape: ModelShape, prediction: StepPredictio
     the SSD's when nothing is on it, stays the probe's)."""
     rates: dict[str, float] = {"measured_in_step": True}
     if measured.compute_s > 0:
-        rates["flops_per_s"] = step_flops(shape) / measured.compute_s
+        faster = compute_seconds(shape, hw) / measured.compute_s
+        rates["flops_per_s"] = hw.flops_per_s * faster
+        if hw.backward_flops_per_s is not None:
+            rates["backward_flops_per_s"] = hw.backward_flops_per_s * faster
     if measured.ssd_busy_s > 0 and prediction.ssd_s > 0:
         faster = prediction.ssd_s / measured.ssd_busy_s
         rates["ssd_read_gb_per_s"] = hw.ssd_read_gb_per_s * faster

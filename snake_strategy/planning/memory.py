@@ -39,7 +39,7 @@ RSS_SLACK_BYTES = 96 * 2**20
 # Of the host budget, the share kept graphs leave unfilled: with the budget full, that slack grows with the
 # run. Measured at gpt_4b in a 16 GiB container: peak RSS 0.15 GiB (1.1% of the plan) above baseline + plan
 # (docs/dev/LOG.md, issue 35). Under a budget derived from the machine, kept graphs also leave the process's
-# baseline out (engine/training.py), so filling it never takes the process's peak above it.
+# baseline out (``unplanned_room_bytes``), so filling it never takes the process's peak above it.
 UNPLANNED_SHARE = 0.02
 # The loss head's in-step tensors, in multiples of its output (the logits of the micro-batches one task
 # runs): the logits, the log-probabilities and their gradient. Measured: fp32 cross-entropy over 512 x
@@ -51,6 +51,20 @@ LOSS_HEAD_LOGITS_COPIES = 2
 # Pinned staging buffers of the weight streamer on CUDA, each the largest unit's SSD share: one is
 # filled from the SSD while the other's bytes cross PCIe.
 WEIGHT_STAGING_BUFFERS = 2
+
+
+def unplanned_room_bytes(budget_bytes: int, budget_given: bool, baseline_bytes: int, planned_bytes: int) -> int | None:
+    """What a host budget leaves for optional holdings (kept graphs) once ``planned_bytes`` are placed, less
+    ``UNPLANNED_SHARE`` of it; None when there is no budget. A budget derived from the machine (MemAvailable,
+    the cgroup) also leaves out ``baseline_bytes``, what the process held at setup: it is the machine's share
+    the run reports, and an optional speed-up must not take the process above it. A given budget is what the
+    run may fill above that baseline. The engine's first step and the prediction before it both ask here."""
+    if not budget_bytes:
+        return None
+    room = int(budget_bytes * (1 - UNPLANNED_SHARE))
+    if not budget_given:
+        room -= baseline_bytes
+    return room - planned_bytes
 
 
 # Partitioned optimizer state (engine/parallel/partition.py): shards are whole pages of every dtype up to 1 byte.

@@ -13,10 +13,11 @@ Traffic per optimizer step (docs/design.md, "Traffic model"; P = block params, L
 
 Roofline, per resource: the step cannot be faster than the busiest resource's total work.
 - ``compute``: block FLOPs (forward, recompute, backward = 4 x forward per unit except the last,
-  which needs 3) plus the head, at the measured FLOP rate;
+  which needs 3) plus the head, the forward FLOPs at the forward's measured rate, the backward's at its own;
 - ``ssd``: read bytes / read bandwidth + write bytes / write bandwidth (one device does both);
 - ``optimizer``: parameters / fused-AdamW rate;
-- ``cpu``: on a CPU-only machine compute and the optimizer share the same cores, so their sum.
+- ``cpu``: on a CPU-only machine compute, the optimizer and the copies between the tiers in memory share
+  the same cores, so their sum.
 """
 from __future__ import annotations
 
@@ -41,8 +42,10 @@ class HardwareProfile:
     ssd_read_gb_per_s: float = 1.2
     ssd_write_gb_per_s: float = 1.8
     host_copy_gb_per_s: float = 8.0
-    flops_per_s: float = 75e9
+    flops_per_s: float = 75e9  # forward (and recompute) FLOPs
     optimizer_params_per_s: float = 740e6
+    # The backward's FLOP rate where it was measured apart from the forward's (a timed unit); None: the same.
+    backward_flops_per_s: float | None = None
     device_is_cpu: bool = True
     # Rates measured inside running steps (planning/calibration.py): compute and the optimizer already shared
     # the cores there, so the CPU term (their sum) would count the sharing twice.
@@ -163,8 +166,9 @@ def weight_fetches_per_step(kind: str, num_units: int, num_micro: int, backward_
     return num_micro * passes - (num_micro - 1 if backward_from == 0 else 0)
 
 
-def step_flops(shape: ModelShape) -> float:
-    """FLOPs of one optimizer step: 2 per parameter per token forward, 4 backward, plus recompute.
+def step_flops_split(shape: ModelShape) -> tuple[float, float]:
+    """(forward FLOPs, backward FLOPs) of one optimizer step: 2 per parameter per token forward (recompute
+    included), 4 backward.
 
     A unit's backward is its input gradient (one forward's worth) plus its weight gradient (one forward's
     worth times its trainable share); units below ``backward_from`` only run forward, and the lowest
@@ -172,14 +176,48 @@ def step_flops(shape: ModelShape) -> float:
     fwd_unit = (2 * shape.params_per_unit + shape.attention_flops_per_token_per_unit) * shape.tokens_per_micro
     b0, last = shape.backward_from, shape.num_units - 1
     first_kept = last - shape.kept_units  # units [first_kept, last) keep their graph: no recompute
-    passes = 0.0
+    forward = backward = 0.0
     for u, trained in enumerate(shape.trainable):
-        passes += 1  # forward
+        forward += 1
         if u >= b0:
-            passes += (u < first_kept) + (u > b0 or b0 == 0) + trained / max(1, shape.params_per_unit)
-    per_micro = fwd_unit * passes
-    head = 6 * shape.head_params * shape.tokens_per_micro
-    return shape.num_micro * (per_micro + head)
+            forward += u < first_kept  # the recompute
+            backward += (u > b0 or b0 == 0) + trained / max(1, shape.params_per_unit)
+    head = 2 * shape.head_params * shape.tokens_per_micro
+    return shape.num_micro * (fwd_unit * forward + head), shape.num_micro * (fwd_unit * backward + 2 * head)
+
+
+def step_flops(shape: ModelShape) -> float:
+    """FLOPs of one optimizer step (``step_flops_split``, forward and backward together)."""
+    return sum(step_flops_split(shape))
+
+
+def compute_seconds(shape: ModelShape, hw: HardwareProfile) -> float:
+    """One step's forward and backward FLOPs at ``hw``'s rates."""
+    forward, backward = step_flops_split(shape)
+    return forward / hw.flops_per_s + backward / (hw.backward_flops_per_s or hw.flops_per_s)
+
+
+@dataclass(frozen=True)
+class UnitTiming:
+    """One unit's forward and backward timed before step 1 (engine/step/unit_timing.py): this model's compute
+    rates at the run's shapes and precision, and the kept graphs "auto" is expected to choose from the size
+    of the forward graph it recorded."""
+
+    forward_s: float
+    backward_s: float
+    params: int  # the timed unit's parameters
+    trained: int  # of which have a weight gradient
+    tokens: int  # in the timed pass
+    kept_units: int  # units the first step is expected to keep the forward graph of
+    graph_bytes_per_unit: int
+
+    def rates(self, shape: ModelShape) -> dict[str, float]:
+        """The ``HardwareProfile`` rates this timing gives, its FLOPs counted as ``step_flops_split`` counts a
+        step's: a forward of ``params`` over ``tokens``, a backward of the input gradient (one forward's worth)
+        and the weight gradient (the ``trained`` share of one)."""
+        forward = (2 * self.params + shape.attention_flops_per_token_per_unit) * self.tokens
+        backward = forward * (1 + self.trained / max(1, self.params))
+        return {"flops_per_s": forward / self.forward_s, "backward_flops_per_s": backward / self.backward_s}
 
 
 def predict(shape: ModelShape, hw: HardwareProfile, storage: StorageConfig, kind: str, alpha: float,
@@ -233,11 +271,11 @@ def predict(shape: ModelShape, hw: HardwareProfile, storage: StorageConfig, kind
         read += (2 * L - 1 - shape.backward_from - shape.kept_units) * ckpt_ssd
     ssd_s = read / (hw.ssd_read_gb_per_s * 1e9) + write / (hw.ssd_write_gb_per_s * 1e9)
     host_copy_s = host_bytes / (hw.host_copy_gb_per_s * 1e9)
-    compute_s = step_flops(shape) / hw.flops_per_s
+    compute_s = compute_seconds(shape, hw)
     optimizer_s = (sum(shape.trainable) + shape.nonlayer_params) / hw.optimizer_params_per_s
     bounds = {"compute": compute_s, "ssd": ssd_s, "host_copy": host_copy_s, "optimizer": optimizer_s}
     if hw.device_is_cpu and not hw.measured_in_step:
-        bounds["cpu"] = compute_s + optimizer_s
+        bounds["cpu"] = compute_s + optimizer_s + host_copy_s
     bound = max(bounds, key=bounds.get)
     return StepPrediction(compute_s, ssd_s, host_copy_s, optimizer_s, bounds[bound], bound, int(read), int(write))
 

@@ -16,39 +16,32 @@ from snake_strategy.config import StorageConfig
 from snake_strategy.planning.autoplan import RunPlan
 from snake_strategy.planning.calibration import REPLAN_MISS, MeasuredStep, calibrated, knee, missed
 from snake_strategy.planning.hardware import matmul_flops_per_s, optimizer_params_per_s, probe_hardware
-from snake_strategy.planning.planner import HardwareProfile, ModelShape, StepPrediction, predict, prefetch_depth
+from snake_strategy.planning.planner import (HardwareProfile, ModelShape, StepPrediction, UnitTiming, predict,
+                                             prefetch_depth)
 
 log = logging.getLogger(__name__)
-
-
-def unit_flops_per_s(shape: ModelShape, seconds: float, params: int, trained: int, tokens: int) -> float:
-    """The compute rate a timed unit pass gives, counted as ``planner.step_flops`` counts a step: a forward of
-    ``params`` parameters over ``tokens`` tokens, then its backward (the input gradient, one forward's worth,
-    and the weight gradient, the ``trained`` share of one)."""
-    forward = (2 * params + shape.attention_flops_per_token_per_unit) * tokens
-    return (2 + trained / max(1, params)) * forward / seconds
 
 
 def first_prediction(plan: RunPlan, shape: ModelShape, alpha: float, hardware: HardwareProfile | str | None,
                      device: torch.device, ssd_path: str | None, largest_block_matrix: tuple[int, int],
                      at_model_shape: bool, optimizer: torch.optim.Optimizer | None = None,
                      master_dtype: torch.dtype = torch.float32,
-                     flops_per_s: float | None = None) -> tuple[StepPrediction, HardwareProfile]:
+                     timing: UnitTiming | None = None) -> tuple[StepPrediction, HardwareProfile]:
     """The planner's roofline for this run from ``shape`` (the engine's, for the first micro-batch): the
     prediction and the machine's profile. ``hardware`` None or ``"probe"`` measures the machine (cached on
     disk for a few hours, a scratch file in ``ssd_path``); ``at_model_shape`` (the strategy's
     ``hardware="probe"``) also probes the compute roof at this model's own matmul with the rows one task
     multiplies (every micro-batch's tokens under batched passes); an ``optimizer`` off the fused Adam path is
-    timed at the same matrix. ``flops_per_s``: the compute rate of the run's own unit, timed at setup
-    (``unit_flops_per_s``), which replaces the probe's. A ``HardwareProfile`` is taken as given."""
+    timed at the same matrix. ``timing``: the run's own unit timed at setup, whose forward and backward
+    rates replace the probe's. A ``HardwareProfile`` is taken as given."""
     probing = hardware in ("probe", None)
     time_optimizer = (probing and optimizer is not None and plan.optimizer is not None
                       and not plan.optimizer.kind.own_kernel)
     if probing:
         hardware = probe_hardware(ssd_path, device)
     out_dim, in_dim = largest_block_matrix
-    if flops_per_s is not None and probing:
-        hardware = dataclasses.replace(hardware, flops_per_s=flops_per_s)
+    if timing is not None and probing:
+        hardware = dataclasses.replace(hardware, **timing.rates(shape))
     elif at_model_shape and probing and shape.tokens_per_micro:
         s = plan.schedule
         rows = shape.tokens_per_micro * (s.num_micro_batches if s.batched_forward else 1)

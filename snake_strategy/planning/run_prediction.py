@@ -25,9 +25,8 @@ import torch
 
 from snake_strategy.planning.autoplan import RunPlan
 from snake_strategy.planning.calibration import MeasuredStep
-from snake_strategy.planning.planner import HardwareProfile, ModelShape, StepPrediction
-from snake_strategy.planning.prediction import (first_prediction, recalibrated, ssd_wear, unit_flops_per_s,
-                                                with_prediction)
+from snake_strategy.planning.planner import HardwareProfile, ModelShape, StepPrediction, UnitTiming
+from snake_strategy.planning.prediction import first_prediction, recalibrated, ssd_wear, with_prediction
 
 log = logging.getLogger(__name__)
 
@@ -41,8 +40,7 @@ class RunPredictor:
         self.model_shape: ModelShape | None = None  # the planner's view of the model, at the step's shapes
         self.hardware_profile: HardwareProfile | None = None  # the rates of the latest prediction
         self.prediction: StepPrediction | None = None
-        self.unit_flops_per_s: float | None = None  # this model's unit timed before step 1 (probed rates)
-        self.expected_kept = (0, 0)  # units "auto" is expected to keep, and bytes each: from that timing
+        self.timing: UnitTiming | None = None  # this model's unit timed before step 1 (probed rates)
         self.steady_steps: list[MeasuredStep] = []  # what the steady steps so far measured
 
     def predict(self, plan: RunPlan, engine: Any, batch: Any, at_setup: bool = False) -> RunPlan:
@@ -51,24 +49,24 @@ class RunPredictor:
         # Before the first forward the activations are sized from shapes; after it, as measured.
         sized = engine.activation_sizes(micro_batch) if at_setup and not engine.checkpoint_bytes else 0
         shape = engine.model_shape(micro_batch, sized)
-        if self.unit_flops_per_s is None and self.hardware in (None, "probe"):
+        if self.timing is None and self.hardware in (None, "probe"):
             # This model's own unit, forward and backward, timed once before step 1 (a few % of a step); its
             # forward graph's size says how many units "auto" will keep (no recompute for them).
-            seconds, params, tokens, kept = engine.time_unit(batch, shape.checkpoint_bytes)
-            self.unit_flops_per_s = unit_flops_per_s(shape, seconds, params, engine.unit_numel(0), tokens)
-            self.expected_kept = kept
-            log.info("planner: unit 0's forward and backward over %d tokens took %.3f s before step 1: %.1f GFLOP/s; "
-                     "%d units expected to keep their forward graph", tokens, seconds, self.unit_flops_per_s / 1e9,
-                     kept[0])
+            self.timing = engine.time_unit(batch, shape.checkpoint_bytes)
+            rates = self.timing.rates(shape)
+            log.info("planner: unit 0's forward over %d tokens took %.3f s (%.1f GFLOP/s), its backward %.3f s "
+                     "(%.1f GFLOP/s) before step 1; %d units expected to keep their forward graph",
+                     self.timing.tokens, self.timing.forward_s, rates["flops_per_s"] / 1e9, self.timing.backward_s,
+                     rates["backward_flops_per_s"] / 1e9, self.timing.kept_units)
         expected_graphs = 0
-        if at_setup and not engine.kept_units:
-            shape = dataclasses.replace(shape, kept_units=self.expected_kept[0])
-            expected_graphs = self.expected_kept[0] * self.expected_kept[1]
+        if at_setup and not engine.kept_units and self.timing is not None:
+            shape = dataclasses.replace(shape, kept_units=self.timing.kept_units)
+            expected_graphs = self.timing.kept_units * self.timing.graph_bytes_per_unit
         self.model_shape = shape
         prediction, self.hardware_profile = first_prediction(
             plan, shape, engine.alpha, self.hardware, self.device, engine.ssd.path if engine.ssd else None,
             engine.largest_block_matrix(), self.hardware == "probe", engine.optimizer, engine.dtypes.master,
-            self.unit_flops_per_s)
+            self.timing)
         # "auto" decides the kept graphs at the first step
         kept = plan.kept_units if at_setup else engine.kept_units
         plan = with_prediction(plan, shape, self.hardware_profile, prediction, engine.alpha, kept)

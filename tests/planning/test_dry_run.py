@@ -47,6 +47,14 @@ def test_the_dry_run_is_the_plan_fit_uses(tmp_path):
     fitted = run.strategy.plan
     assert fitted.storage == dry.plan.storage and fitted.schedule.kind == dry.plan.schedule.kind
     assert fitted.schedule.alpha == dry.plan.schedule.alpha and fitted.host_bytes == dry.plan.host_bytes
+    # The prediction before step 1: the same bytes, the same kept graphs, compute timed on the same unit's shapes
+    # (the dry run's on random weights, the fit's on its own: the same FLOPs, timings apart by the machine's noise)
+    before = fitted.setup_prediction
+    assert (before.ssd_read_bytes, before.ssd_write_bytes) == (dry.bytes_per_step["ssd/read"],
+                                                               dry.bytes_per_step["ssd/write"])
+    assert dry.plan.hardware.backward_flops_per_s is not None  # the unit was timed, not the probe's matmul taken
+    assert fitted.kept_units and dry.host_items["kept_graphs"] > 0  # "auto" keeps graphs; the dry run expected it
+    assert before.compute_s == pytest.approx(dry.plan.prediction.compute_s, rel=0.5)
 
 
 def test_a_run_that_does_not_fit_says_what_to_change():

@@ -28,6 +28,7 @@ from snake_strategy.engine.step.batch_check import check_batching, eval_mode
 from snake_strategy.engine.step.gradients import GradientPath
 from snake_strategy.engine.step.kept_graphs import KeptGraph, KeptGraphs
 from snake_strategy.engine.step.split_backward import DeferLinearWeights, WeightGradStash
+from snake_strategy.engine.step.unit_timing import time_forward_backward
 from snake_strategy.engine.state.stores import NonLayerState, UnitStore
 from snake_strategy.engine.trace import TASK, TaskTrace
 from snake_strategy.engine.stream.streamer import WeightStreamer
@@ -109,16 +110,15 @@ class StepRunner:
         self.first_backward = 0 if self.pre_trains else first
         self.kept.begin(self.first_backward, len(self.units))
 
-    def time_unit(self, u: int, micro_batches: list[Any], sizes: list[int]) -> tuple[float, int]:
-        """Seconds of unit ``u``'s forward and backward (input and weight gradients) over ``micro_batches`` in
-        one pass: this model's own compute rate, measured at setup (the faster of two runs: the first also
-        warms allocator and kernels). It runs in eval mode (no dropout), as the batch check does, on a fresh
-        copy of the unit's weights (not the streamer's buffers), with the RNG streams restored: nothing the
-        run sees changes, nothing is accumulated or stepped. Returns (seconds, the bytes its forward graph
-        saves: what keeping it would hold, as ``KeptGraphs`` records it; the first run records it)."""
+    def time_unit(self, u: int, micro_batches: list[Any], sizes: list[int]) -> tuple[float, float, int]:
+        """Seconds of unit ``u``'s forward, and of its backward (input and weight gradients), over
+        ``micro_batches`` in one pass (``unit_timing.time_forward_backward``): this model's own compute rates,
+        measured at setup. It runs in
+        eval mode (no dropout), as the batch check does, on a fresh copy of the unit's weights (not the
+        streamer's buffers), with the RNG streams restored: nothing the run sees changes, nothing is
+        accumulated or stepped. Returns (forward s, backward s, the bytes its forward graph saves: what
+        keeping it would hold, as ``KeptGraphs`` records it; the first run records it)."""
         devices = [self.device] if self.device.type == "cuda" else []
-        sync = torch.cuda.synchronize if devices else (lambda: None)
-        best_s = float("inf")
         unit = self.units[u]
         with torch.random.fork_rng(devices=devices, device_type=self.device.type if devices else "cuda"), \
                 eval_mode([self.module]):
@@ -129,25 +129,8 @@ class StepRunner:
             main = unit.weights.read_full().to(self.device)
             tail = unit.tail.read_full().to(self.device) if unit.tail is not None else None
             w = unit.leaves(main, tail)
-            wt = w[:unit.layout.num_trainable]
-            graph_bytes = 0
-            for run in range(2):
-                x = hidden.detach().requires_grad_(True)
-                sync()
-                start_s = time.perf_counter()
-                recording = self.kept.recording(w) if run == 0 else contextlib.nullcontext()
-                with recording as rec, self.autocast():
-                    with torch.enable_grad():
-                        outs: list[Tensor] = []
-                        y = self.unit_forward(u, w, x, side, outs)
-                        roots = [y, *outs]
-                    with self.kept.unpacking(w):
-                        _grad(roots, [x, *wt], [torch.ones_like(r) for r in roots])
-                if rec is not None:
-                    graph_bytes = rec.num_bytes
-                sync()
-                best_s = min(best_s, time.perf_counter() - start_s)
-        return best_s, graph_bytes
+            return time_forward_backward(lambda x, outs: self.unit_forward(u, w, x, side, outs), hidden, w,
+                                         unit.layout.num_trainable, self.kept, self.autocast, self.device)
 
     def autocast(self):
         if self._autocast_dtype is None:
