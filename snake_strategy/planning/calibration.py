@@ -77,6 +77,8 @@ def calibrated(hw: HardwareProfile, shape: ModelShape, prediction: StepPredictio
         rates["flops_per_s"] = hw.flops_per_s * faster
         if hw.backward_flops_per_s is not None:
             rates["backward_flops_per_s"] = hw.backward_flops_per_s * faster
+        if hw.nonlayer_s_per_token is not None:
+            rates["nonlayer_s_per_token"] = hw.nonlayer_s_per_token / faster
     if measured.ssd_busy_s > 0 and prediction.ssd_s > 0:
         faster = prediction.ssd_s / measured.ssd_busy_s
         rates["ssd_read_gb_per_s"] = hw.ssd_read_gb_per_s * faster

@@ -46,6 +46,9 @@ class HardwareProfile:
     optimizer_params_per_s: float = 740e6
     # The backward's FLOP rate where it was measured apart from the forward's (a timed unit); None: the same.
     backward_flops_per_s: float | None = None
+    # Seconds per token of the non-layer work (embedding, head, loss; forward and backward) where it was timed;
+    # None: the head's FLOPs at the compute rates.
+    nonlayer_s_per_token: float | None = None
     device_is_cpu: bool = True
     # Rates measured inside running steps (planning/calibration.py): compute and the optimizer already shared
     # the cores there, so the CPU term (their sum) would count the sharing twice.
@@ -192,9 +195,16 @@ def step_flops(shape: ModelShape) -> float:
 
 
 def compute_seconds(shape: ModelShape, hw: HardwareProfile) -> float:
-    """One step's forward and backward FLOPs at ``hw``'s rates."""
+    """One step's forward and backward at ``hw``'s rates: the FLOPs at the forward's and the backward's, the
+    non-layer work at its timed seconds per token where it was timed (its head FLOPs then not counted)."""
     forward, backward = step_flops_split(shape)
-    return forward / hw.flops_per_s + backward / (hw.backward_flops_per_s or hw.flops_per_s)
+    tokens = shape.num_micro * shape.tokens_per_micro
+    nonlayer_s = 0.0
+    if hw.nonlayer_s_per_token is not None:
+        forward -= 2 * shape.head_params * tokens
+        backward -= 4 * shape.head_params * tokens
+        nonlayer_s = hw.nonlayer_s_per_token * tokens
+    return forward / hw.flops_per_s + backward / (hw.backward_flops_per_s or hw.flops_per_s) + nonlayer_s
 
 
 @dataclass(frozen=True)
@@ -210,6 +220,7 @@ class UnitTiming:
     tokens: int  # in the timed pass
     kept_units: int  # units the first step is expected to keep the forward graph of
     graph_bytes_per_unit: int
+    nonlayer_s: float | None = None  # the non-layer work over the same tokens, forward and backward (None: untimed)
 
     def rates(self, shape: ModelShape) -> dict[str, float]:
         """The ``HardwareProfile`` rates this timing gives, its FLOPs counted as ``step_flops_split`` counts a
@@ -217,7 +228,10 @@ class UnitTiming:
         and the weight gradient (the ``trained`` share of one)."""
         forward = (2 * self.params + shape.attention_flops_per_token_per_unit) * self.tokens
         backward = forward * (1 + self.trained / max(1, self.params))
-        return {"flops_per_s": forward / self.forward_s, "backward_flops_per_s": backward / self.backward_s}
+        rates = {"flops_per_s": forward / self.forward_s, "backward_flops_per_s": backward / self.backward_s}
+        if self.nonlayer_s is not None:
+            rates["nonlayer_s_per_token"] = self.nonlayer_s / self.tokens
+        return rates
 
 
 def predict(shape: ModelShape, hw: HardwareProfile, storage: StorageConfig, kind: str, alpha: float,

@@ -55,9 +55,11 @@ class RunPredictor:
             self.timing = engine.time_unit(batch, shape.checkpoint_bytes)
             rates = self.timing.rates(shape)
             log.info("planner: unit 0's forward over %d tokens took %.3f s (%.1f GFLOP/s), its backward %.3f s "
-                     "(%.1f GFLOP/s) before step 1; %d units expected to keep their forward graph",
-                     self.timing.tokens, self.timing.forward_s, rates["flops_per_s"] / 1e9, self.timing.backward_s,
-                     rates["backward_flops_per_s"] / 1e9, self.timing.kept_units)
+                     "(%.1f GFLOP/s), the embedding, head and loss %s before step 1; %d units expected to keep their "
+                     "forward graph", self.timing.tokens, self.timing.forward_s, rates["flops_per_s"] / 1e9,
+                     self.timing.backward_s, rates["backward_flops_per_s"] / 1e9,
+                     "untimed" if self.timing.nonlayer_s is None else f"{self.timing.nonlayer_s:.3f} s",
+                     self.timing.kept_units)
         expected_graphs = 0
         if at_setup and not engine.kept_units and self.timing is not None:
             shape = dataclasses.replace(shape, kept_units=self.timing.kept_units)

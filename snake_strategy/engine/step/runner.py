@@ -28,7 +28,7 @@ from snake_strategy.engine.step.batch_check import check_batching, eval_mode
 from snake_strategy.engine.step.gradients import GradientPath
 from snake_strategy.engine.step.kept_graphs import KeptGraph, KeptGraphs
 from snake_strategy.engine.step.split_backward import DeferLinearWeights, WeightGradStash
-from snake_strategy.engine.step.unit_timing import time_forward_backward
+from snake_strategy.engine.step.unit_timing import time_forward_backward, time_nonlayer
 from snake_strategy.engine.state.stores import NonLayerState, UnitStore
 from snake_strategy.engine.trace import TASK, TaskTrace
 from snake_strategy.engine.stream.streamer import WeightStreamer
@@ -131,6 +131,17 @@ class StepRunner:
             w = unit.leaves(main, tail)
             return time_forward_backward(lambda x, outs: self.unit_forward(u, w, x, side, outs), hidden, w,
                                          unit.layout.num_trainable, self.kept, self.autocast, self.device)
+
+    def time_nonlayer(self, micro_batches: list[Any]) -> float:
+        """Seconds of the non-layer work over ``micro_batches`` (``unit_timing.time_nonlayer``), with the
+        module's own non-layer parameters (read, never accumulated into), in eval mode, the RNG restored."""
+        devices = [self.device] if self.device.type == "cuda" else []
+        block_ids = {id(t) for t in (*self.module.blocks.parameters(), *self.module.blocks.buffers())}
+        tensors = {n: t for n, t in (*self.module.named_parameters(), *self.module.named_buffers())
+                   if id(t) not in block_ids}
+        with torch.random.fork_rng(devices=devices, device_type=self.device.type if devices else "cuda"), \
+                eval_mode([self.module]):
+            return time_nonlayer(self.module, micro_batches, tensors, self.autocast, self.device)
 
     def autocast(self):
         if self._autocast_dtype is None:

@@ -7,14 +7,25 @@ inner dimension is the pass's token count, small next to the model's width at sh
 backward does more than twice its forward), and a step runs them in different proportions (a recompute is a
 second forward, a kept graph saves it). The first of the two runs also records the forward graph's saved
 bytes as ``KeptGraphs`` would hold them: how many units "auto" will keep.
+
+On a CPU the pass's tensors come from fresh pages (the engine returns every large free to the OS,
+storage/aligned.py), and right after a fit's setup freed the materialization's buffers, this VM served fresh
+pages at a sixth of their settled speed for the first ~1.25 GB touched (256 MB pieces: 0.39 s each, then
+0.06 s; sleeping 4 s changed nothing, touching did): the first three timed runs of gpt_1b's unit were 35%
+slower than the rest. ``settle_fresh_memory`` touches fresh pieces until one costs no more than
+``SETTLED_FRESH_OVER_REFILL`` times refilling it, so the runs time the model, not the page allocator's state
+(the first step would pay the same cost).
 """
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
+
+from snake_strategy.contract import unpack_pre_stage
 
 from snake_strategy.engine.step.kept_graphs import KeptGraphs
 
@@ -24,6 +35,31 @@ RUNS = 3  # the first run warms the allocator and the kernels (measured at gpt_1
 # settled by then (gpt_1b: 197 GFLOP/s forward at 512 tokens) and the timing of gpt_4b's 4,096-token task
 # would take 50 s; the forward graph's bytes, linear in the tokens, are scaled to the whole task.
 TIMED_TOKENS = 1024
+
+
+# Fresh-memory settling: 256 MiB pieces, each allocated, filled, refilled and freed (one piece alive at a time),
+# until filling fresh pages costs at most this many refills of them (settled here: 6-9x; unsettled: ~50x),
+# touching at most SETTLE_MAX_BYTES.
+SETTLE_PIECE_ELEMS = 64 * 2**20
+SETTLED_FRESH_OVER_REFILL = 15.0
+SETTLE_MAX_BYTES = 4 * 2**30
+
+
+def settle_fresh_memory() -> float:
+    """Touch fresh host memory until the kernel serves it at its settled cost (see the module docstring);
+    returns the seconds it took."""
+    start_s = time.perf_counter()
+    for _ in range(SETTLE_MAX_BYTES // (4 * SETTLE_PIECE_ELEMS)):
+        piece_start_s = time.perf_counter()
+        piece = torch.ones(SETTLE_PIECE_ELEMS)
+        fresh_s = time.perf_counter() - piece_start_s
+        refill_start_s = time.perf_counter()
+        piece.fill_(2.0)
+        refill_s = time.perf_counter() - refill_start_s
+        del piece
+        if fresh_s <= SETTLED_FRESH_OVER_REFILL * refill_s:
+            break
+    return time.perf_counter() - start_s
 
 
 def timed_micro_batches(num_micro: int, tokens_per_micro: int) -> int:
@@ -38,6 +74,8 @@ def time_forward_backward(forward: Callable[[Tensor, list[Tensor]], Tensor], hid
     gradient and the gradients of the first ``num_trainable`` ``leaves``, seeded with ones. Call it under
     the RNG fork and eval mode the caller wants (nothing here draws random numbers)."""
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    if device.type == "cpu":
+        settle_fresh_memory()
     trainable = leaves[:num_trainable]
     best_forward_s = best_backward_s = float("inf")
     graph_bytes = 0
@@ -61,3 +99,45 @@ def time_forward_backward(forward: Callable[[Tensor, list[Tensor]], Tensor], hid
         best_backward_s = min(best_backward_s, time.perf_counter() - forward_done_s)
         del x, y, outputs, roots
     return best_forward_s, best_backward_s, graph_bytes
+
+
+class _NonLayerPass(nn.Module):
+    """The non-layer work of one task as ``functional_call`` runs it: ``pre_stage`` of each micro-batch, and
+    ``post_stage`` + ``compute_loss`` on a leaf of the hidden state (the blocks in between are timed apart)."""
+
+    def __init__(self, module: nn.Module) -> None:
+        super().__init__()
+        self.inner = module
+
+    def forward(self, micro_batches: list[Any]) -> tuple[Tensor, Tensor, Tensor]:
+        hiddens = [unpack_pre_stage(self.inner.pre_stage(b))[0] for b in micro_batches]
+        hidden = torch.cat(hiddens) if len(hiddens) > 1 else hiddens[0]
+        x = hidden.detach().requires_grad_(True)
+        outputs = self.inner.post_stage(x).split([len(h) for h in hiddens])
+        losses = [self.inner.compute_loss(o, b) for o, b in zip(outputs, micro_batches)]
+        return hidden, x, torch.stack(losses).sum()
+
+
+def time_nonlayer(module: nn.Module, micro_batches: list[Any], tensors: dict[str, Tensor], autocast: Callable,
+                  device: torch.device) -> float:
+    """Seconds of the non-layer work over ``micro_batches`` (the embedding's forward and backward, the head
+    and the loss, forward and backward), the fastest of ``RUNS``, with the non-layer parameters and buffers
+    ``tensors`` (by name, as ``module.named_parameters`` names them; the trainable ones require grad):
+    the part of a step the blocks' FLOPs do not count (the loss's softmax, the embedding's dense gradient)."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    wrapper = _NonLayerPass(module)
+    named = {f"inner.{name}": t for name, t in tensors.items()}
+    trainable = [t for t in tensors.values() if t.requires_grad]
+    best_s = float("inf")
+    for _ in range(RUNS):
+        sync()
+        start_s = time.perf_counter()
+        with torch.enable_grad(), autocast():
+            hidden, x, loss = torch.func.functional_call(wrapper, named, (micro_batches,))
+            grads = torch.autograd.grad(loss, [x, *trainable], allow_unused=True)
+            if hidden.requires_grad and trainable:  # the embedding's backward
+                torch.autograd.grad(hidden, trainable, grads[0], allow_unused=True)
+        sync()
+        best_s = min(best_s, time.perf_counter() - start_s)
+        del hidden, x, loss, grads
+    return best_s
