@@ -2,7 +2,7 @@
 of the steps, on the defaults (``GreedySnakeStrategy()``: every setting the planner's).
 
     python benchmarks/prediction.py                                # r1, io_bound, gpt_1b (+ clip, bf16)
-    python benchmarks/prediction.py --cases gpt_4b --steps 5       # inside a 16 GiB memory cgroup
+    python benchmarks/prediction.py --cases gpt_4b --steps 5 --cgroup-gib 16   # inside a 16 GiB memory cgroup
 
 Each case is a child process (a clean peak RSS). Per step it keeps the wall time and the engine's measured
 busy times (``StepStats``: compute, SSD, optimizer worker); per run the prediction made before step 1
@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -23,7 +24,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import results_dir, ssd_bytes
+from common import cgroup_peak_bytes, enter_cgroup, make_cgroup, results_dir, ssd_bytes
 
 RESULTS = results_dir("prediction")
 
@@ -132,6 +133,7 @@ def main() -> None:
     p.add_argument("--cases", default="r1,io_bound,gpt_1b,gpt_1b_clip,gpt_1b_bf16")
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--ssd-root", default=None)
+    p.add_argument("--cgroup-gib", type=float, default=None, help="run each case in a memory cgroup of this size (root)")
     p.add_argument("--name", default=None, help="results file name (default: the cases joined by '+')")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     p.add_argument("--out", default=None, help=argparse.SUPPRESS)
@@ -144,11 +146,16 @@ def main() -> None:
         with tempfile.NamedTemporaryFile(suffix=".json") as out:
             cmd = [sys.executable, __file__, "--worker", name, "--out", out.name, "--steps", str(args.steps)]
             cmd += ["--ssd-root", args.ssd_root] if args.ssd_root else []
-            rc = subprocess.run(cmd).returncode
+            cgroup = make_cgroup(int(args.cgroup_gib * 2**30), f"pred-{name}") if args.cgroup_gib else None
+            rc = subprocess.run(cmd, preexec_fn=enter_cgroup(cgroup) if cgroup else None).returncode
+            peak = cgroup_peak_bytes(cgroup) if cgroup else None
+            if cgroup:
+                os.rmdir(cgroup)
             if rc != 0:
-                results.append(dict(case=name, failed=rc))
+                results.append(dict(case=name, failed=rc, cgroup_gib=args.cgroup_gib))
                 continue
-            results.append(json.loads(Path(out.name).read_text()))
+            results.append({**json.loads(Path(out.name).read_text()), "cgroup_gib": args.cgroup_gib,
+                            "cgroup_peak_bytes": peak})
         r = results[-1]
         pred = r["prediction"]
         print(f"== {name}: measured {r['s_per_step']:.2f} s/step; predicted {pred['roofline_s']:.2f} ({pred['bound']}-bound, "
@@ -161,6 +168,28 @@ def main() -> None:
     RESULTS.mkdir(parents=True, exist_ok=True)
     path = RESULTS / f"{args.name or '+'.join(args.cases.split(','))}.json"
     path.write_text(json.dumps(dict(cases=results), indent=1))
+    print(f"wrote {path}")
+    _plot([r for r in results if "failed" not in r], path.with_suffix(".png"))
+
+
+def _plot(results: list[dict], path: Path) -> None:
+    """Predicted (before step 1, calibrated) against measured s/step, one point per case, log-log."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(6, 5))
+    measured = [r["s_per_step"] for r in results]
+    ax.scatter(measured, [r["setup_prediction"]["roofline_s"] for r in results], label="before step 1")
+    ax.scatter(measured, [r["prediction"]["roofline_s"] for r in results], marker="x", label="calibrated")
+    for r in results:
+        ax.annotate(r["case"], (r["s_per_step"], r["setup_prediction"]["roofline_s"]), fontsize=8)
+    lo, hi = min(measured) / 1.5, max(measured) * 1.5
+    ax.plot([lo, hi], [lo, hi], "k-", lw=0.8)
+    ax.fill_between([lo, hi], [0.85 * lo, 0.85 * hi], [1.15 * lo, 1.15 * hi], color="grey", alpha=0.2, label="±15%")
+    ax.set(xscale="log", yscale="log", xlabel="measured s/step (median of steps 2-5)", ylabel="predicted s/step")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
     print(f"wrote {path}")
 
 

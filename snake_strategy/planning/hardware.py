@@ -1,6 +1,7 @@
 """A short probe of this machine's rates for the planner, cached on disk for a few hours.
 
-Measures (about 3 s in all): SSD O_DIRECT write and read GB/s through the package's own I/O engine,
+Measures (about 3 s in all): SSD O_DIRECT write and read GB/s through the package's own I/O engine (and the
+processor time per GB they take),
 host memory copy GB/s, fp32 matmul FLOP/s at transformer-like shapes, and fused AdamW params/s. The
 cache expires after ``PROBE_MAX_AGE_S``: a shared machine's rates move by 1.5x from one day to the next,
 so a prediction takes the rates of the day (and the steps' own measurements then correct it,
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import shutil
 import socket
 import tempfile
@@ -25,6 +27,7 @@ from snake_strategy.storage.aligned import padded_bytes
 
 DEFAULT_CACHE = os.path.join(os.path.expanduser("~"), ".cache", "snake_strategy", "hardware.json")
 PROBE_MAX_AGE_S = 6 * 3600.0
+PROBE_VERSION = 2  # in the cache key: a profile probed by an older version (without a field) is probed again
 
 
 def probe_hardware(ssd_dir: str | None = None, device: torch.device | None = None, probe_bytes: int = 256 * 2**20,
@@ -32,14 +35,15 @@ def probe_hardware(ssd_dir: str | None = None, device: torch.device | None = Non
     device = device or torch.device("cpu")
     # Keyed by the filesystem's device number: every directory on the same disk shares one probe.
     fs_device = os.stat(ssd_dir if ssd_dir and os.path.isdir(ssd_dir) else tempfile.gettempdir()).st_dev
-    key = f"{socket.gethostname()}|fs{fs_device}|{device}|{torch.get_num_threads()}"
+    key = f"{socket.gethostname()}|fs{fs_device}|{device}|{torch.get_num_threads()}|v{PROBE_VERSION}"
     cache = _load(cache_path)
     entry = cache.get(key, {})
     if not refresh and time.time() - entry.get("probed_at", 0.0) < PROBE_MAX_AGE_S:
         return HardwareProfile(**entry["profile"])
-    read_gbps, write_gbps = _probe_ssd(ssd_dir, probe_bytes)
+    read_gbps, write_gbps, ssd_cpu_s_per_gb = _probe_ssd(ssd_dir, probe_bytes)
     profile = HardwareProfile(
-        ssd_read_gb_per_s=read_gbps, ssd_write_gb_per_s=write_gbps, host_copy_gb_per_s=_probe_copy(),
+        ssd_read_gb_per_s=read_gbps, ssd_write_gb_per_s=write_gbps, ssd_cpu_s_per_gb=ssd_cpu_s_per_gb,
+        host_copy_gb_per_s=_probe_copy(),
         flops_per_s=_probe_matmul(device), optimizer_params_per_s=_probe_adam(),
         device_is_cpu=device.type == "cpu",
     )
@@ -62,7 +66,15 @@ def _load(path: str | None) -> dict:
         return {}  # a corrupt cache is only a cache: probe again
 
 
-def _probe_ssd(ssd_dir: str | None, num_bytes: int) -> tuple[float, float]:
+def _process_cpu_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def _probe_ssd(ssd_dir: str | None, num_bytes: int) -> tuple[float, float, float]:
+    """(read GB/s, write GB/s, CPU seconds per GB moved): the transfers through the package's I/O engine, and
+    the processor time they take from the process (O_DIRECT's system calls, the I/O threads' chunking): on a
+    CPU-only machine that time is taken from the compute."""
     # A private sub-directory: the run's own directory is locked by its engine.
     scratch = tempfile.mkdtemp(prefix="snake-probe-", dir=ssd_dir if ssd_dir and os.path.isdir(ssd_dir) else None)
     ssd, io = SsdDirectory(scratch), IOEngine(num_threads=4)
@@ -70,6 +82,7 @@ def _probe_ssd(ssd_dir: str | None, num_bytes: int) -> tuple[float, float]:
         buffer = aligned_empty(num_bytes, torch.uint8)
         buffer.fill_(7)
         fd = ssd.open("probe/probe.bin", num_bytes)
+        cpu_start_s = _process_cpu_s()
         start = time.perf_counter()
         io.submit_write(fd, 0, padded_bytes(buffer)).wait()
         os.fsync(fd)
@@ -77,7 +90,8 @@ def _probe_ssd(ssd_dir: str | None, num_bytes: int) -> tuple[float, float]:
         start = time.perf_counter()
         io.submit_read(fd, 0, padded_bytes(buffer)).wait()
         read_s = time.perf_counter() - start
-        return num_bytes / read_s / 1e9, num_bytes / write_s / 1e9
+        cpu_s = _process_cpu_s() - cpu_start_s
+        return num_bytes / read_s / 1e9, num_bytes / write_s / 1e9, cpu_s / (2 * num_bytes / 1e9)
     finally:
         io.close()
         ssd.close()

@@ -16,8 +16,8 @@ Roofline, per resource: the step cannot be faster than the busiest resource's to
   which needs 3) plus the head, the forward FLOPs at the forward's measured rate, the backward's at its own;
 - ``ssd``: read bytes / read bandwidth + write bytes / write bandwidth (one device does both);
 - ``optimizer``: parameters / fused-AdamW rate;
-- ``cpu``: on a CPU-only machine compute, the optimizer and the copies between the tiers in memory share
-  the same cores, so their sum.
+- ``cpu``: on a CPU-only machine compute, the optimizer, the copies between the tiers in memory and the
+  processor time of the SSD transfers share the same cores, so their sum.
 """
 from __future__ import annotations
 
@@ -42,6 +42,7 @@ class HardwareProfile:
     ssd_read_gb_per_s: float = 1.2
     ssd_write_gb_per_s: float = 1.8
     host_copy_gb_per_s: float = 8.0
+    ssd_cpu_s_per_gb: float = 0.0  # processor seconds the process spends per GB moved to or from the SSD
     flops_per_s: float = 75e9  # forward (and recompute) FLOPs
     optimizer_params_per_s: float = 740e6
     # The backward's FLOP rate where it was measured apart from the forward's (a timed unit); None: the same.
@@ -289,7 +290,7 @@ def predict(shape: ModelShape, hw: HardwareProfile, storage: StorageConfig, kind
     optimizer_s = (sum(shape.trainable) + shape.nonlayer_params) / hw.optimizer_params_per_s
     bounds = {"compute": compute_s, "ssd": ssd_s, "host_copy": host_copy_s, "optimizer": optimizer_s}
     if hw.device_is_cpu and not hw.measured_in_step:
-        bounds["cpu"] = compute_s + optimizer_s + host_copy_s
+        bounds["cpu"] = compute_s + optimizer_s + host_copy_s + (read + write) / 1e9 * hw.ssd_cpu_s_per_gb
     bound = max(bounds, key=bounds.get)
     return StepPrediction(compute_s, ssd_s, host_copy_s, optimizer_s, bounds[bound], bound, int(read), int(write))
 

@@ -1,10 +1,13 @@
 """The planner's traffic model, roofline and choices, checked against hand calculations."""
+import dataclasses
+
 import pytest
 
 from snake_strategy.config import StorageConfig
 from snake_strategy.planning.memory import host_plan
-from snake_strategy.planning.planner import (HardwareProfile, ModelShape, choose_alpha, memory_inputs, plan, predict,
-                                             step_flops, weight_fetches_per_step)
+from snake_strategy.planning.planner import (HardwareProfile, ModelShape, UnitTiming, choose_alpha, compute_seconds,
+                                             memory_inputs, plan, predict, step_flops, step_flops_split,
+                                             weight_fetches_per_step)
 
 # 8192 parameters per unit: 32 KiB in fp32, whole pages (the engine page-rounds every SSD transfer), and
 # an alpha=0.5 forward part of exactly 4096 elements (forward parts are page-aligned).
@@ -79,3 +82,36 @@ def test_plan_that_cannot_fit_names_the_numbers():
     shape = ModelShape(10, 1_000_000, 0, 0, 16, 4, 1000)
     with pytest.raises(ValueError, match=r"host_budget_bytes=0.00 GiB \(1000 bytes\) cannot hold the working set"):
         plan(shape, HW, host_budget_bytes=1000, alpha=choose_alpha(shape))
+
+
+def test_forward_and_backward_at_their_own_rates_and_the_timed_nonlayer_work_instead_of_the_head_flops():
+    shape = ModelShape(num_units=2, params_per_unit=8192, nonlayer_params=0, head_params=1000, tokens_per_micro=10,
+                       num_micro=2, checkpoint_bytes=100)
+    # per micro-batch: unit 0 forward + recompute + backward (input and weight gradients), unit 1 forward +
+    # backward; the head 2 x 1000 x 10 forward, twice that backward
+    forward, backward = step_flops_split(shape)
+    assert (forward, backward) == (2 * (3 * 163_840 + 20_000), 2 * (4 * 163_840 + 40_000))
+    hw = dataclasses.replace(HW, backward_flops_per_s=0.5e9)
+    assert compute_seconds(shape, hw) == pytest.approx(forward / 1e9 + backward / 0.5e9)
+    timed = dataclasses.replace(hw, nonlayer_s_per_token=1e-3)  # 20 tokens a step
+    assert compute_seconds(shape, timed) == pytest.approx((forward - 40_000) / 1e9 + (backward - 80_000) / 0.5e9
+                                                          + 20e-3)
+
+
+def test_the_cpu_bound_adds_what_shares_the_cores():
+    hw = dataclasses.replace(HW, ssd_cpu_s_per_gb=2.0, flops_per_s=1e12)
+    p = predict(SHAPE, hw, StorageConfig(weights={"host": 0.5, "ssd": 0.5}), "vertical", alpha=0.0)
+    assert p.host_copy_s > 0 and p.ssd_read_bytes > 0
+    assert p.bound == "cpu"
+    assert p.roofline_s == pytest.approx(p.compute_s + p.optimizer_s + p.host_copy_s
+                                         + (p.ssd_read_bytes + p.ssd_write_bytes) / 1e9 * 2.0)
+
+
+def test_a_timed_unit_gives_the_rates_of_its_own_flops():
+    shape = dataclasses.replace(SHAPE, attention_flops_per_token_per_unit=100.0)
+    timing = UnitTiming(forward_s=0.5, backward_s=2.0, params=8192, trained=4096, tokens=10, kept_units=1,
+                        graph_bytes_per_unit=64, nonlayer_s=0.1)
+    forward = (2 * 8192 + 100) * 10
+    assert timing.rates(shape) == pytest.approx({"flops_per_s": forward / 0.5,
+                                                 "backward_flops_per_s": 1.5 * forward / 2.0,
+                                                 "nonlayer_s_per_token": 0.01})
