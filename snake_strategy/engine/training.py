@@ -24,8 +24,8 @@ from torch import Tensor, nn
 
 from snake_strategy.activations import ActivationStore
 from snake_strategy.contract import (batch_size, check_contract, checkpoint_bytes_from_shapes, head_params,
-                                     loss_head_bytes, micro_batch_tokens, reads_block_outputs, slice_batch,
-                                     split_micro_batches, unpack_pre_stage)
+                                     loss_head_bytes, micro_batch_tokens, slice_batch, split_micro_batches,
+                                     unpack_pre_stage)
 from snake_strategy.engine.base import EngineBase
 from snake_strategy.engine.step.batch_check import batching_tolerance
 from snake_strategy.engine.state.build import build_model
@@ -209,8 +209,7 @@ class SnakeEngine(EngineBase):
         timed = timed_micro_batches(task, micro_batch_tokens(micro_batches[0]))
         micro_batches, sizes = micro_batches[:timed], sizes[:timed]
         forward_s, backward_s, graph_bytes = self.runner.time_unit(0, micro_batches, sizes)
-        # a loss that reads the blocks' outputs cannot run without them: its head stays counted in FLOPs
-        nonlayer_s = None if reads_block_outputs(self.module) else self.runner.time_nonlayer(micro_batches)
+        nonlayer_s = self.runner.time_nonlayer(micro_batches)
         kept, per_unit = self.runner.kept.expected_units(graph_bytes * task // timed,
                                                          self._free_host_bytes(checkpoint_bytes), len(self.units))
         return UnitTiming(forward_s, backward_s, self.units[0].layout.numel, self.unit_numel(0),

@@ -55,7 +55,7 @@ class RunPredictor:
             self.timing = engine.time_unit(batch, shape.checkpoint_bytes)
             rates = self.timing.rates(shape)
             log.info("planner: unit 0's forward over %d tokens took %.3f s (%.1f GFLOP/s), its backward %.3f s "
-                     "(%.1f GFLOP/s), the embedding, head and loss %s before step 1; %d units expected to keep their "
+                     "(%.1f GFLOP/s), the embedding and head %s before step 1; %d units expected to keep their "
                      "forward graph", self.timing.tokens, self.timing.forward_s, rates["flops_per_s"] / 1e9,
                      self.timing.backward_s, rates["backward_flops_per_s"] / 1e9,
                      "untimed" if self.timing.nonlayer_s is None else f"{self.timing.nonlayer_s:.3f} s",

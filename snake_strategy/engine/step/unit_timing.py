@@ -1,11 +1,12 @@
 """One unit's forward and backward timed before step 1: the model's own compute rates at the run's shapes
 and precision, for the prediction the planner makes before the first step (planning/run_prediction.py for a
-fit, snake_strategy/dry_run.py for a dry run; both time through ``time_forward_backward``).
+fit, snake_strategy/dry_run.py for a dry run; both time through ``time_forward_backward`` and
+``time_nonlayer``).
 
 The forward and the backward are timed apart: per FLOP they run at different speeds (a weight gradient's
 inner dimension is the pass's token count, small next to the model's width at short sequences; attention's
 backward does more than twice its forward), and a step runs them in different proportions (a recompute is a
-second forward, a kept graph saves it). The first of the two runs also records the forward graph's saved
+second forward, a kept graph saves it). The first run also records the forward graph's saved
 bytes as ``KeptGraphs`` would hold them: how many units "auto" will keep.
 
 On a CPU the pass's tensors come from fresh pages (the engine returns every large free to the OS,
@@ -25,12 +26,10 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from snake_strategy.contract import unpack_pre_stage
-
+from snake_strategy.contract import batch_tensors, unpack_pre_stage
 from snake_strategy.engine.step.kept_graphs import KeptGraphs
 
-RUNS = 3  # the first run warms the allocator and the kernels (measured at gpt_1b: 0.41, 0.32, 0.32, 0.30 s
-# forward): the fastest counts
+RUNS = 3  # the first run also warms the kernels and the allocator's caches; the fastest counts
 # A pass of more tokens times only whole micro-batches up to this many (at least one): the matmuls' rates have
 # settled by then (gpt_1b: 197 GFLOP/s forward at 512 tokens) and the timing of gpt_4b's 4,096-token task
 # would take 50 s; the forward graph's bytes, linear in the tokens, are scaled to the whole task.
@@ -103,27 +102,28 @@ def time_forward_backward(forward: Callable[[Tensor, list[Tensor]], Tensor], hid
 
 class _NonLayerPass(nn.Module):
     """The non-layer work of one task as ``functional_call`` runs it: ``pre_stage`` of each micro-batch, and
-    ``post_stage`` + ``compute_loss`` on a leaf of the hidden state (the blocks in between are timed apart)."""
+    ``post_stage`` on a leaf of the hidden state (the blocks in between are timed apart). The loss is not
+    called: the contract does not make ``compute_loss`` free of side effects (a counter, a metric), and its
+    cost is small next to the head's (gpt_1b: the softmax over 50257 logits, ~0.3 of 2.9 s)."""
 
     def __init__(self, module: nn.Module) -> None:
         super().__init__()
         self.inner = module
 
-    def forward(self, micro_batches: list[Any]) -> tuple[Tensor, Tensor, Tensor]:
+    def forward(self, micro_batches: list[Any]) -> tuple[Tensor, Tensor, list[Tensor]]:
         hiddens = [unpack_pre_stage(self.inner.pre_stage(b))[0] for b in micro_batches]
         hidden = torch.cat(hiddens) if len(hiddens) > 1 else hiddens[0]
         x = hidden.detach().requires_grad_(True)
-        outputs = self.inner.post_stage(x).split([len(h) for h in hiddens])
-        losses = [self.inner.compute_loss(o, b) for o, b in zip(outputs, micro_batches)]
-        return hidden, x, torch.stack(losses).sum()
+        return hidden, x, [t for t in batch_tensors(self.inner.post_stage(x)) if t.requires_grad]
 
 
 def time_nonlayer(module: nn.Module, micro_batches: list[Any], tensors: dict[str, Tensor], autocast: Callable,
                   device: torch.device) -> float:
-    """Seconds of the non-layer work over ``micro_batches`` (the embedding's forward and backward, the head
-    and the loss, forward and backward), the fastest of ``RUNS``, with the non-layer parameters and buffers
-    ``tensors`` (by name, as ``module.named_parameters`` names them; the trainable ones require grad):
-    the part of a step the blocks' FLOPs do not count (the loss's softmax, the embedding's dense gradient)."""
+    """Seconds of the non-layer work over ``micro_batches`` (the embedding's forward and backward, the head's
+    forward and backward, seeded with ones), the fastest of ``RUNS``, with the non-layer parameters and
+    buffers ``tensors`` (by name, as ``module.named_parameters`` names them; the trainable ones require
+    grad): the part of a step the blocks' FLOPs do not count (the embedding's dense gradient, the head at its
+    own shapes)."""
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     wrapper = _NonLayerPass(module)
     named = {f"inner.{name}": t for name, t in tensors.items()}
@@ -133,11 +133,12 @@ def time_nonlayer(module: nn.Module, micro_batches: list[Any], tensors: dict[str
         sync()
         start_s = time.perf_counter()
         with torch.enable_grad(), autocast():
-            hidden, x, loss = torch.func.functional_call(wrapper, named, (micro_batches,))
-            grads = torch.autograd.grad(loss, [x, *trainable], allow_unused=True)
-            if hidden.requires_grad and trainable:  # the embedding's backward
+            hidden, x, outputs = torch.func.functional_call(wrapper, named, (micro_batches,))
+            grads = (torch.autograd.grad(outputs, [x, *trainable], [torch.ones_like(o) for o in outputs],
+                                         allow_unused=True) if outputs else (None,))
+            if hidden.requires_grad and trainable and grads[0] is not None:  # the embedding's backward
                 torch.autograd.grad(hidden, trainable, grads[0], allow_unused=True)
         sync()
         best_s = min(best_s, time.perf_counter() - start_s)
-        del hidden, x, loss, grads
+        del hidden, x, outputs, grads
     return best_s
