@@ -181,10 +181,10 @@ def plan_run(module: nn.Module, strategy: Any = None, batch: Any = None, *, prec
 
 def _time_unit(module: nn.Module, plan: RunPlan, dtypes: DtypePolicy, device: torch.device, batch: Any,
                items: dict[str, int]) -> UnitTiming | None:
-    """Unit 0's forward and backward over the micro-batches one task runs (up to ``TIMED_TOKENS``), as a fit
-    times them before step 1
-    (``engine.step.unit_timing``), on random weights of the unit's layout (normal, std 0.02) and random inputs
-    of the shapes ``pre_stage`` gives on meta; and the units "auto" keeps in the budget ``items`` leave."""
+    """Unit 0's forward and backward, and the embedding's and the head's, over the micro-batches one task runs
+    (up to ``TIMED_TOKENS``), as a fit times them before step 1 (``engine.step.unit_timing``): on random
+    weights of the unit's layout and random non-layer tensors (normal, std 0.02), with random inputs of the
+    shapes ``pre_stage`` gives on meta; and the units "auto" keeps in the budget ``items`` leave."""
     s, layout = plan.schedule, plan.layouts[0]
     micro_batches = split_micro_batches(batch, s.num_micro_batches)
     task = len(micro_batches) if s.batched_forward else 1
