@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from typing import Any
 
 import torch
@@ -52,13 +53,15 @@ class RunPredictor:
         if self.timing is None and self.hardware in (None, "probe"):
             # This model's own unit, forward and backward, timed once before step 1 (a few % of a step); its
             # forward graph's size says how many units "auto" will keep (no recompute for them).
+            start_s = time.perf_counter()
             self.timing = engine.time_unit(batch, shape.checkpoint_bytes)
+            timing_s = time.perf_counter() - start_s
             rates = self.timing.rates(shape)
             log.info("planner: unit 0's forward over %d tokens took %.3f s (%.1f GFLOP/s), its backward %.3f s "
-                     "(%.1f GFLOP/s), the embedding and head %s before step 1; %d units expected to keep their "
-                     "forward graph", self.timing.tokens, self.timing.forward_s, rates["flops_per_s"] / 1e9,
-                     self.timing.backward_s, rates["backward_flops_per_s"] / 1e9,
-                     "untimed" if self.timing.nonlayer_s is None else f"{self.timing.nonlayer_s:.3f} s",
+                     "(%.1f GFLOP/s), the embedding and head %s before step 1 (the timing took %.1f s); %d units "
+                     "expected to keep their forward graph", self.timing.tokens, self.timing.forward_s,
+                     rates["flops_per_s"] / 1e9, self.timing.backward_s, rates["backward_flops_per_s"] / 1e9,
+                     "untimed" if self.timing.nonlayer_s is None else f"{self.timing.nonlayer_s:.3f} s", timing_s,
                      self.timing.kept_units)
         expected_graphs = 0
         if at_setup and not engine.kept_units and self.timing is not None:

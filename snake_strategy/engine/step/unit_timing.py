@@ -30,6 +30,9 @@ from snake_strategy.contract import batch_tensors, unpack_pre_stage
 from snake_strategy.engine.step.kept_graphs import KeptGraphs
 
 RUNS = 3  # the first run also warms the kernels and the allocator's caches; the fastest counts
+# The non-layer pass runs once, after the unit's runs warmed the process: it is long (gpt_1b: 3.8 s over 512
+# tokens, as long as four unit passes), and three runs made the timing 17 s, 60% of a step.
+NONLAYER_RUNS = 1
 # A pass of more tokens times only whole micro-batches up to this many (at least one): the matmuls' rates have
 # settled by then (gpt_1b: 197 GFLOP/s forward at 512 tokens) and the timing of gpt_4b's 4,096-token task
 # would take 50 s; the forward graph's bytes, linear in the tokens, are scaled to the whole task.
@@ -120,16 +123,16 @@ class _NonLayerPass(nn.Module):
 def time_nonlayer(module: nn.Module, micro_batches: list[Any], tensors: dict[str, Tensor], autocast: Callable,
                   device: torch.device) -> float:
     """Seconds of the non-layer work over ``micro_batches`` (the embedding's forward and backward, the head's
-    forward and backward, seeded with ones), the fastest of ``RUNS``, with the non-layer parameters and
-    buffers ``tensors`` (by name, as ``module.named_parameters`` names them; the trainable ones require
-    grad): the part of a step the blocks' FLOPs do not count (the embedding's dense gradient, the head at its
+    forward and backward, seeded with ones), run ``NONLAYER_RUNS`` times (the fastest counts), with the
+    non-layer parameters and buffers ``tensors`` (by name, as ``module.named_parameters`` names them; the
+    trainable ones require grad): the part of a step the blocks' FLOPs do not count (the embedding's dense gradient, the head at its
     own shapes)."""
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     wrapper = _NonLayerPass(module)
     named = {f"inner.{name}": t for name, t in tensors.items()}
     trainable = [t for t in tensors.values() if t.requires_grad]
     best_s = float("inf")
-    for _ in range(RUNS):
+    for _ in range(NONLAYER_RUNS):
         sync()
         start_s = time.perf_counter()
         with torch.enable_grad(), autocast():
