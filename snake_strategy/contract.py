@@ -126,6 +126,12 @@ def _meta(t: Tensor) -> Tensor:
     return torch.empty_like(t, device="meta").requires_grad_(t.requires_grad)
 
 
+def nonlayer_tensors(module: nn.Module) -> dict[str, Tensor]:
+    """The parameters and buffers outside ``module.blocks`` (embedding, final norm, head), by name."""
+    block_ids = {id(t) for t in (*module.blocks.parameters(), *module.blocks.buffers())}
+    return {n: t for n, t in (*module.named_parameters(), *module.named_buffers()) if id(t) not in block_ids}
+
+
 def meta_pre_stage(module: nn.Module, micro_batch: Any) -> tuple[Tensor, dict[str, Any]] | None:
     """``pre_stage`` of a micro-batch on meta copies of it and of the non-layer parameters (no FLOP, no
     memory): the hidden state's shape and dtype (one activation checkpoint) and the side inputs; None when
@@ -139,9 +145,7 @@ def meta_pre_stage(module: nn.Module, micro_batch: Any) -> tuple[Tensor, dict[st
         def forward(self, batch: Any) -> Any:
             return self.inner.pre_stage(batch)
 
-    block_ids = {id(t) for t in (*module.blocks.parameters(), *module.blocks.buffers())}
-    nonlayer = {f"inner.{n}": _meta(t) for n, t in (*module.named_parameters(), *module.named_buffers())
-                if id(t) not in block_ids}
+    nonlayer = {f"inner.{n}": _meta(t) for n, t in nonlayer_tensors(module).items()}
     batch = apply_to_collection(micro_batch, Tensor, lambda t: t.to("meta"))
     try:
         out = torch.func.functional_call(_PreStage(), nonlayer, (batch,))

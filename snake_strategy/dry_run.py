@@ -38,8 +38,8 @@ from lightning_utilities.core.apply_func import apply_to_collection
 from torch import nn
 
 from snake_strategy.contract import (batch_size, check_contract, checkpoint_bytes_from_shapes, head_params,
-                                     loss_head_bytes, meta_pre_stage, micro_batch_tokens, split_micro_batches,
-                                     stack_side_inputs)
+                                     loss_head_bytes, meta_pre_stage, micro_batch_tokens, nonlayer_tensors,
+                                     split_micro_batches, stack_side_inputs)
 from snake_strategy.engine.step.batch_check import eval_mode
 from snake_strategy.engine.step.kept_graphs import KeptGraphs
 from snake_strategy.engine.step.unit_timing import time_forward_backward, time_nonlayer, timed_micro_batches
@@ -211,10 +211,8 @@ def _time_unit(module: nn.Module, plan: RunPlan, dtypes: DtypePolicy, device: to
         forward_s, backward_s, graph_bytes = time_forward_backward(
             lambda x, outs: layout.forward(leaves, x, side, None, outs), hidden, leaves, layout.num_trainable, kept,
             autocast, device)
-    block_ids = {id(t) for t in (*module.blocks.parameters(), *module.blocks.buffers())}
     tensors = {n: _random_like(t, device).requires_grad_(t.requires_grad) if t.dtype.is_floating_point
-               else _random_like(t, device)
-               for n, t in (*module.named_parameters(), *module.named_buffers()) if id(t) not in block_ids}
+               else _random_like(t, device) for n, t in nonlayer_tensors(module).items()}
     on_device = [apply_to_collection(b, torch.Tensor, lambda t: t.to(device)) for b in micro_batches]
     with eval_mode([module]):
         nonlayer_s = time_nonlayer(module, on_device, tensors, autocast, device)

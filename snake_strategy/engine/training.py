@@ -200,9 +200,10 @@ class SnakeEngine(EngineBase):
                                    kept_units=len(self.runner.kept.units or ()))
 
     def time_unit(self, batch: Any, checkpoint_bytes: int) -> UnitTiming:
-        """Unit 0's forward and backward timed over the micro-batches one task of ``batch`` runs (all of them
-        under batched passes, up to ``unit_timing.TIMED_TOKENS``), before step 1: this model's compute rates at its own shapes and precision
-        (``StepRunner.time_unit``), and the kept graphs "auto" will choose in the budget the plan leaves with
+        """Unit 0's forward and backward, and the non-layer work, timed over the micro-batches one task of
+        ``batch`` runs (all of them under batched passes, up to ``unit_timing.TIMED_TOKENS``), before step 1:
+        this model's compute rates at its own shapes and precision (``StepRunner.time_unit``,
+        ``StepRunner.time_nonlayer``), and the kept graphs "auto" will choose in the budget the plan leaves with
         checkpoints of that size."""
         micro_batches, sizes = self.micro_batches(batch)
         task = len(micro_batches) if self.schedule.batched_forward else 1

@@ -23,7 +23,8 @@ import torch
 from torch import Tensor, nn
 
 from snake_strategy.activations import ActivationStore
-from snake_strategy.contract import check_block_output, reads_block_outputs, stack_side_inputs, unpack_pre_stage
+from snake_strategy.contract import (check_block_output, nonlayer_tensors, reads_block_outputs, stack_side_inputs,
+                                     unpack_pre_stage)
 from snake_strategy.engine.step.batch_check import check_batching, eval_mode
 from snake_strategy.engine.step.gradients import GradientPath
 from snake_strategy.engine.step.kept_graphs import KeptGraph, KeptGraphs
@@ -113,10 +114,9 @@ class StepRunner:
     def time_unit(self, u: int, micro_batches: list[Any], sizes: list[int]) -> tuple[float, float, int]:
         """Seconds of unit ``u``'s forward, and of its backward (input and weight gradients), over
         ``micro_batches`` in one pass (``unit_timing.time_forward_backward``): this model's own compute rates,
-        measured at setup. It runs in
-        eval mode (no dropout), as the batch check does, on a fresh copy of the unit's weights (not the
-        streamer's buffers), with the RNG streams restored: nothing the run sees changes, nothing is
-        accumulated or stepped. Returns (forward s, backward s, the bytes its forward graph saves: what
+        measured at setup. It runs in eval mode (no dropout), as the batch check does, on a fresh copy of the
+        unit's weights (not the streamer's buffers), with the RNG streams restored: nothing the run sees
+        changes, nothing is accumulated or stepped. Returns (forward s, backward s, the bytes its forward graph saves: what
         keeping it would hold, as ``KeptGraphs`` records it; the first run records it)."""
         devices = [self.device] if self.device.type == "cuda" else []
         unit = self.units[u]
@@ -136,12 +136,10 @@ class StepRunner:
         """Seconds of the non-layer work over ``micro_batches`` (``unit_timing.time_nonlayer``), with the
         module's own non-layer parameters (read, never accumulated into), in eval mode, the RNG restored."""
         devices = [self.device] if self.device.type == "cuda" else []
-        block_ids = {id(t) for t in (*self.module.blocks.parameters(), *self.module.blocks.buffers())}
-        tensors = {n: t for n, t in (*self.module.named_parameters(), *self.module.named_buffers())
-                   if id(t) not in block_ids}
         with torch.random.fork_rng(devices=devices, device_type=self.device.type if devices else "cuda"), \
                 eval_mode([self.module]):
-            return time_nonlayer(self.module, micro_batches, tensors, self.autocast, self.device)
+            return time_nonlayer(self.module, micro_batches, nonlayer_tensors(self.module), self.autocast,
+                                 self.device)
 
     def autocast(self):
         if self._autocast_dtype is None:

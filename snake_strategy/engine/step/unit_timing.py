@@ -39,21 +39,24 @@ NONLAYER_RUNS = 1
 TIMED_TOKENS = 1024
 
 
-# Fresh-memory settling: 256 MiB pieces, each allocated, filled, refilled and freed (one piece alive at a time),
-# until filling fresh pages costs at most this many refills of them (settled here: 6-9x; unsettled: ~50x),
-# touching at most SETTLE_MAX_BYTES.
+# Fresh-memory settling: pieces of up to 256 MiB, each allocated, filled, refilled and freed (one piece alive at
+# a time), until filling fresh pages costs at most this many refills of them (settled here: 6-9x; unsettled:
+# ~50x), touching at most SETTLE_WEIGHT_MULTIPLE times the unit's weight bytes (the pass's own footprint is a
+# few times them; gpt_1b's 201 MB unit needed 1.25 GB) and at most SETTLE_MAX_BYTES: a small model's pass
+# settles in one small piece instead of paying 256 MiB in every fit.
 SETTLE_PIECE_ELEMS = 64 * 2**20
 SETTLED_FRESH_OVER_REFILL = 15.0
+SETTLE_WEIGHT_MULTIPLE = 8
 SETTLE_MAX_BYTES = 4 * 2**30
 
 
-def settle_fresh_memory() -> float:
-    """Touch fresh host memory until the kernel serves it at its settled cost (see the module docstring);
-    returns the seconds it took."""
-    start_s = time.perf_counter()
-    for _ in range(SETTLE_MAX_BYTES // (4 * SETTLE_PIECE_ELEMS)):
+def settle_fresh_memory(max_bytes: int) -> None:
+    """Touch fresh host memory, at most ``max_bytes`` of it, until the kernel serves it at its settled cost
+    (see the module docstring)."""
+    piece_elems = max(1, min(SETTLE_PIECE_ELEMS, max_bytes // 4))
+    for _ in range(max(1, max_bytes // (4 * piece_elems))):
         piece_start_s = time.perf_counter()
-        piece = torch.ones(SETTLE_PIECE_ELEMS)
+        piece = torch.ones(piece_elems)
         fresh_s = time.perf_counter() - piece_start_s
         refill_start_s = time.perf_counter()
         piece.fill_(2.0)
@@ -61,7 +64,6 @@ def settle_fresh_memory() -> float:
         del piece
         if fresh_s <= SETTLED_FRESH_OVER_REFILL * refill_s:
             break
-    return time.perf_counter() - start_s
 
 
 def timed_micro_batches(num_micro: int, tokens_per_micro: int) -> int:
@@ -77,7 +79,8 @@ def time_forward_backward(forward: Callable[[Tensor, list[Tensor]], Tensor], hid
     the RNG fork and eval mode the caller wants (nothing here draws random numbers)."""
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     if device.type == "cpu":
-        settle_fresh_memory()
+        weight_bytes = sum(leaf.numel() * leaf.element_size() for leaf in leaves)
+        settle_fresh_memory(min(SETTLE_MAX_BYTES, SETTLE_WEIGHT_MULTIPLE * weight_bytes))
     trainable = leaves[:num_trainable]
     best_forward_s = best_backward_s = float("inf")
     graph_bytes = 0
@@ -125,8 +128,8 @@ def time_nonlayer(module: nn.Module, micro_batches: list[Any], tensors: dict[str
     """Seconds of the non-layer work over ``micro_batches`` (the embedding's forward and backward, the head's
     forward and backward, seeded with ones), run ``NONLAYER_RUNS`` times (the fastest counts), with the
     non-layer parameters and buffers ``tensors`` (by name, as ``module.named_parameters`` names them; the
-    trainable ones require grad): the part of a step the blocks' FLOPs do not count (the embedding's dense gradient, the head at its
-    own shapes)."""
+    trainable ones require grad): the part of a step the blocks' FLOPs do not count (the embedding's dense
+    gradient, the head at its own shapes)."""
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     wrapper = _NonLayerPass(module)
     named = {f"inner.{name}": t for name, t in tensors.items()}
