@@ -121,6 +121,27 @@ def disk_used_bytes(path: str) -> int:
     return usage.total - usage.free
 
 
+def write_random_hf(model_dir: Path, config, dtype=None, max_shard_bytes: int = 2**30) -> int:
+    """An HF directory of sharded safetensors for ``config`` with random weights (normal, std 0.02; norms 1),
+    built shape by shape (the model itself stays on the meta device); returns the parameter count."""
+    import torch
+
+    from snake_strategy.hf import HFCausalLM, export_hf
+    planner = HFCausalLM(config)
+    with torch.device("meta"):
+        planner.configure_model()
+    shapes = [(name, p.shape) for name, p in planner.named_parameters()]
+    g = torch.Generator().manual_seed(0)
+
+    def tensors():
+        for name, shape in shapes:
+            value = torch.ones(shape) if "norm" in name else torch.randn(shape, generator=g) * 0.02
+            yield name, value.to(dtype) if dtype is not None else value
+
+    export_hf(tensors(), model_dir, config=config, dtype=dtype, max_shard_bytes=max_shard_bytes)
+    return sum(shape.numel() for _, shape in shapes)
+
+
 def plot_ranks(report: dict, path: Path, keys: list[tuple[str, str]], ylabel: str, title: str) -> None:
     """Two panels for a data-parallel report (``runs``: name -> the ranks' result dicts): rank 0's bytes
     per ``keys`` item, one bar group per run, and the median s/step of each run."""

@@ -31,7 +31,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import peak_rss_bytes, results_dir, ssd_bytes, step_probe
+from common import peak_rss_bytes, results_dir, ssd_bytes, step_probe, write_random_hf
 
 HERE = Path(__file__).resolve().parent
 RESULTS = results_dir("finetune")
@@ -47,22 +47,7 @@ def llama_config(args):
 
 def write_model(args) -> int:
     """Random weights as sharded safetensors in ``args.dir``; returns the parameter count."""
-    import torch
-
-    from snake_strategy.hf import HFCausalLM, export_hf
-    config = llama_config(args)
-    planner = HFCausalLM(config)
-    with torch.device("meta"):
-        planner.configure_model()
-    shapes = [(name, p.shape) for name, p in planner.named_parameters()]
-    g = torch.Generator().manual_seed(0)
-
-    def tensors():
-        for name, shape in shapes:
-            yield name, (torch.ones(shape) if "norm" in name else torch.randn(shape, generator=g) * 0.02)
-
-    export_hf(tensors(), args.dir, config=config, max_shard_bytes=GIB)
-    return sum(shape.numel() for _, shape in shapes)
+    return write_random_hf(Path(args.dir), llama_config(args), max_shard_bytes=GIB)
 
 
 def worker(args) -> dict:

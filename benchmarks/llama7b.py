@@ -38,7 +38,7 @@ import time
 from pathlib import Path
 
 from common import (cgroup_peak_bytes, disk_used_bytes, enter_cgroup, make_cgroup, peak_rss_bytes, results_dir,
-                    ssd_bytes, step_probe)
+                    ssd_bytes, step_probe, write_random_hf)
 
 HERE = Path(__file__).resolve().parent
 RESULTS = results_dir("llama7b")
@@ -52,23 +52,10 @@ CGROUP_GIB = {"lora": 8, "full_checkpoint": 16, "full": 16, "resume": 16, "gener
 def write_model(model_dir: Path, layers: int) -> dict:
     import torch
     from transformers import LlamaConfig
-
-    from snake_strategy.hf import HFCausalLM, export_hf
     config = LlamaConfig(**{**LLAMA2_7B, "num_hidden_layers": layers}, torch_dtype="bfloat16")
-    planner = HFCausalLM(config)
-    shapes = [(name, p.shape) for name, p in planner.named_parameters()]
-    g = torch.Generator().manual_seed(0)
-
-    def tensors():
-        for name, shape in shapes:
-            if "norm" in name:
-                yield name, torch.ones(shape, dtype=torch.bfloat16)
-            else:
-                yield name, (torch.randn(shape, generator=g) * 0.02).to(torch.bfloat16)
-
     start = time.perf_counter()
-    export_hf(tensors(), model_dir, config=config, dtype=torch.bfloat16, max_shard_bytes=2 * GIB)
-    return dict(params=sum(s.numel() for _, s in shapes), write_s=time.perf_counter() - start,
+    params = write_random_hf(model_dir, config, dtype=torch.bfloat16, max_shard_bytes=2 * GIB)
+    return dict(params=params, write_s=time.perf_counter() - start,
                 bytes=sum(f.stat().st_size for f in model_dir.iterdir()))
 
 

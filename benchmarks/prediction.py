@@ -3,6 +3,7 @@ of the steps, on the defaults (``GreedySnakeStrategy()``: every setting the plan
 
     python benchmarks/prediction.py                                # r1, io_bound, gpt_1b (+ clip, bf16)
     python benchmarks/prediction.py --cases gpt_4b --steps 5 --cgroup-gib 16   # inside a 16 GiB memory cgroup
+    python benchmarks/prediction.py --cases gpt_1b_moe,hf_llama_1b           # experts; an HF Llama from safetensors
 
 Each case is a child process (a clean peak RSS). Per step it keeps the wall time and the engine's measured
 busy times (``StepStats``: compute, SSD, optimizer worker); per run the prediction made before step 1
@@ -17,6 +18,7 @@ import argparse
 import dataclasses
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -24,7 +26,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import cgroup_peak_bytes, enter_cgroup, make_cgroup, results_dir, ssd_bytes
+from common import cgroup_peak_bytes, enter_cgroup, make_cgroup, results_dir, ssd_bytes, write_random_hf
 
 RESULTS = results_dir("prediction")
 
@@ -36,6 +38,13 @@ CASES = {
     "gpt_1b_clip": dict(preset="gpt_1b", context_len=128, micro_batch_size=1, num_micro=4, clip=1.0),
     "gpt_1b_bf16": dict(preset="gpt_1b", context_len=128, micro_batch_size=1, num_micro=4, precision="bf16-mixed"),
     "gpt_4b": dict(preset="gpt_4b", context_len=128, micro_batch_size=1, num_micro=4),
+    # 12 blocks of 8 experts (top-2) at gpt_1b's width: the router's choice moves the FLOPs per token
+    "gpt_1b_moe": dict(preset="gpt_1b_moe", context_len=128, micro_batch_size=1, num_micro=4),
+    # an HF Llama of TinyLlama-1.1B's shape, random bf16 safetensors written to a temporary directory first
+    "hf_llama_1b": dict(hf_llama=dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632,
+                                      num_hidden_layers=22, num_attention_heads=32, num_key_value_heads=4,
+                                      max_position_embeddings=2048, tie_word_embeddings=False),
+                        context_len=128, micro_batch_size=1, num_micro=4),
 }
 
 
@@ -56,10 +65,25 @@ def run_case(name: str, steps: int, ssd_root: str | None) -> dict:
     from snake_strategy.gpt import GPTModule, preset
 
     case = CASES[name]
-    cfg = preset(case["preset"])
-    cfg.context_len = case["context_len"]
     torch.manual_seed(0)
-    module = GPTModule(cfg, learning_rate=1e-4)
+    batch = case["micro_batch_size"] * case["num_micro"]
+    model_dir = None
+    if "hf_llama" in case:
+        from transformers import LlamaConfig
+
+        from snake_strategy.hf import HFCausalLM
+        model_dir = Path(tempfile.mkdtemp(prefix="snake-pred-hf-", dir=ssd_root))
+        write_random_hf(model_dir, LlamaConfig(**case["hf_llama"]), dtype=torch.bfloat16)
+        module = HFCausalLM(model_dir, learning_rate=1e-4)
+        ids = torch.randint(0, case["hf_llama"]["vocab_size"], (batch * steps, case["context_len"]),
+                            generator=torch.Generator().manual_seed(1))
+        loader = DataLoader([{"input_ids": row} for row in ids], batch_size=batch, shuffle=False)
+    else:
+        cfg = preset(case["preset"])
+        cfg.context_len = case["context_len"]
+        module = GPTModule(cfg, learning_rate=1e-4)
+        windows = ByteWindows(load_corpus("stdlib"), case["context_len"])
+        loader = DataLoader(Subset(windows, range(batch * steps)), batch_size=batch, shuffle=False)
     strategy = snake_strategy.GreedySnakeStrategy(
         storage={"ssd_dir": tempfile.mkdtemp(prefix="snake-pred-", dir=ssd_root)},
         schedule={"num_micro_batches": case["num_micro"]})
@@ -94,14 +118,13 @@ def run_case(name: str, steps: int, ssd_root: str | None) -> dict:
             marks["engine_items"] = engine.host_bytes_plan(engine.checkpoint_bytes)
             marks["engine_host"] = sum(marks["engine_items"].values())
 
-    batch = case["micro_batch_size"] * case["num_micro"]
-    windows = ByteWindows(load_corpus("stdlib"), case["context_len"])
-    loader = DataLoader(Subset(windows, range(batch * steps)), batch_size=batch, shuffle=False)
     trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=1, max_steps=steps, logger=False,
                         precision=case.get("precision", "32-true"), gradient_clip_val=case.get("clip"),
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         limit_val_batches=0, num_sanity_val_steps=0, callbacks=[Probe()])
     trainer.fit(module, train_dataloaders=loader)
+    if model_dir is not None:
+        shutil.rmtree(model_dir)
     plan = strategy.plan
     setup = plan.setup_prediction  # made before step 1 ran
     steady = step_s[1:] or step_s
