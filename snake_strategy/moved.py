@@ -15,7 +15,7 @@ MOVED_MODULES: dict[str, tuple[str, dict[str, str]]] = {
     "snake_strategy.adapters": ("snake_strategy.hf", {}),
     "snake_strategy.autoplan": ("snake_strategy.planning.autoplan", {}),
     "snake_strategy.checkpoint_weights": ("snake_strategy.checkpoint", {"export_hf_checkpoint": "snake_strategy.hf"}),
-    "snake_strategy.memory": ("snake_strategy.planning.memory", {}),
+    "snake_strategy.memory": ("snake_strategy.planning.memory_model", {}),
     "snake_strategy.planner": ("snake_strategy.planning.planner", {}),
 }
 

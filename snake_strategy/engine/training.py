@@ -43,7 +43,7 @@ from snake_strategy.engine.stream.forward_only import stream_blocks, streamed_fo
 from snake_strategy.engine.view import StepStats
 from snake_strategy.engine.stream.streamer import WeightStreamer
 from snake_strategy.planning.host_memory import SOURCE_GIVEN
-from snake_strategy.planning.memory import pool_sizes, unplanned_room_bytes
+from snake_strategy.planning.memory_model import pool_sizes, unplanned_room_bytes
 from snake_strategy.optimizers import hyper_params, step_kind
 from snake_strategy.planning.autoplan import RunPlan
 from snake_strategy.planning.planner import ModelShape, UnitTiming
@@ -185,7 +185,7 @@ class SnakeEngine(EngineBase):
 
     def _free_host_bytes(self, checkpoint_bytes: int) -> int | None:
         """What the plan's budget leaves once the plan with checkpoints of this size is placed
-        (``memory.unplanned_room_bytes``): kept graphs fill it."""
+        (``memory_model.unplanned_room_bytes``): kept graphs fill it."""
         p = self.plan
         return unplanned_room_bytes(p.host_budget_bytes, p.host_budget_source == SOURCE_GIVEN, p.process_baseline_bytes,
                                     sum(self.host_bytes_plan(checkpoint_bytes).values()))

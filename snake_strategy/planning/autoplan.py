@@ -52,8 +52,8 @@ from snake_strategy.config import STATES, ScheduleConfig, StorageConfig, TierSha
 from snake_strategy.contract import check_trainable
 from snake_strategy.planning.calibration import Knee
 from snake_strategy.planning.host_memory import SOURCE_AVAILABLE, host_budget, process_baseline_bytes
-from snake_strategy.planning.memory import (MemoryInputs, format_plan, host_plan, rollback_copied_elems,
-                                            rollback_held_bytes)
+from snake_strategy.planning.memory_model import (MemoryInputs, format_plan, host_plan, rollback_copied_elems,
+                                                  rollback_held_bytes)
 from snake_strategy.planning.planner import (HardwareProfile, ModelShape, StepPrediction, choose_alpha, kept_activations,
                                              memory_inputs, plan, prefetch_depth)
 from snake_strategy.precision import DtypePolicy
@@ -85,7 +85,7 @@ class RunPlan:
     schedule: ScheduleConfig  # concrete: every field set
     reasons: dict[str, str]  # setting -> "given" or why the planner chose it
     host_budget_bytes: int  # host_memory.host_budget: the tightest bound, which every reader uses
-    host_bytes: int  # memory.host_plan of the chosen settings (checkpoints not yet counted)
+    host_bytes: int  # memory_model.host_plan of the chosen settings (checkpoints not yet counted)
     host_budget_source: str = SOURCE_AVAILABLE  # which bound it was (host_memory.SOURCE_*)
     host_budget_detail: str = ""  # the numbers behind it
     prediction: StepPrediction | None = None  # the floor of one step, from the first batch's shapes
@@ -146,7 +146,7 @@ class RunPlan:
         return tuple(max(shapes, key=lambda sh: sh[0] * sh[1])) if shapes else (1, 1)
 
     def host_items(self, checkpoint_bytes: int = 0, shard_rank: int = 0, loss_logits_bytes: int = 0) -> dict[str, int]:
-        """Host bytes of this plan, item by item (``memory.host_plan``)."""
+        """Host bytes of this plan, item by item (``memory_model.host_plan``)."""
         return host_plan(self.memory_inputs(checkpoint_bytes, shard_rank, loss_logits_bytes))
 
     def check_host_budget(self, items: dict[str, int]) -> None:

@@ -29,8 +29,8 @@ import torch
 from torch import nn
 
 from snake_strategy.config import ScheduleConfig, StorageConfig, TierShares
-from snake_strategy.planning.memory import (MemoryInputs, checkpoint_tiers, forward_part_end,
-                                            host_plan, shard_bounds, unit_rollback_elems)
+from snake_strategy.planning.memory_model import (MemoryInputs, checkpoint_tiers, forward_part_end, host_plan,
+                                                  shard_bounds, unit_rollback_elems)
 from snake_strategy.storage.tiered import tier_bytes
 from snake_strategy.units import UnitLayout, nonlayer_numel
 
@@ -377,8 +377,8 @@ def plan(shape: ModelShape, hw: HardwareProfile, host_budget_bytes: int, kind: s
 
     Order: weights (read twice per step by compute, once more by the optimizer: ~4 bytes moved per
     byte stored), then Adam moments (read + written: 2), then activation checkpoints (2). The working set
-    (pools, gradient forward parts, turning-point checkpoints) is ``memory.host_plan`` of the all-SSD
-    layout; the returned ``host_bytes`` is ``memory.host_plan`` of the chosen one. Raises ValueError when
+    (pools, gradient forward parts, turning-point checkpoints) is ``memory_model.host_plan`` of the all-SSD
+    layout; the returned ``host_bytes`` is ``memory_model.host_plan`` of the chosen one. Raises ValueError when
     even the working set does not fit.
     """
     P = shape.params_per_unit * shape.num_units

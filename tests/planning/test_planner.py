@@ -4,7 +4,7 @@ import dataclasses
 import pytest
 
 from snake_strategy.config import StorageConfig
-from snake_strategy.planning.memory import host_plan
+from snake_strategy.planning.memory_model import host_plan
 from snake_strategy.planning.planner import (HardwareProfile, ModelShape, UnitTiming, choose_alpha, compute_seconds,
                                              memory_inputs, plan, predict, step_flops, step_flops_split,
                                              weight_fetches_per_step)

@@ -13,7 +13,7 @@ forward part), an overflowing one is restored (nothing changed, the step is skip
 ``RollbackStore``: per unit over this rank's backward part, the raw gradient and the in-memory part of the
 pre-step states in slots overwritten every step (all on the host or all in SSD files,
 ``storage.rollback``); the states' SSD part held as the previous versions of their files. Counted by
-``memory.rollback_copied_elems`` and ``memory.rollback_held_bytes``. Its files are the engine's own,
+``memory_model.rollback_copied_elems`` and ``memory_model.rollback_held_bytes``. Its files are the engine's own,
 separate from any checkpoint: a killed run resumes from its last checkpoint.
 
 ``SpeculationPolicy``: when the last step clipped (or overflowed) the next one is not speculated (the
