@@ -10,20 +10,29 @@ import importlib
 import warnings
 from typing import Any, Callable
 
+# The placement search and the unit timing of the old planner module, which is otherwise the time model.
+_PLANNER_ELSEWHERE = {**dict.fromkeys(("Placement", "choose_alpha", "memory_inputs", "PREFETCH_FROM_MEMORY",
+                                       "PREFETCH_FROM_SSD", "prefetch_depth", "plan", "kept_activations"),
+                                      "snake_strategy.planning.placement"),
+                      "UnitTiming": "snake_strategy.planning.calibration"}
+
 # old module -> (the module most of its public names moved to, {name: module} for those that went elsewhere)
 MOVED_MODULES: dict[str, tuple[str, dict[str, str]]] = {
     "snake_strategy.adapters": ("snake_strategy.hf", {}),
     "snake_strategy.autoplan": ("snake_strategy.planning.autoplan", {}),
     "snake_strategy.checkpoint_weights": ("snake_strategy.checkpoint", {"export_hf_checkpoint": "snake_strategy.hf"}),
     "snake_strategy.memory": ("snake_strategy.planning.memory_model", {}),
-    "snake_strategy.planner": ("snake_strategy.planning.planner", {}),
+    "snake_strategy.planner": ("snake_strategy.planning.time_model", _PLANNER_ELSEWHERE),
 }
 
 
-# renamed public names: old dotted path -> new dotted path (the old name resolves in its module, warning)
+# public names renamed, or moved out of a module that stays: old dotted path -> new dotted path (the old name
+# resolves in its module, warning)
 RENAMED: dict[str, str] = {
     "snake_strategy.TierSplit": "snake_strategy.TierShares",
     "snake_strategy.config.TierSplit": "snake_strategy.config.TierShares",
+    "snake_strategy.planning.calibration.Knee": "snake_strategy.planning.time_model.Knee",
+    "snake_strategy.planning.calibration.knee": "snake_strategy.planning.time_model.knee",
 }
 
 

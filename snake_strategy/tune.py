@@ -112,7 +112,7 @@ def train_once(spec: dict[str, Any]) -> dict[str, Any]:
     from torch.utils.data import DataLoader, Subset
 
     from snake_strategy import GreedySnakeStrategy, ScheduleConfig
-    from snake_strategy.planning.planner import HardwareProfile
+    from snake_strategy.planning.time_model import HardwareProfile
     from snake_strategy.data import ByteWindows, load_corpus
     from snake_strategy.gpt import GPTModule, preset
 

@@ -46,7 +46,8 @@ from snake_strategy.planning.host_memory import SOURCE_GIVEN
 from snake_strategy.planning.memory_model import pool_sizes, unplanned_room_bytes
 from snake_strategy.optimizers import hyper_params, step_kind
 from snake_strategy.planning.autoplan import RunPlan
-from snake_strategy.planning.planner import ModelShape, UnitTiming
+from snake_strategy.planning.calibration import UnitTiming
+from snake_strategy.planning.time_model import ModelShape
 from snake_strategy.precision import LossScaler
 from snake_strategy.schedule import build_tasks
 from snake_strategy.storage.counters import traffic_delta

@@ -5,7 +5,7 @@ and the machine; settings given explicitly are kept as given.
 Choices (docs/design.md, "The planner drives the run", says why each is made):
 
 - **placement**: everything on the host when the whole run fits the host budget (nothing is faster);
-  otherwise ``planner.plan`` fills the budget with the states that move the most bytes per byte stored
+  otherwise ``placement.plan`` fills the budget with the states that move the most bytes per byte stored
   (weights, then Adam moments) and puts the rest on the SSD. The budget is ``host_memory.host_budget``:
   the tightest of ``storage.host_budget_bytes``, a share of MemAvailable and a share of what the memory
   cgroup still allows (``RunPlan.host_budget_source`` says which); ``ACTIVATION_RESERVE_SHARE`` of it is
@@ -15,14 +15,14 @@ Choices (docs/design.md, "The planner drives the run", says why each is made):
   samples independently (``LayeredModule.independent_samples``; the GPT and HuggingFace modules do): on
   the measured presets they are the fastest. Otherwise the unbatched passes, which are exact for any block,
   with ``split_backward`` when ``SPLIT_BACKWARD_WINS`` (measured, see that constant).
-- **alpha** and the **optimizer step's mode**, decided here only (the engine and ``planner.plan`` take
-  them as given): ``planner.choose_alpha`` (the forward's share of the block compute). Norm clipping and
+- **alpha** and the **optimizer step's mode**, decided here only (the engine and ``placement.plan`` take
+  them as given): ``placement.choose_alpha`` (the forward's share of the block compute). Norm clipping and
   fp16 loss scaling need the global norm / the overflow flag before any update: by default the step is
   speculative (``schedule.speculation="on"``: the units are stepped at that alpha, rolled back when the
   clip factor was not 1 or a gradient overflowed, engine/optimizer/rollback.py), and the rollback state goes on the
   host when the budget left after placement holds it, else on the SSD; ``speculation="off"`` runs alpha 1
   (every whole update deferred), and the parked gradients are sized with that.
-- **prefetch depth**: ``planner.prefetch_depth``: deeper when the weights are partly on the SSD (a unit's
+- **prefetch depth**: ``placement.prefetch_depth``: deeper when the weights are partly on the SSD (a unit's
   read then takes longer than a unit's compute on the measured machines). A given depth is the one every
   candidate placement is sized with.
 - **kept activations**: the effective policy, with its reason: none where the schedule cannot keep a graph
@@ -50,12 +50,11 @@ from torch import nn
 
 from snake_strategy.config import STATES, ScheduleConfig, StorageConfig, TierShares
 from snake_strategy.contract import check_trainable
-from snake_strategy.planning.calibration import Knee
+from snake_strategy.planning.time_model import HardwareProfile, Knee, ModelShape, StepPrediction
 from snake_strategy.planning.host_memory import SOURCE_AVAILABLE, host_budget, process_baseline_bytes
 from snake_strategy.planning.memory_model import (MemoryInputs, format_plan, host_plan, rollback_copied_elems,
                                                   rollback_held_bytes)
-from snake_strategy.planning.planner import (HardwareProfile, ModelShape, StepPrediction, choose_alpha, kept_activations,
-                                             memory_inputs, plan, prefetch_depth)
+from snake_strategy.planning.placement import choose_alpha, kept_activations, memory_inputs, plan, prefetch_depth
 from snake_strategy.precision import DtypePolicy
 from snake_strategy.progress import format_bytes
 from snake_strategy.optimizers.kind import scratch_elems
@@ -324,7 +323,7 @@ def resolve(module: nn.Module, optimizer: torch.optim.Optimizer | None, storage:
     speculative = global_decision and speculation == "on" and alpha < 1.0
     step_mode = "speculative" if speculative else "deferred" if global_decision else "overlapped"
     rollback_given = storage.rollback  # None: placed after the states (placement sets every field)
-    given_depth = schedule.prefetch_depth  # None: each candidate placement gets its own (planner.prefetch_depth)
+    given_depth = schedule.prefetch_depth  # None: each candidate placement gets its own (placement.prefetch_depth)
     try:
         try:
             storage, placed = _place(shape, hardware, storage, kind, alpha, placement_budget, given_depth,
@@ -399,7 +398,7 @@ def _place(shape: ModelShape, hw: HardwareProfile, storage: StorageConfig, kind:
            evaluating: bool = False) -> tuple[StorageConfig, dict[str, str]]:
     """(placed storage, reasons) within ``budget`` (the host budget less the activation reserve). States
     given explicitly keep their split. ``depth``: the given prefetch depth, else each candidate's own
-    (``planner.prefetch_depth``). The rollback state is placed afterwards (``_place_rollback``), so it is
+    (``placement.prefetch_depth``). The rollback state is placed afterwards (``_place_rollback``), so it is
     counted on the SSD here. ``evaluating``: only the compute weights are stored (no moments, gradients or
     optimizer working set), so they get their own split."""
     unset = storage.unset()
@@ -421,7 +420,7 @@ def _place(shape: ModelShape, hw: HardwareProfile, storage: StorageConfig, kind:
         reasons.update({s: f"host: the run needs {needed / 2**30:.2f} GiB of the {budget / 2**30:.2f} GiB budget"
                         for s in unset})
         return all_host, reasons
-    if evaluating:  # planner.plan sizes a training step's working set, which evaluation never holds
+    if evaluating:  # placement.plan sizes a training step's working set, which evaluation never holds
         weights_bytes = shape.num_units * shape.params_per_unit * shape.weight_bytes
         # What the host keeps besides a share of the weights: the streamed units, the non-layer parameters.
         free = budget - host_bytes(dataclasses.replace(all_host, weights=TierShares(host=0.0, ssd=1.0)))

@@ -21,7 +21,7 @@ from dataclasses import asdict
 import torch
 
 from snake_strategy.optimizers.adam import AdamHyperParams, adam_step
-from snake_strategy.planning.planner import HardwareProfile
+from snake_strategy.planning.time_model import HardwareProfile
 from snake_strategy.storage import IOEngine, SsdDirectory, aligned_empty
 from snake_strategy.storage.aligned import padded_bytes
 

@@ -4,7 +4,7 @@ Pure functions of plain data. Three users read the same numbers from here:
 
 - the engines' host-budget and SSD free-space checks (``RunPlan.check_host_budget``, ``engine/training.py``,
   ``engine/evaluation.py``: evaluation's items are ``host_plan`` of ``MemoryInputs.evaluating``),
-- the planner's choice of placement (``planner.plan``),
+- the planner's choice of placement (``placement.plan``),
 - the activation store's placement of checkpoints (``checkpoint_tiers``).
 
 On a CPU "device", device shares live in host memory too, so they count against the host budget.

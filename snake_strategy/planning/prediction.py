@@ -14,10 +14,10 @@ import torch
 
 from snake_strategy.config import StorageConfig
 from snake_strategy.planning.autoplan import RunPlan
-from snake_strategy.planning.calibration import REPLAN_MISS, MeasuredStep, calibrated, knee, missed
+from snake_strategy.planning.calibration import REPLAN_MISS, MeasuredStep, UnitTiming, calibrated, missed
+from snake_strategy.planning.time_model import HardwareProfile, ModelShape, StepPrediction, knee, predict
 from snake_strategy.planning.hardware import matmul_flops_per_s, optimizer_params_per_s, probe_hardware
-from snake_strategy.planning.planner import (HardwareProfile, ModelShape, StepPrediction, UnitTiming, predict,
-                                             prefetch_depth)
+from snake_strategy.planning.placement import prefetch_depth
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +77,7 @@ def ssd_wear(storage: StorageConfig, prediction: StepPrediction) -> str:
 def with_prediction(plan: RunPlan, shape: ModelShape, hardware: HardwareProfile, prediction: StepPrediction,
                     alpha: float, kept_units: list[int] | None) -> RunPlan:
     """The plan with this prediction (of ``hardware``'s rates), its knee and the settings that depend on
-    rates: the prefetch depth, unless given (``planner.prefetch_depth``; the engine follows at a step
+    rates: the prefetch depth, unless given (``placement.prefetch_depth``; the engine follows at a step
     boundary, ``SnakeEngine.use_plan``)."""
     s, reasons = plan.schedule, dict(plan.reasons)
     depth = s.prefetch_depth

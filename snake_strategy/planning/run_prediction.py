@@ -25,8 +25,8 @@ from typing import Any
 import torch
 
 from snake_strategy.planning.autoplan import RunPlan
-from snake_strategy.planning.calibration import MeasuredStep
-from snake_strategy.planning.planner import HardwareProfile, ModelShape, StepPrediction, UnitTiming
+from snake_strategy.planning.calibration import MeasuredStep, UnitTiming
+from snake_strategy.planning.time_model import HardwareProfile, ModelShape, StepPrediction
 from snake_strategy.planning.prediction import first_prediction, recalibrated, ssd_wear, with_prediction
 
 log = logging.getLogger(__name__)

@@ -606,7 +606,8 @@ def test_planner_places_each_ranks_moment_shards():
     """auto placement with partitioned moments plans rank 0's shards (the largest), so more of them fit in
     the same per-process budget: weights first, then the moments' host share grows."""
     from snake_strategy.planning.memory_model import host_plan
-    from snake_strategy.planning.planner import HardwareProfile, ModelShape, choose_alpha, memory_inputs, plan
+    from snake_strategy.planning.placement import choose_alpha, memory_inputs, plan
+    from snake_strategy.planning.time_model import HardwareProfile, ModelShape
 
     shape = ModelShape(num_units=8, params_per_unit=2**20, nonlayer_params=0, head_params=0, tokens_per_micro=64,
                        num_micro=4, checkpoint_bytes=2**16)

@@ -214,7 +214,7 @@ def test_the_plan_times_the_optimizers_own_step(tmp_path):
     assert muon_rate < fused_rate / 5, (muon_rate, fused_rate)
     assert "Muon: momentum_buffer float32" in run.strategy.plan.describe()
     # Without a probe the default profile's optimizer rate (fused Adam's constant) is replaced all the same.
-    from snake_strategy.planning.planner import HardwareProfile
+    from snake_strategy.planning.time_model import HardwareProfile
     default = fit_snake(lambda: cls(SMALL_GPT, learning_rate=1e-3),
                         token_loader(16, 8, SMALL_GPT.context_len, SMALL_GPT.vocab_size), steps=1, record=None,
                         storage={"ssd_dir": str(tmp_path / "ssd2")}, schedule={"num_micro_batches": 4})

@@ -12,7 +12,7 @@ from snake_strategy.config import ScheduleConfig, StorageConfig, TierShares
 from snake_strategy.engine import EngineRuntime, SnakeEngine
 from snake_strategy.gpt import GPTModule
 from snake_strategy.planning.memory_model import host_plan
-from snake_strategy.planning.planner import HardwareProfile
+from snake_strategy.planning.time_model import HardwareProfile
 from snake_strategy.precision import DtypePolicy, GreedySnakePrecision
 from tests.helpers import SMALL_GPT, run_reference, run_snake
 

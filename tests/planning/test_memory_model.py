@@ -95,7 +95,8 @@ def test_kept_graphs_are_bounded_by_the_budget_not_by_depth(tmp_path):
 
 def test_budget_check_planner_and_activation_store_share_one_memory_model(tmp_path):
     from snake_strategy.planning.memory_model import checkpoint_tiers, host_plan
-    from snake_strategy.planning.planner import HardwareProfile, memory_inputs
+    from snake_strategy.planning.placement import memory_inputs
+    from snake_strategy.planning.time_model import HardwareProfile
 
     storage = {"ssd_dir": str(tmp_path / "s"), "weights": "ssd", "optimizer": "ssd", "checkpoints": {"ssd": 0.5},
                "checkpoint_host_ends": 1}
@@ -160,7 +161,7 @@ def _static_plan(cfg):
     from snake_strategy.engine import DtypePolicy, EngineRuntime, SnakeEngine
     from snake_strategy.gpt import GPTModule
     from snake_strategy.planning.autoplan import resolve
-    from snake_strategy.planning.planner import HardwareProfile
+    from snake_strategy.planning.time_model import HardwareProfile
     module = GPTModule(cfg)
     with torch.device("meta"):
         module.configure_model()

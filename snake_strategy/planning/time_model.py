@@ -1,5 +1,7 @@
-"""The planner: predict a step's time from the model's shape and the hardware, and choose alpha and a
-placement. Pure functions of plain data, so every choice can be checked by hand.
+"""The time model: one step's time from the model's shape, the placement and the machine's rates, and the
+tokens per step at which it turns compute-bound (``knee``). Pure functions of plain data, so every number can
+be checked by hand; the rates come from the machine's probe (planning/machine.py) or from the steps
+themselves (planning/calibration.py).
 
 Traffic per optimizer step (docs/design.md, "Traffic model"; P = block params, L = units, M = micro-batches):
 
@@ -18,23 +20,22 @@ Roofline, per resource: the step cannot be faster than the busiest resource's to
 - ``optimizer``: parameters / fused-AdamW rate;
 - ``cpu``: on a CPU-only machine compute, the optimizer, the copies between the tiers in memory and the
   processor time of the SSD transfers share the same cores, so their sum.
+
+The knee: the tokens per step from which compute outlasts every other resource. Below it the step waits on
+the SSD (or the optimizer) and more micro-batches cost little; above it every micro-batch adds its compute.
 """
 from __future__ import annotations
 
-import logging
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
-import torch
 from torch import nn
 
-from snake_strategy.config import ScheduleConfig, StorageConfig, TierShares
-from snake_strategy.planning.memory_model import (MemoryInputs, checkpoint_tiers, forward_part_end, host_plan,
-                                                  shard_bounds, unit_rollback_elems)
+from snake_strategy.config import StorageConfig, TierShares
+from snake_strategy.planning.memory_model import checkpoint_tiers, forward_part_end, shard_bounds, unit_rollback_elems
 from snake_strategy.storage.tiered import tier_bytes
 from snake_strategy.units import UnitLayout, nonlayer_numel
-
-log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -208,33 +209,6 @@ def compute_seconds(shape: ModelShape, hw: HardwareProfile) -> float:
     return forward / hw.flops_per_s + backward / (hw.backward_flops_per_s or hw.flops_per_s) + nonlayer_s
 
 
-@dataclass(frozen=True)
-class UnitTiming:
-    """One unit's forward and backward timed before step 1 (engine/step/unit_timing.py): this model's compute
-    rates at the run's shapes and precision, and the kept graphs "auto" is expected to choose from the size
-    of the forward graph it recorded."""
-
-    forward_s: float
-    backward_s: float
-    params: int  # the timed unit's parameters
-    trained: int  # of which have a weight gradient
-    tokens: int  # in the timed pass
-    kept_units: int  # units the first step is expected to keep the forward graph of
-    graph_bytes_per_unit: int
-    nonlayer_s: float | None = None  # the non-layer work over the same tokens, forward and backward (None: untimed)
-
-    def rates(self, shape: ModelShape) -> dict[str, float]:
-        """The ``HardwareProfile`` rates this timing gives, its FLOPs counted as ``step_flops_split`` counts a
-        step's: a forward of ``params`` over ``tokens``, a backward of the input gradient (one forward's worth)
-        and the weight gradient (the ``trained`` share of one)."""
-        forward = (2 * self.params + shape.attention_flops_per_token_per_unit) * self.tokens
-        backward = forward * (1 + self.trained / max(1, self.params))
-        rates = {"flops_per_s": forward / self.forward_s, "backward_flops_per_s": backward / self.backward_s}
-        if self.nonlayer_s is not None:
-            rates["nonlayer_s_per_token"] = self.nonlayer_s / self.tokens
-        return rates
-
-
 def predict(shape: ModelShape, hw: HardwareProfile, storage: StorageConfig, kind: str, alpha: float,
             speculative: bool = False) -> StepPrediction:
     """Predicted floor of one step's time for this placement and schedule (``speculative``: a committed
@@ -295,148 +269,57 @@ def predict(shape: ModelShape, hw: HardwareProfile, storage: StorageConfig, kind
     return StepPrediction(compute_s, ssd_s, host_copy_s, optimizer_s, bounds[bound], bound, int(read), int(write))
 
 
+# The knee is searched up to this many micro-batches per step.
+KNEE_MAX_MICRO = 4096
+COMPUTE_BOUNDS = ("compute", "cpu")
+
+
 @dataclass(frozen=True)
-class Placement:
-    """A placement: where each state lives, planned for the forward share ``alpha``. The prefetch depth,
-    the host bytes and the prediction of a run are the autoplan's (``resolve``), from this placement."""
+class Knee:
+    """Where this run turns compute-bound: ``tokens_per_step`` (None: not below ``KNEE_MAX_MICRO``
+    micro-batches), the bound below it, and at the run's own tokens per step the share of the step
+    that waits on that bound (0 when compute-bound)."""
 
-    storage: StorageConfig
-    alpha: float
+    tokens_per_step: int | None
+    bound_below: str
+    run_tokens_per_step: int
+    waiting_share: float
 
+    def describe(self) -> str:
+        if self.bound_below in COMPUTE_BOUNDS:
+            return "compute-bound at any tokens per step"
+        if self.tokens_per_step is None:
+            return (f"{self.bound_below}-bound up to {KNEE_MAX_MICRO} micro-batches (more micro-batches are "
+                    "almost free)")
+        text = f"{self.bound_below}-bound below ~{self.tokens_per_step} tokens/step"
+        if self.waiting_share > 0:
+            text += (f"; at {self.run_tokens_per_step} tokens/step {100 * self.waiting_share:.0f}% of the step "
+                     f"waits on the {self.bound_below}")
+        else:
+            text += f"; this run ({self.run_tokens_per_step} tokens/step) is compute-bound"
+        return text
 
-def choose_alpha(shape: ModelShape) -> float:
-    """The forward pass's share of the block compute, capped at 0.5.
-
-    The forward part's update runs during the forward and the backward part's during the backward;
-    splitting the parameters in proportion to the two passes' durations hides both equally.
-    """
-    fwd = shape.num_units - 1  # forward-only unit passes
-    total = fwd + 3 * shape.num_units  # recompute + backward (2x) for every unit, plus the forwards
-    return min(0.5, round(fwd / total, 3)) if total else 0.0
-
-
-def memory_inputs(shape: ModelShape, hw: HardwareProfile, storage: StorageConfig, kind: str, alpha: float,
-                  prefetch_depth: int = 1, speculative: bool = False, *, blocks_per_unit: int = 1,
-                  micro_per_backward_task: int = 1, shard_rank: int = 0, evaluating: bool = False,
-                  loss_logits_bytes: int = 0) -> MemoryInputs:
-    """The memory model's view of a run: the one place ``MemoryInputs`` is built, for the planner (a shape
-    planned on paper: uniform units) and for the engine (its laid-out shape: exact units). ``speculative``:
-    the speculative optimizer step's rollback state is counted (on ``storage.rollback``); ``evaluating``:
-    the forward-only engine's memory (the compute weights only); ``loss_logits_bytes``: the loss head's output
-    over one backward task's micro-batches, once the first step has measured it."""
-    L = shape.num_units
-    uniform_elems = (shape.weight_elems_per_unit,) * L if shape.weight_elems_per_unit else ()
-    return MemoryInputs(
-        unit_params=shape.unit_params or (shape.params_per_unit,) * L, nonlayer_params=shape.nonlayer_params,
-        nonlayer_largest=shape.nonlayer_largest_params, loss_logits_bytes=loss_logits_bytes,
-        compute_bytes=shape.compute_bytes or shape.weight_bytes, master_bytes=shape.master_bytes,
-        state_vectors=shape.state_bytes / shape.master_bytes, state_slots=shape.state_slots,
-        optimizer_chunk=shape.optimizer_chunk_elems, nonlayer_state_bytes=shape.nonlayer_state_bytes,
-        device_is_cpu=hw.device_is_cpu, unit_weight_elems=shape.unit_weight_elems or uniform_elems,
-        weight_bytes=shape.weight_bytes if shape.compute_bytes else 0,
-        unit_weight_tail_bytes=shape.unit_weight_tail_bytes or (shape.weight_tail_bytes_per_unit,) * L,
-        unit_trainable=shape.trainable_per_unit, nonlayer_frozen=shape.nonlayer_frozen_params,
-        storage=storage, kind=kind, num_micro=shape.num_micro, alpha=alpha, prefetch_depth=prefetch_depth,
-        blocks_per_unit=blocks_per_unit, micro_per_backward_task=micro_per_backward_task,
-        checkpoint_bytes=shape.checkpoint_bytes, shard_world_size=shape.optimizer_shards, shard_rank=shard_rank,
-        speculative=speculative, evaluating=evaluating)
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
 
 
-# Units fetched ahead of the one computing: from memory one unit ahead hides a copy; from the SSD two when
-# the disk is busier than compute (a unit's read then queues behind the optimizer's state traffic). The
-# placement's working set is sized for the deeper one, so the rates can choose either at any step.
-PREFETCH_FROM_MEMORY = 1
-PREFETCH_FROM_SSD = 2
-
-
-def prefetch_depth(storage: StorageConfig, prediction: StepPrediction | None = None) -> tuple[int, str]:
-    """(units fetched ahead of the one computing, why) for this placement and, once the step's rates are
-    known, its ``prediction``: the one rule, which the placement's working set, the plan and the re-plan
-    after the first steady step use (``autoplan.resolve``, planning/calibration.py)."""
-    if storage.weights.ssd == 0:
-        return PREFETCH_FROM_MEMORY, "weights in memory: one unit ahead hides a copy"
-    if prediction is None:
-        return PREFETCH_FROM_SSD, "weights on the SSD, rates not known yet: the deeper prefetch"
-    if prediction.ssd_s > prediction.compute_s:
-        return PREFETCH_FROM_SSD, (f"weights on the SSD, which is busier than compute ({prediction.ssd_s:.2f} s "
-                                   f"against {prediction.compute_s:.2f} s per step): two units ahead")
-    return PREFETCH_FROM_MEMORY, (f"weights on the SSD, compute busier than the disk ({prediction.compute_s:.2f} s "
-                                  f"against {prediction.ssd_s:.2f} s per step): one unit ahead hides a read")
-
-
-def plan(shape: ModelShape, hw: HardwareProfile, host_budget_bytes: int, kind: str = "vertical",
-         ssd_dir: str | None = None, *, alpha: float, speculative: bool = False, depth: int | None = None) -> Placement:
-    """Fill the host budget with the states that move the most bytes per byte stored; the rest on SSD.
-
-    ``alpha`` is the one that runs (``autoplan.resolve`` decides it: 1 when norm clipping or fp16 defer
-    whole updates): it sizes the parked gradients. ``speculative``: the speculative step's rollback state
-    exists; it is planned on the SSD here (it moves one byte per byte stored, less than any state above,
-    so the budget goes to them first; ``resolve`` moves it to the host when what is left allows).
-    ``depth``: the given prefetch depth; None: ``prefetch_depth``'s for weights on the SSD, the most the
-    choice below can lead to, so its buffers are planned from the start.
-
-    Order: weights (read twice per step by compute, once more by the optimizer: ~4 bytes moved per
-    byte stored), then Adam moments (read + written: 2), then activation checkpoints (2). The working set
-    (pools, gradient forward parts, turning-point checkpoints) is ``memory_model.host_plan`` of the all-SSD
-    layout; the returned ``host_bytes`` is ``memory_model.host_plan`` of the chosen one. Raises ValueError when
-    even the working set does not fit.
-    """
-    P = shape.params_per_unit * shape.num_units
-    separate_master = shape.weight_bytes != shape.master_bytes
-    all_ssd = StorageConfig(ssd_dir=ssd_dir, weights="ssd", master="ssd", optimizer="ssd", gradients="host",
-                            checkpoints="ssd", rollback="ssd")
-    depth = prefetch_depth(all_ssd)[0] if depth is None else depth
-    working_set = host_plan(memory_inputs(shape, hw, all_ssd, kind, alpha, depth, speculative))
-    fixed = sum(working_set.values())
-    if fixed > host_budget_bytes:
-        items = ", ".join(f"{name} {size / 2**30:.2f}" for name, size in
-                          sorted(working_set.items(), key=lambda kv: -kv[1]) if size)
-        raise ValueError(
-            f"host_budget_bytes={host_budget_bytes / 2**30:.2f} GiB ({host_budget_bytes} bytes) cannot hold the "
-            f"working set of {fixed / 2**30:.2f} GiB ({fixed} bytes) with every state on the SSD (GiB: {items}); "
-            "raise the budget, use more, smaller units (schedule.blocks_per_unit), fewer micro-batches, or an "
-            "optimizer with a smaller state for the non-layer parameters"
-        )
-    free = host_budget_bytes - fixed
-    fractions = {}
-    trained = sum(shape.trainable)  # frozen elements have no master copy and no moments
-    weight_bytes = P * shape.weight_bytes + (trained * shape.master_bytes if separate_master else 0)
-    order = (("weights", weight_bytes), ("optimizer", int(shape.moment_elems * shape.state_bytes)))
-    if trained < P:
-        # Fine-tuning: the small trainable state is read and written every step, the frozen weights only
-        # read: moments first. The trainable part leads each unit's weights, so a weights host share of
-        # at least t/n also keeps its master copy off the SSD.
-        order = order[::-1]
-    for state, nbytes in order:
-        on_host = min(1.0, free / nbytes) if nbytes else 1.0
-        on_host = int(on_host * 1000) / 1000  # keep it a clean fraction
-        fractions[state] = TierShares(host=on_host, ssd=1.0 - on_host)
-        free -= int(on_host * nbytes)
-    ckpt_ssd = checkpoint_tiers(all_ssd, shape.num_micro).count("ssd")
-    ckpt_total = ckpt_ssd * shape.num_units * shape.checkpoint_bytes
-    ckpt_host = 1.0 if ckpt_total <= free else max(0.0, free / max(ckpt_total, 1))
-    fractions["checkpoints"] = TierShares(host=round(ckpt_host, 3), ssd=round(1 - round(ckpt_host, 3), 3))
-    storage = StorageConfig(ssd_dir=ssd_dir, weights=fractions["weights"], master=fractions["weights"],
-                            optimizer=fractions["optimizer"], gradients=TierShares(host=1.0),
-                            checkpoints=fractions["checkpoints"], rollback="ssd")
-    return Placement(storage, alpha)
-
-
-def kept_activations(schedule: ScheduleConfig, device: torch.device) -> tuple[int | str, str]:
-    """(the effective ``keep_activations``, why) for a concrete schedule: engine/step/kept_graphs.py keeps exactly this."""
-    keep = schedule.keep_activations
-    if keep == 0:
-        return 0, "given (0 is an explicit kind's default)"
-    if schedule.split_backward:
-        return 0, "0: the split backward defers a recompute's weight gradients, so no graph is kept"
-    if schedule.kind == "vertical" and schedule.batched_forward != schedule.batched_backward:
-        return 0, "0: a kept graph covers one forward task, and the forward and backward group micro-batches differently"
-    if keep != "auto":
-        return keep, "given"
-    if device.type != "cpu":
-        log.info("schedule.keep_activations='auto' keeps no graph on %s: they would live in device memory. "
-                 "Set an integer to keep the top units' graphs there", device.type)
-        return 0, (f"0: on {device.type} the graphs would live in device memory, which the host budget does not "
-                   "see; set an integer to keep the top units' graphs there")
-    return "auto", ("auto: the top units whose forward graph fits the host budget left by the plan, measured at the "
-                    "first step")
+def knee(shape: ModelShape, hw: HardwareProfile, storage: StorageConfig, kind: str, alpha: float,
+         speculative: bool = False) -> Knee:
+    """The smallest tokens per step (more micro-batches of this run's size) at which the predicted bound is
+    compute, for this placement and schedule (``predict`` at each count)."""
+    tokens_per_micro = shape.tokens_per_micro
+    here = predict(shape, hw, storage, kind, alpha, speculative)
+    below = predict(dataclasses.replace(shape, num_micro=1), hw, storage, kind, alpha, speculative)
+    run_tokens = shape.num_micro * tokens_per_micro
+    waiting = 0.0 if here.bound in COMPUTE_BOUNDS else 1.0 - here.compute_s / here.roofline_s
+    if below.bound in COMPUTE_BOUNDS:
+        return Knee(tokens_per_micro, below.bound, run_tokens, waiting)
+    lo, hi = 1, KNEE_MAX_MICRO  # bisect: compute grows with micro-batches faster than any other term
+    if predict(dataclasses.replace(shape, num_micro=hi), hw, storage, kind, alpha, speculative).bound \
+            not in COMPUTE_BOUNDS:
+        return Knee(None, below.bound, run_tokens, waiting)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        bound = predict(dataclasses.replace(shape, num_micro=mid), hw, storage, kind, alpha, speculative).bound
+        lo, hi = (lo, mid) if bound in COMPUTE_BOUNDS else (mid, hi)
+    return Knee(hi * tokens_per_micro, below.bound, run_tokens, waiting)
