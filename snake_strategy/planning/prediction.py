@@ -16,7 +16,7 @@ from snake_strategy.config import StorageConfig
 from snake_strategy.planning.autoplan import RunPlan
 from snake_strategy.planning.calibration import REPLAN_MISS, MeasuredStep, UnitTiming, calibrated, missed
 from snake_strategy.planning.time_model import HardwareProfile, ModelShape, StepPrediction, knee, predict
-from snake_strategy.planning.hardware import matmul_flops_per_s, optimizer_params_per_s, probe_hardware
+from snake_strategy.planning.machine import matmul_flops_per_s, optimizer_params_per_s, probe_hardware
 from snake_strategy.planning.placement import prefetch_depth
 
 log = logging.getLogger(__name__)
