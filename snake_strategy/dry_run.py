@@ -45,7 +45,7 @@ from snake_strategy.engine.step.kept_graphs import KeptGraphs
 from snake_strategy.engine.step.unit_timing import time_forward_backward, time_nonlayer, timed_micro_batches
 from snake_strategy.planning.autoplan import RunPlan, resolve
 from snake_strategy.planning.time_model import HardwareProfile
-from snake_strategy.planning.host_memory import SOURCE_GIVEN
+from snake_strategy.planning.machine import SOURCE_GIVEN
 from snake_strategy.planning.memory_model import ssd_plan, unplanned_room_bytes
 from snake_strategy.planning.calibration import UnitTiming
 from snake_strategy.planning.prediction import days_to_endurance, first_prediction, ssd_wear, with_prediction

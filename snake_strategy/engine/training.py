@@ -42,7 +42,7 @@ from snake_strategy.engine.runtime import EngineRuntime
 from snake_strategy.engine.stream.forward_only import stream_blocks, streamed_forward
 from snake_strategy.engine.view import StepStats
 from snake_strategy.engine.stream.streamer import WeightStreamer
-from snake_strategy.planning.host_memory import SOURCE_GIVEN
+from snake_strategy.planning.machine import SOURCE_GIVEN
 from snake_strategy.planning.memory_model import pool_sizes, unplanned_room_bytes
 from snake_strategy.optimizers import hyper_params, step_kind
 from snake_strategy.planning.autoplan import RunPlan

@@ -6,7 +6,7 @@ Choices (docs/design.md, "The planner drives the run", says why each is made):
 
 - **placement**: everything on the host when the whole run fits the host budget (nothing is faster);
   otherwise ``placement.plan`` fills the budget with the states that move the most bytes per byte stored
-  (weights, then Adam moments) and puts the rest on the SSD. The budget is ``host_memory.host_budget``:
+  (weights, then Adam moments) and puts the rest on the SSD. The budget is ``machine.host_budget``:
   the tightest of ``storage.host_budget_bytes``, a share of MemAvailable and a share of what the memory
   cgroup still allows (``RunPlan.host_budget_source`` says which); ``ACTIVATION_RESERVE_SHARE`` of it is
   left for the activations (sized at the first step, when the host budget is checked again with them).
@@ -51,7 +51,7 @@ from torch import nn
 from snake_strategy.config import STATES, ScheduleConfig, StorageConfig, TierShares
 from snake_strategy.contract import check_trainable
 from snake_strategy.planning.time_model import HardwareProfile, Knee, ModelShape, StepPrediction
-from snake_strategy.planning.host_memory import SOURCE_AVAILABLE, host_budget, process_baseline_bytes
+from snake_strategy.planning.machine import SOURCE_AVAILABLE, host_budget, process_baseline_bytes
 from snake_strategy.planning.memory_model import (MemoryInputs, format_plan, host_plan, rollback_copied_elems,
                                                   rollback_held_bytes)
 from snake_strategy.planning.placement import choose_alpha, kept_activations, memory_inputs, plan, prefetch_depth
@@ -83,9 +83,9 @@ class RunPlan:
     storage: StorageConfig  # concrete: every state placed
     schedule: ScheduleConfig  # concrete: every field set
     reasons: dict[str, str]  # setting -> "given" or why the planner chose it
-    host_budget_bytes: int  # host_memory.host_budget: the tightest bound, which every reader uses
+    host_budget_bytes: int  # machine.host_budget: the tightest bound, which every reader uses
     host_bytes: int  # memory_model.host_plan of the chosen settings (checkpoints not yet counted)
-    host_budget_source: str = SOURCE_AVAILABLE  # which bound it was (host_memory.SOURCE_*)
+    host_budget_source: str = SOURCE_AVAILABLE  # which bound it was (machine.SOURCE_*)
     host_budget_detail: str = ""  # the numbers behind it
     prediction: StepPrediction | None = None  # the floor of one step, from the first batch's shapes
     # The prediction made before step 1 ran (from shapes and probed rates only), kept as it was: ``prediction``
