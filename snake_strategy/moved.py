@@ -19,7 +19,7 @@ _PLANNER_ELSEWHERE = {**dict.fromkeys(("Placement", "choose_alpha", "memory_inpu
 # old module -> (the module most of its public names moved to, {name: module} for those that went elsewhere)
 MOVED_MODULES: dict[str, tuple[str, dict[str, str]]] = {
     "snake_strategy.adapters": ("snake_strategy.hf", {}),
-    "snake_strategy.autoplan": ("snake_strategy.planning.autoplan", {}),
+    "snake_strategy.autoplan": ("snake_strategy.planning.run_plan", {}),
     "snake_strategy.checkpoint_weights": ("snake_strategy.checkpoint", {"export_hf_checkpoint": "snake_strategy.hf"}),
     "snake_strategy.memory": ("snake_strategy.planning.memory_model", {}),
     "snake_strategy.planner": ("snake_strategy.planning.time_model", _PLANNER_ELSEWHERE),

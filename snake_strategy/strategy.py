@@ -36,7 +36,7 @@ from snake_strategy.distributed import DataParallelMixin, build_engine, check_ra
 from snake_strategy.engine import EngineHooks, EngineRuntime, EvalEngine, SnakeEngine
 from snake_strategy.engine.state.weights_file import weights_file_name
 from snake_strategy.module import LayeredModule
-from snake_strategy.planning.autoplan import RunPlan, example_batch, resolve
+from snake_strategy.planning.run_plan import RunPlan, example_batch, resolve
 from snake_strategy.planning.calibration import CALIBRATION_STEPS, STEADY_STEP
 from snake_strategy.planning.time_model import HardwareProfile, ModelShape, StepPrediction
 from snake_strategy.planning.run_prediction import RunPredictor

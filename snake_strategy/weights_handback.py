@@ -36,7 +36,7 @@ from snake_strategy.engine.evaluation import EvalEngine
 if TYPE_CHECKING:
     from snake_strategy.checkpoint.consolidate import CheckpointWeights
     from snake_strategy.engine.training import SnakeEngine
-    from snake_strategy.planning.autoplan import RunPlan
+    from snake_strategy.planning.run_plan import RunPlan
     from snake_strategy.progress import Progress
 
 log = logging.getLogger(__name__)

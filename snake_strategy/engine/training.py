@@ -45,7 +45,7 @@ from snake_strategy.engine.stream.streamer import WeightStreamer
 from snake_strategy.planning.machine import SOURCE_GIVEN
 from snake_strategy.planning.memory_model import pool_sizes, unplanned_room_bytes
 from snake_strategy.optimizers import hyper_params, step_kind
-from snake_strategy.planning.autoplan import RunPlan
+from snake_strategy.planning.run_plan import RunPlan
 from snake_strategy.planning.calibration import UnitTiming
 from snake_strategy.planning.time_model import ModelShape
 from snake_strategy.precision import LossScaler
@@ -57,7 +57,7 @@ from snake_strategy.units import named_tensors
 
 
 class SnakeEngine(EngineBase):
-    """Trains ``module`` with the plan's storage and schedule (``planning.autoplan.resolve``); the engine
+    """Trains ``module`` with the plan's storage and schedule (``planning.run_plan.resolve``); the engine
     decides none of the plan's settings again. ``EngineView`` (engine/view.py) is what other code may use."""
 
     def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer, plan: RunPlan,
@@ -70,11 +70,11 @@ class SnakeEngine(EngineBase):
         if schedule.unset() or storage.unset():
             raise ValueError(f"SnakeEngine runs concrete settings, but schedule {schedule.unset()} and storage "
                              f"{storage.unset()} are left to the planner: resolve them first (snake_strategy.planning."
-                             "autoplan.resolve, as GreedySnakeStrategy does) or set them")
+                             "run_plan.resolve, as GreedySnakeStrategy does) or set them")
         super().__init__(module, plan, runtime)
         self.optimizer, self.clip = optimizer, clip
         self.scaler = runtime.scaler if runtime.scaler is not None else LossScaler(runtime.dtypes.loss_scaling)
-        self.alpha = schedule.alpha  # the plan's, as its step mode (autoplan.resolve): not decided again here
+        self.alpha = schedule.alpha  # the plan's, as its step mode (run_plan.resolve): not decided again here
         # The plan's step mode, which resolve decided from the same clip and loss scaling this engine runs.
         assert plan.step_mode != "speculative" or self.alpha < 1.0, "a speculative step has backward parts"
         assert plan.step_mode != "deferred" or self.alpha == 1.0, "a deferred step defers whole updates"
@@ -110,10 +110,10 @@ class SnakeEngine(EngineBase):
         """The parts in dependency order, each given what it needs; each one holding a resource is owned
         (closed by ``close``) as soon as it exists."""
         s, storage, dtypes, device = self.schedule, self.storage, self.dtypes, self.device
-        # The planner laid the model out and checked it (autoplan.setup_layouts); the SSD and host checks
+        # The planner laid the model out and checked it (run_plan.setup_layouts); the SSD and host checks
         # need only those sizes, so they run before anything is allocated.
         assert self.plan.layouts and self.plan.shape is not None and not self.plan.evaluating, \
-            "a training plan from planning.autoplan.resolve carries the model's layouts and shape"
+            "a training plan from planning.run_plan.resolve carries the model's layouts and shape"
         self.shape = self.plan.shape  # the one the planner placed the states for
         assert self.shape.optimizer_shards == (self.world_size if self.partition else 1), \
             "the plan was resolved for another partition of the optimizer state"

@@ -8,14 +8,16 @@ The order the budget is filled in (``plan``): the states that move the most byte
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 
 import torch
 
-from snake_strategy.config import ScheduleConfig, StorageConfig, TierShares
+from snake_strategy.config import STATES, ScheduleConfig, StorageConfig, TierShares
 from snake_strategy.planning.memory_model import MemoryInputs, checkpoint_tiers, host_plan
 from snake_strategy.planning.time_model import HardwareProfile, ModelShape, StepPrediction
+from snake_strategy.progress import format_bytes
 
 log = logging.getLogger(__name__)
 
@@ -23,7 +25,7 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class Placement:
     """A placement: where each state lives, planned for the forward share ``alpha``. The prefetch depth,
-    the host bytes and the prediction of a run are the autoplan's (``resolve``), from this placement."""
+    the host bytes and the prediction of a run are the run plan's (``run_plan.resolve``), from this placement."""
 
     storage: StorageConfig
     alpha: float
@@ -77,7 +79,7 @@ PREFETCH_FROM_SSD = 2
 def prefetch_depth(storage: StorageConfig, prediction: StepPrediction | None = None) -> tuple[int, str]:
     """(units fetched ahead of the one computing, why) for this placement and, once the step's rates are
     known, its ``prediction``: the one rule, which the placement's working set, the plan and the re-plan
-    after the first steady step use (``autoplan.resolve``, planning/calibration.py)."""
+    after the first steady step use (``run_plan.resolve``, planning/calibration.py)."""
     if storage.weights.ssd == 0:
         return PREFETCH_FROM_MEMORY, "weights in memory: one unit ahead hides a copy"
     if prediction is None:
@@ -93,7 +95,7 @@ def plan(shape: ModelShape, hw: HardwareProfile, host_budget_bytes: int, kind: s
          ssd_dir: str | None = None, *, alpha: float, speculative: bool = False, depth: int | None = None) -> Placement:
     """Fill the host budget with the states that move the most bytes per byte stored; the rest on SSD.
 
-    ``alpha`` is the one that runs (``autoplan.resolve`` decides it: 1 when norm clipping or fp16 defer
+    ``alpha`` is the one that runs (``run_plan.resolve`` decides it: 1 when norm clipping or fp16 defer
     whole updates): it sizes the parked gradients. ``speculative``: the speculative step's rollback state
     exists; it is planned on the SSD here (it moves one byte per byte stored, less than any state above,
     so the budget goes to them first; ``resolve`` moves it to the host when what is left allows).
@@ -165,3 +167,65 @@ def kept_activations(schedule: ScheduleConfig, device: torch.device) -> tuple[in
                    "see; set an integer to keep the top units' graphs there")
     return "auto", ("auto: the top units whose forward graph fits the host budget left by the plan, measured at the "
                     "first step")
+
+
+def place_states(shape: ModelShape, hw: HardwareProfile, storage: StorageConfig, kind: str, alpha: float,
+                 budget: int, depth: int | None, speculative: bool = False,
+                 evaluating: bool = False) -> tuple[StorageConfig, dict[str, str]]:
+    """(placed storage, reasons) within ``budget`` (the host budget less the activation reserve). States
+    given explicitly keep their split. ``depth``: the given prefetch depth, else each candidate's own
+    (``prefetch_depth``). The rollback state is placed afterwards (``place_rollback``), so it is
+    counted on the SSD here. ``evaluating``: only the compute weights are stored (no moments, gradients or
+    optimizer working set), so they get their own split."""
+    unset = storage.unset()
+    given = {state: getattr(storage, state) for state in STATES if state not in unset}
+    reasons = {state: "given" for state in given}
+    if not unset:
+        return storage, reasons
+    host = TierShares()
+    all_host = dataclasses.replace(storage, placement="manual", rollback=storage.rollback or "ssd",
+                                   **{s: given.get(s, host) for s in STATES})
+
+    def host_bytes(placed: StorageConfig) -> int:
+        ahead = prefetch_depth(placed)[0] if depth is None else depth
+        return sum(host_plan(memory_inputs(shape, hw, placed, kind, alpha, ahead, speculative,
+                                           evaluating=evaluating)).values())
+
+    needed = host_bytes(all_host)
+    if needed <= budget:
+        reasons.update({s: f"host: the run needs {needed / 2**30:.2f} GiB of the {budget / 2**30:.2f} GiB budget"
+                        for s in unset})
+        return all_host, reasons
+    if evaluating:  # ``plan`` sizes a training step's working set, which evaluation never holds
+        weights_bytes = shape.num_units * shape.params_per_unit * shape.weight_bytes
+        # What the host keeps besides a share of the weights: the streamed units, the non-layer parameters.
+        free = budget - host_bytes(dataclasses.replace(all_host, weights=TierShares(host=0.0, ssd=1.0)))
+        host = max(0.0, min(1.0, int(100 * free / weights_bytes) / 100)) if weights_bytes else 1.0
+        split = TierShares(host=host, ssd=round(1.0 - host, 2))
+        reasons.update({s: f"evaluation: the compute weights ({weights_bytes / 2**30:.2f} GiB), {host:.0%} of them "
+                           f"in the {budget / 2**30:.2f} GiB budget" for s in unset})
+        return dataclasses.replace(storage, placement="manual", **{s: given.get(s, split) for s in STATES}), reasons
+    # raises when not even the working set fits
+    chosen = plan(shape, hw, budget, kind, storage.ssd_dir, alpha=alpha, speculative=speculative, depth=depth)
+    placed = dataclasses.replace(storage, placement="manual",
+                                 **{s: given.get(s, getattr(chosen.storage, s)) for s in STATES})
+    reasons.update({s: f"planner.plan: {format_bytes(needed)} all on the host exceeds the "
+                       f"{format_bytes(budget)} budget" for s in unset})
+    return placed, reasons
+
+
+def place_rollback(shape: ModelShape, hw: HardwareProfile, storage: StorageConfig, given: str | None, kind: str,
+                   alpha: float, depth: int, room: int, speculative: bool) -> tuple[StorageConfig, str]:
+    """The rollback state's tier: given, else the host when the placed plan with it there still fits ``room``
+    (the budget less the activation reserve), else the SSD. Placed after the states: per byte stored it moves
+    one byte per step (written once), the states two or more."""
+    if given is not None:
+        return dataclasses.replace(storage, rollback=given), "given"
+    if not speculative:
+        return dataclasses.replace(storage, rollback="host"), "no speculative step: nothing to keep"
+    on_host = dataclasses.replace(storage, rollback="host")
+    needed = sum(host_plan(memory_inputs(shape, hw, on_host, kind, alpha, depth, True)).values())
+    if needed <= room:
+        return on_host, f"host: the plan with it needs {needed / 2**30:.2f} of {room / 2**30:.2f} GiB"
+    return (dataclasses.replace(storage, rollback="ssd"),
+            f"ssd: on the host the plan would need {needed / 2**30:.2f} GiB of {room / 2**30:.2f} GiB")

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from snake_strategy.config import StorageConfig
-from snake_strategy.planning.autoplan import RunPlan
+from snake_strategy.planning.run_plan import RunPlan
 from snake_strategy.planning.calibration import REPLAN_MISS, MeasuredStep, UnitTiming, calibrated, missed
 from snake_strategy.planning.time_model import HardwareProfile, ModelShape, StepPrediction, knee, predict
 from snake_strategy.planning.machine import matmul_flops_per_s, optimizer_params_per_s, probe_hardware

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from snake_strategy.planning.autoplan import RunPlan
+from snake_strategy.planning.run_plan import RunPlan
 from snake_strategy.planning.calibration import MeasuredStep, UnitTiming
 from snake_strategy.planning.time_model import HardwareProfile, ModelShape, StepPrediction
 from snake_strategy.planning.prediction import first_prediction, recalibrated, ssd_wear, with_prediction

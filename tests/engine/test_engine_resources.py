@@ -10,7 +10,7 @@ import torch
 import snake_strategy
 from snake_strategy.engine import DtypePolicy, EngineHooks, EngineRuntime, EvalEngine, SnakeEngine
 from snake_strategy.gpt import GPTConfig, GPTModule
-from snake_strategy.planning.autoplan import resolve
+from snake_strategy.planning.run_plan import resolve
 from snake_strategy.planning.time_model import HardwareProfile
 from snake_strategy.precision import GreedySnakePrecision
 

@@ -160,7 +160,7 @@ def test_host_budget_counts_checkpoints_at_first_step(tmp_path):
 def _static_plan(cfg):
     from snake_strategy.engine import DtypePolicy, EngineRuntime, SnakeEngine
     from snake_strategy.gpt import GPTModule
-    from snake_strategy.planning.autoplan import resolve
+    from snake_strategy.planning.run_plan import resolve
     from snake_strategy.planning.time_model import HardwareProfile
     module = GPTModule(cfg)
     with torch.device("meta"):

@@ -50,13 +50,13 @@ from torch import nn
 
 from snake_strategy.config import STATES, ScheduleConfig, StorageConfig, TierShares
 from snake_strategy.contract import check_trainable
-from snake_strategy.planning.time_model import HardwareProfile, Knee, ModelShape, StepPrediction
 from snake_strategy.planning.machine import SOURCE_AVAILABLE, host_budget, process_baseline_bytes
 from snake_strategy.planning.memory_model import (MemoryInputs, format_plan, host_plan, rollback_copied_elems,
                                                   rollback_held_bytes)
-from snake_strategy.planning.placement import choose_alpha, kept_activations, memory_inputs, plan, prefetch_depth
+from snake_strategy.planning.placement import (choose_alpha, kept_activations, memory_inputs, place_rollback,
+                                               place_states, prefetch_depth)
+from snake_strategy.planning.time_model import HardwareProfile, Knee, ModelShape, StepPrediction
 from snake_strategy.precision import DtypePolicy
-from snake_strategy.progress import format_bytes
 from snake_strategy.optimizers.kind import scratch_elems
 from snake_strategy.optimizers.spec import OptimizerSpec, inspect_optimizer, step_kind
 from snake_strategy.units import UnitLayout, WeightFormat, build_layouts
@@ -123,7 +123,7 @@ class RunPlan:
         """What the memory model sees of this plan, with checkpoints of ``checkpoint_bytes`` and the loss head's
         output of ``loss_logits_bytes`` per backward task (both known after the first step) on rank
         ``shard_rank`` of partitioned moments: the plan's and the engine's numbers."""
-        assert self.shape is not None, "a plan from planning.autoplan.resolve carries the model's shape"
+        assert self.shape is not None, "a plan from planning.run_plan.resolve carries the model's shape"
         s = self.schedule
         return memory_inputs(
             dataclasses.replace(self.shape, checkpoint_bytes=checkpoint_bytes),
@@ -326,15 +326,15 @@ def resolve(module: nn.Module, optimizer: torch.optim.Optimizer | None, storage:
     given_depth = schedule.prefetch_depth  # None: each candidate placement gets its own (placement.prefetch_depth)
     try:
         try:
-            storage, placed = _place(shape, hardware, storage, kind, alpha, placement_budget, given_depth,
-                                     speculative, evaluating)
+            storage, placed = place_states(shape, hardware, storage, kind, alpha, placement_budget, given_depth,
+                                           speculative, evaluating)
         except ValueError:
             if schedule.alpha is not None or step_mode == "deferred" or alpha == 0.0 or evaluating:
                 raise  # a given alpha, or the deferred step's 1, is the run's: never lowered behind the user
             # The forward part's gradients wait on the host for the next forward; at alpha 0 none wait (the
             # whole update overlaps the backward) and the working set is smallest.
-            storage, placed = _place(shape, hardware, storage, kind, 0.0, placement_budget, given_depth,
-                                     speculative, evaluating)
+            storage, placed = place_states(shape, hardware, storage, kind, 0.0, placement_budget, given_depth,
+                                           speculative, evaluating)
             reasons["alpha"] = (f"0: the gradients parked at alpha {alpha:g} for the next forward do not fit the "
                                 "host budget; the whole update overlaps the backward")
             alpha = 0.0
@@ -354,8 +354,8 @@ def resolve(module: nn.Module, optimizer: torch.optim.Optimizer | None, storage:
                                    **batching)
     keep, reasons["keep_activations"] = kept_activations(concrete, device)
     concrete = dataclasses.replace(concrete, keep_activations=keep)
-    storage, reasons["rollback"] = _place_rollback(shape, hardware, storage, rollback_given, kind, alpha, depth,
-                                                   placement_budget, speculative)
+    storage, reasons["rollback"] = place_rollback(shape, hardware, storage, rollback_given, kind, alpha, depth,
+                                                  placement_budget, speculative)
     if schedule.split_backward:
         log.info("schedule.split_backward=true: LayerPipe's split backward (input gradients per micro-batch, Linear "
                  "weight gradients as one product per unit)")
@@ -374,68 +374,6 @@ def resolve(module: nn.Module, optimizer: torch.optim.Optimizer | None, storage:
             100 * storage.checkpoints.ssd, concrete.num_micro_batches, storage.checkpoint_host_ends)
     return dataclasses.replace(run_plan, host_bytes=sum(host_plan(inputs).values()), rollback_bytes=rollback_bytes,
                                rollback_held_bytes=rollback_held_bytes(inputs))
-
-
-def _place_rollback(shape: ModelShape, hw: HardwareProfile, storage: StorageConfig, given: str | None, kind: str,
-                    alpha: float, depth: int, room: int, speculative: bool) -> tuple[StorageConfig, str]:
-    """The rollback state's tier: given, else the host when the placed plan with it there still fits ``room``
-    (the budget less the activation reserve), else the SSD. Placed after the states: per byte stored it moves
-    one byte per step (written once), the states two or more."""
-    if given is not None:
-        return dataclasses.replace(storage, rollback=given), "given"
-    if not speculative:
-        return dataclasses.replace(storage, rollback="host"), "no speculative step: nothing to keep"
-    on_host = dataclasses.replace(storage, rollback="host")
-    needed = sum(host_plan(memory_inputs(shape, hw, on_host, kind, alpha, depth, True)).values())
-    if needed <= room:
-        return on_host, f"host: the plan with it needs {needed / 2**30:.2f} of {room / 2**30:.2f} GiB"
-    return (dataclasses.replace(storage, rollback="ssd"),
-            f"ssd: on the host the plan would need {needed / 2**30:.2f} GiB of {room / 2**30:.2f} GiB")
-
-
-def _place(shape: ModelShape, hw: HardwareProfile, storage: StorageConfig, kind: str, alpha: float,
-           budget: int, depth: int | None, speculative: bool = False,
-           evaluating: bool = False) -> tuple[StorageConfig, dict[str, str]]:
-    """(placed storage, reasons) within ``budget`` (the host budget less the activation reserve). States
-    given explicitly keep their split. ``depth``: the given prefetch depth, else each candidate's own
-    (``placement.prefetch_depth``). The rollback state is placed afterwards (``_place_rollback``), so it is
-    counted on the SSD here. ``evaluating``: only the compute weights are stored (no moments, gradients or
-    optimizer working set), so they get their own split."""
-    unset = storage.unset()
-    given = {state: getattr(storage, state) for state in STATES if state not in unset}
-    reasons = {state: "given" for state in given}
-    if not unset:
-        return storage, reasons
-    host = TierShares()
-    all_host = dataclasses.replace(storage, placement="manual", rollback=storage.rollback or "ssd",
-                                   **{s: given.get(s, host) for s in STATES})
-
-    def host_bytes(placed: StorageConfig) -> int:
-        ahead = prefetch_depth(placed)[0] if depth is None else depth
-        return sum(host_plan(memory_inputs(shape, hw, placed, kind, alpha, ahead, speculative,
-                                           evaluating=evaluating)).values())
-
-    needed = host_bytes(all_host)
-    if needed <= budget:
-        reasons.update({s: f"host: the run needs {needed / 2**30:.2f} GiB of the {budget / 2**30:.2f} GiB budget"
-                        for s in unset})
-        return all_host, reasons
-    if evaluating:  # placement.plan sizes a training step's working set, which evaluation never holds
-        weights_bytes = shape.num_units * shape.params_per_unit * shape.weight_bytes
-        # What the host keeps besides a share of the weights: the streamed units, the non-layer parameters.
-        free = budget - host_bytes(dataclasses.replace(all_host, weights=TierShares(host=0.0, ssd=1.0)))
-        host = max(0.0, min(1.0, int(100 * free / weights_bytes) / 100)) if weights_bytes else 1.0
-        split = TierShares(host=host, ssd=round(1.0 - host, 2))
-        reasons.update({s: f"evaluation: the compute weights ({weights_bytes / 2**30:.2f} GiB), {host:.0%} of them "
-                           f"in the {budget / 2**30:.2f} GiB budget" for s in unset})
-        return dataclasses.replace(storage, placement="manual", **{s: given.get(s, split) for s in STATES}), reasons
-    # raises when not even the working set fits
-    chosen = plan(shape, hw, budget, kind, storage.ssd_dir, alpha=alpha, speculative=speculative, depth=depth)
-    placed = dataclasses.replace(storage, placement="manual",
-                                 **{s: given.get(s, getattr(chosen.storage, s)) for s in STATES})
-    reasons.update({s: f"planner.plan: {format_bytes(needed)} all on the host exceeds the "
-                       f"{format_bytes(budget)} budget" for s in unset})
-    return placed, reasons
 
 
 def _batching(module: nn.Module, schedule: ScheduleConfig, kind: str) -> tuple[dict[str, bool], dict[str, str]]:
