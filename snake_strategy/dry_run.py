@@ -48,7 +48,7 @@ from snake_strategy.planning.time_model import HardwareProfile
 from snake_strategy.planning.machine import SOURCE_GIVEN
 from snake_strategy.planning.memory_model import ssd_plan, unplanned_room_bytes
 from snake_strategy.planning.calibration import UnitTiming
-from snake_strategy.planning.prediction import days_to_endurance, first_prediction, ssd_wear, with_prediction
+from snake_strategy.planning.run_prediction import days_to_endurance, first_prediction, ssd_wear, with_prediction
 from snake_strategy.precision import DtypePolicy, GreedySnakePrecision
 from snake_strategy.strategy import GreedySnakeStrategy
 from snake_strategy.units import WeightFormat

@@ -352,7 +352,7 @@ class SnakeEngine(EngineBase):
 
     def use_plan(self, plan: RunPlan) -> RunPlan:
         """Run ``plan`` from the next step on: the same plan re-planned with measured rates
-        (``planning.prediction.recalibrated``), whose only setting that may differ is the prefetch depth, which changes
+        (``planning.run_prediction.recalibrated``), whose only setting that may differ is the prefetch depth, which changes
         no math. Called between steps. Returns the plan it runs: a deeper prefetch that the kept graphs
         leave no room for keeps the current depth."""
         assert plan.storage == self.plan.storage, "a re-plan keeps the placement"

@@ -404,25 +404,6 @@ def _batching(module: nn.Module, schedule: ScheduleConfig, kind: str) -> tuple[d
     return chosen, reasons
 
 
-def example_batch(trainer: Any) -> Any | None:
-    """A global batch for the prediction at setup, collated from the first samples of the train loader
-    when ``fit`` was given a map-style DataLoader (nothing is iterated: no worker starts, no sampler
-    advances). None otherwise (a DataModule, an iterable dataset): the prediction then waits for step 1."""
-    from torch.utils.data import DataLoader, IterableDataset  # only here: the planner itself needs no loader
-
-    source = getattr(getattr(trainer, "fit_loop", None), "_data_source", None)  # Lightning's (private) handle
-    loader = getattr(source, "instance", None)
-    if not isinstance(loader, DataLoader) or loader.batch_size is None or isinstance(loader.dataset, IterableDataset):
-        return None
-    try:
-        if len(loader.dataset) < loader.batch_size:
-            return None
-        return loader.collate_fn([loader.dataset[i] for i in range(loader.batch_size)])
-    except Exception as err:  # a dataset that cannot be indexed cheaply: predict at the first step instead
-        log.debug("no example batch at setup (%s): the prediction comes at the first step", err)
-        return None
-
-
 def _split_text(split: TierShares) -> str:
     parts = [f"{tier} {getattr(split, tier):g}" for tier in ("device", "host", "ssd") if getattr(split, tier)]
     return "/".join(parts)

@@ -8,6 +8,7 @@ import torch
 
 import snake_strategy
 from snake_strategy.planning import run_plan
+from snake_strategy.planning.run_prediction import example_batch
 from snake_strategy.config import ScheduleConfig, StorageConfig, TierShares
 from snake_strategy.engine import EngineRuntime, SnakeEngine
 from snake_strategy.gpt import GPTModule
@@ -168,9 +169,9 @@ def test_no_example_batch_from_an_iterable_dataset():
             class _data_source:
                 instance = DataLoader(Stream(), batch_size=4)
 
-    assert run_plan.example_batch(Trainer) is None
+    assert example_batch(Trainer) is None
     Trainer.fit_loop._data_source.instance = DataLoader(list(range(8)), batch_size=4)
-    assert run_plan.example_batch(Trainer).tolist() == [0, 1, 2, 3]
+    assert example_batch(Trainer).tolist() == [0, 1, 2, 3]
 
 
 class _RunningAlpha(L.Callback):
