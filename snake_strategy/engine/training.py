@@ -352,8 +352,8 @@ class SnakeEngine(EngineBase):
 
     def use_plan(self, plan: RunPlan) -> RunPlan:
         """Run ``plan`` from the next step on: the same plan re-planned with measured rates
-        (``planning.run_prediction.recalibrated``), whose only setting that may differ is the prefetch depth, which changes
-        no math. Called between steps. Returns the plan it runs: a deeper prefetch that the kept graphs
+        (``planning.run_prediction.recalibrated``), whose only setting that may differ is the prefetch depth,
+        which changes no math. Called between steps. Returns the plan it runs: a deeper prefetch that the kept graphs
         leave no room for keeps the current depth."""
         assert plan.storage == self.plan.storage, "a re-plan keeps the placement"
         assert dataclasses.replace(plan.schedule, prefetch_depth=self.schedule.prefetch_depth) == self.schedule, \

@@ -79,9 +79,9 @@ class UnitTiming:
     nonlayer_s: float | None = None  # the non-layer work over the same tokens, forward and backward (None: untimed)
 
     def rates(self, shape: ModelShape) -> dict[str, float]:
-        """The ``HardwareProfile`` rates this timing gives, its FLOPs counted as ``step_flops_split`` counts a
-        step's: a forward of ``params`` over ``tokens``, a backward of the input gradient (one forward's worth)
-        and the weight gradient (the ``trained`` share of one)."""
+        """The ``HardwareProfile`` rates this timing gives, its FLOPs counted as ``time_model.step_flops_split``
+        counts a step's: a forward of ``params`` over ``tokens``, a backward of the input gradient (one forward's
+        worth) and the weight gradient (the ``trained`` share of one)."""
         forward = (2 * self.params + shape.attention_flops_per_token_per_unit) * self.tokens
         backward = forward * (1 + self.trained / max(1, self.params))
         rates = {"flops_per_s": forward / self.forward_s, "backward_flops_per_s": backward / self.backward_s}
@@ -117,4 +117,4 @@ def missed(prediction: StepPrediction, measured: MeasuredStep) -> float:
     return prediction.roofline_s / measured.step_s - 1.0 if measured.step_s > 0 else 0.0
 
 
-__getattr__ = renamed(__name__)  # Knee and knee, now in the time model (snake_strategy/moved.py)
+__getattr__ = renamed(__name__)  # the old paths of Knee and knee, which the time model holds (snake_strategy/moved.py)

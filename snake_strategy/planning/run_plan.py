@@ -1,15 +1,17 @@
-"""The planner drives the run: ``schedule.kind="auto"`` and ``storage.placement="auto"`` (the defaults of
-``GreedySnakeStrategy()``) become concrete settings at setup, from the model's shape, the host budget
-and the machine; settings given explicitly are kept as given.
+"""The run plan: every effective setting of a run, decided once at setup (``resolve``) and carried by the
+``RunPlan`` the engines run. ``schedule.kind="auto"`` and ``storage.placement="auto"`` (the defaults of
+``GreedySnakeStrategy()``) become concrete settings from the model's shape, the host budget and the machine;
+settings given explicitly are kept as given.
 
 Choices (docs/design.md, "The planner drives the run", says why each is made):
 
-- **placement**: everything on the host when the whole run fits the host budget (nothing is faster);
-  otherwise ``placement.plan`` fills the budget with the states that move the most bytes per byte stored
-  (weights, then Adam moments) and puts the rest on the SSD. The budget is ``machine.host_budget``:
-  the tightest of ``storage.host_budget_bytes``, a share of MemAvailable and a share of what the memory
-  cgroup still allows (``RunPlan.host_budget_source`` says which); ``ACTIVATION_RESERVE_SHARE`` of it is
-  left for the activations (sized at the first step, when the host budget is checked again with them).
+- **placement** (``placement.place_states``): everything on the host when the whole run fits the host budget
+  (nothing is faster); otherwise ``placement.plan`` fills the budget with the states that move the most bytes
+  per byte stored (weights, then Adam moments) and puts the rest on the SSD. The budget is
+  ``machine.host_budget``: the tightest of ``storage.host_budget_bytes``, a share of MemAvailable and a share
+  of what the memory cgroup still allows (``RunPlan.host_budget_source`` says which);
+  ``ACTIVATION_RESERVE_SHARE`` of it is left for the activations (sized at the first step, when the host
+  budget is checked again with them).
 - **order**: vertical (the horizontal order moves every unit's weights M times more).
 - **batching**: batched forward and backward passes when the module declares that its blocks treat
   samples independently (``LayeredModule.independent_samples``; the GPT and HuggingFace modules do): on
@@ -34,8 +36,9 @@ Choices (docs/design.md, "The planner drives the run", says why each is made):
   that run (half-precision weight storage included), the one ``ModelShape`` the planner places and the
   engine checks.
 
-The step-time prediction needs the tokens per micro-batch: at setup from ``example_batch`` when the loader
-allows it, and again after the first step (``first_prediction``), with the kept graphs decided.
+The step-time prediction needs the tokens per micro-batch: it is made on this plan by planning/run_prediction.py,
+at setup from ``example_batch`` when the loader allows it, and again after the first step, with the kept graphs
+decided.
 """
 from __future__ import annotations
 
