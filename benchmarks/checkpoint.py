@@ -79,7 +79,7 @@ def run(preset_name: str, context_len: int, micro_batch_size: int, num_micro: in
     import lightning as L
 
     from snake_strategy import checkpoint as snake_checkpoint
-    from snake_strategy.planning.hardware import _probe_ssd
+    from snake_strategy.planning.machine import _probe_ssd
     from snake_strategy.storage import versions
     from snake_strategy.timeline import STEPS, lanes, read_trace, step_breakdown
 

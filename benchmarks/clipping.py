@@ -189,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
         print("RESULT " + json.dumps(result))
         return 0
     if args.host_budget_bytes is None:
-        from snake_strategy.planning.host_memory import host_budget
+        from snake_strategy.planning.machine import host_budget
         args.host_budget_bytes = host_budget(None).budget_bytes
     report = {"preset": args.preset, "steps": args.steps, "context_len": args.context_len,
               "micro_batch_size": args.micro_batch_size, "host_budget_bytes": args.host_budget_bytes, "cases": []}

@@ -179,7 +179,7 @@ def compare(preset_name: str, args) -> dict:
         preset["num_micro"] = args.num_micro
     systems = [s for s in args.systems.split(",") if not (s == "zero_infinity" and "overrides" in preset)]
     # Probe once here (cached on disk per filesystem) so no worker's peak RSS includes the probe buffers.
-    from snake_strategy.planning.hardware import probe_hardware
+    from snake_strategy.planning.machine import probe_hardware
     probe_hardware(args.ssd_root)
     results = {s: _spawn(s, preset_name, preset, args) for s in systems}
     ok = {s: r for s, r in results.items() if "s_per_step" in r}

@@ -16,7 +16,7 @@ Phases (``--phases``, comma-separated):
   fits a small disk on gpt_4b: its checkpoint copies 49 GB).
 
 Every run is a child process in its own cgroup (``memory.max`` / v1 ``memory.limit_in_bytes``), with
-``GreedySnakeStrategy()`` on the defaults: the budget comes from the cgroup (host_memory.host_budget).
+``GreedySnakeStrategy()`` on the defaults: the budget comes from the cgroup (machine.host_budget).
 Per phase the child reports peak RSS (VmHWM, reset with /proc/self/clear_refs), the peak of its
 anonymous and file-backed parts (sampled every 0.1 s: mapped weights are file-backed and reclaimable),
 and the cgroup's peak. The parent samples the disk's used bytes for the high-water mark.

@@ -244,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out or RESULTS / f"{args.preset}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     if args.host_budget_bytes is None and args.cgroup_gib is None:
-        from snake_strategy.planning.host_memory import host_budget
+        from snake_strategy.planning.machine import host_budget
         args.host_budget_bytes = host_budget(None).budget_bytes
     report = {"preset": args.preset, "steps": args.steps, "context_len": args.context_len, "cgroup_gib": args.cgroup_gib,
               "loss_preset": args.loss_preset, "loss_steps": args.loss_steps,

@@ -201,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
         systems.remove("zero_infinity")
         notes.append("zero_infinity skipped: DeepSpeed is not installed (the 'bench' extra, see benchmarks/zero_infinity.py)")
         print(notes[-1], file=sys.stderr)
-    from snake_strategy.planning.hardware import probe_hardware
+    from snake_strategy.planning.machine import probe_hardware
     probe_hardware(args.ssd_root)  # once here (cached on disk), so that no point's peak RSS holds the probe's buffers
     spec = dict(preset=args.preset, context_len=args.context_len, micro_batch_size=args.micro_batch_size, num_micro=0,
                 steps=args.steps, host_budget_bytes=args.host_budget_bytes, ssd_dir=args.ssd_root, hardware="probe",

@@ -1,14 +1,14 @@
 """Activation checkpoints: the input of every unit for every micro-batch, kept between the forward and
 the backward pass, in memory or in one SSD file per unit (one page-aligned slot per micro-batch).
 
-Which micro-batches go to the SSD is ``memory.checkpoint_tiers`` (the turning points stay in memory).
+Which micro-batches go to the SSD is ``memory_model.checkpoint_tiers`` (the turning points stay in memory).
 SSD writes are asynchronous from a bounded staging pool: when every staging buffer is in flight, ``put``
 waits for the oldest write (backpressure) instead of allocating more.
 
 On CUDA, host checkpoints go device->host into pinned buffers on the copy stream (``storage/streams.py``),
 asynchronously: the copy stream waits for the compute event that produced the tensor, and the compute
 stream waits for the copy's event before the bytes come back. Pinned buffers are kept for reuse (their
-count is bounded by the checkpoints a step holds, which ``memory.host_plan`` counts at their pinned size).
+count is bounded by the checkpoints a step holds, which ``memory_model.host_plan`` counts at their pinned size).
 On CPU the host tier is the same memory: the tensor is kept as it is, and every event is complete.
 """
 from __future__ import annotations
@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from snake_strategy.config import StorageConfig
-from snake_strategy.planning.memory import checkpoint_tiers
+from snake_strategy.planning.memory_model import checkpoint_tiers
 from snake_strategy.storage import IOEngine, SsdDirectory, TrafficCounters, aligned_empty, round_up
 from snake_strategy.storage.aligned import padded_bytes
 from snake_strategy.storage.io_engine import Ticket

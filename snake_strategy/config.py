@@ -83,7 +83,7 @@ class StorageConfig:
 
     ``placement="manual"``: every state left unset lives on the host. ``placement="auto"`` (what
     ``GreedySnakeStrategy()`` uses when given no storage): the planner places every state left unset
-    (None) within ``host_budget_bytes`` (``planning.autoplan.resolve``); the ones given stay as given.
+    (None) within ``host_budget_bytes`` (``planning.run_plan.resolve``); the ones given stay as given.
     ``ssd_dir=None`` puts the SSD tier in a fresh temporary directory that teardown removes.
     ``checkpoint_host_ends`` keeps the activation checkpoints of the first and last that many
     micro-batches of each unit on the host: they sit at the schedule's turning points, where an
@@ -185,7 +185,7 @@ class ScheduleConfig:
     ``kind="vertical"`` is the GreedySnake order (all micro-batches of a unit before the next unit);
     ``"horizontal"`` is ZeRO-Infinity-style gradient accumulation (one micro-batch through all units);
     ``"auto"`` (the default) lets the planner choose the order and every field left None (alpha,
-    batching, split backward, prefetch depth: ``planning.autoplan.resolve``) at setup. With an explicit
+    batching, split backward, prefetch depth: ``planning.run_plan.resolve``) at setup. With an explicit
     kind, fields left None take ``SCHEDULE_DEFAULTS``. A unit is ``blocks_per_unit`` consecutive blocks:
     the grain of every transfer and optimizer step.
     """

@@ -10,7 +10,7 @@ The command line takes the Hydra app's own config groups and overrides (``python
 model=gpt_4b storage.host_budget_bytes=17179869184``; snake_strategy/plan.py).
 
 The module is built on the meta device (its structure, no weight), its optimizer inspected as at setup, and the
-plan resolved by the same function the strategy calls (``planning.autoplan.resolve``): the dry run's plan is the
+plan resolved by the same function the strategy calls (``planning.run_plan.resolve``): the dry run's plan is the
 fit's. The prediction is the planner's roofline from the batch's shapes and the machine's rates as a fit
 measures them before step 1: the probe's disk and copy rates (cached on disk, as the strategy's
 ``hardware="probe"``) and the model's own unit 0, forward and backward timed at the batch's shapes and the
@@ -43,12 +43,12 @@ from snake_strategy.contract import (batch_size, check_contract, checkpoint_byte
 from snake_strategy.engine.step.batch_check import eval_mode
 from snake_strategy.engine.step.kept_graphs import KeptGraphs
 from snake_strategy.engine.step.unit_timing import time_forward_backward, time_nonlayer, timed_micro_batches
-from snake_strategy.planning.autoplan import RunPlan, resolve
-from snake_strategy.planning.hardware import HardwareProfile
-from snake_strategy.planning.host_memory import SOURCE_GIVEN
-from snake_strategy.planning.memory import ssd_plan, unplanned_room_bytes
-from snake_strategy.planning.planner import UnitTiming
-from snake_strategy.planning.prediction import days_to_endurance, first_prediction, ssd_wear, with_prediction
+from snake_strategy.planning.run_plan import RunPlan, resolve
+from snake_strategy.planning.time_model import HardwareProfile
+from snake_strategy.planning.machine import SOURCE_GIVEN
+from snake_strategy.planning.memory_model import ssd_plan, unplanned_room_bytes
+from snake_strategy.planning.calibration import UnitTiming
+from snake_strategy.planning.run_prediction import days_to_endurance, first_prediction, ssd_wear, with_prediction
 from snake_strategy.precision import DtypePolicy, GreedySnakePrecision
 from snake_strategy.strategy import GreedySnakeStrategy
 from snake_strategy.units import WeightFormat

@@ -1,5 +1,6 @@
-"""Import paths that moved when the package was split into layers (planning/, checkpoint/, hf/): each old
-module is a shim that still resolves its public names for one release, warning with the new path.
+"""Import paths that moved when the package was split into layers (planning/, checkpoint/, hf/) and when
+planning/ was given one role per module: each old module is a shim that still resolves its public names for
+one release, warning with the new path.
 
 A user's script written against an old path keeps running and is told where the name lives now; the
 object returned is the new one itself (no wrapper), so ``is`` comparisons and isinstance checks hold.
@@ -10,20 +11,42 @@ import importlib
 import warnings
 from typing import Any, Callable
 
+# The old planner module is the time model but for the placement search, the unit timing and the names it
+# imported (which resolved through it too).
+_PLANNER_ELSEWHERE = {**dict.fromkeys(("Placement", "choose_alpha", "memory_inputs", "PREFETCH_FROM_MEMORY",
+                                       "PREFETCH_FROM_SSD", "prefetch_depth", "plan", "kept_activations"),
+                                      "snake_strategy.planning.placement"),
+                      "UnitTiming": "snake_strategy.planning.calibration",
+                      "MemoryInputs": "snake_strategy.planning.memory_model",
+                      "host_plan": "snake_strategy.planning.memory_model", "ScheduleConfig": "snake_strategy.config"}
+# The old autoplan module is the run plan but for the batch the setup prediction is made from and the names it
+# imported that the run plan no longer does.
+_AUTOPLAN_ELSEWHERE = {"example_batch": "snake_strategy.planning.run_prediction",
+                       "plan": "snake_strategy.planning.placement", "format_bytes": "snake_strategy.progress"}
+
 # old module -> (the module most of its public names moved to, {name: module} for those that went elsewhere)
 MOVED_MODULES: dict[str, tuple[str, dict[str, str]]] = {
     "snake_strategy.adapters": ("snake_strategy.hf", {}),
-    "snake_strategy.autoplan": ("snake_strategy.planning.autoplan", {}),
+    "snake_strategy.autoplan": ("snake_strategy.planning.run_plan", _AUTOPLAN_ELSEWHERE),
     "snake_strategy.checkpoint_weights": ("snake_strategy.checkpoint", {"export_hf_checkpoint": "snake_strategy.hf"}),
-    "snake_strategy.memory": ("snake_strategy.planning.memory", {}),
-    "snake_strategy.planner": ("snake_strategy.planning.planner", {}),
+    "snake_strategy.memory": ("snake_strategy.planning.memory_model", {}),
+    "snake_strategy.planner": ("snake_strategy.planning.time_model", _PLANNER_ELSEWHERE),
+    "snake_strategy.planning.autoplan": ("snake_strategy.planning.run_plan", _AUTOPLAN_ELSEWHERE),
+    "snake_strategy.planning.hardware": ("snake_strategy.planning.machine", {}),
+    "snake_strategy.planning.host_memory": ("snake_strategy.planning.machine", {}),
+    "snake_strategy.planning.memory": ("snake_strategy.planning.memory_model", {}),
+    "snake_strategy.planning.planner": ("snake_strategy.planning.time_model", _PLANNER_ELSEWHERE),
+    "snake_strategy.planning.prediction": ("snake_strategy.planning.run_prediction", {}),
 }
 
 
-# renamed public names: old dotted path -> new dotted path (the old name resolves in its module, warning)
+# public names renamed, or moved out of a module that stays: old dotted path -> new dotted path (the old name
+# resolves in its module, warning)
 RENAMED: dict[str, str] = {
     "snake_strategy.TierSplit": "snake_strategy.TierShares",
     "snake_strategy.config.TierSplit": "snake_strategy.config.TierShares",
+    "snake_strategy.planning.calibration.Knee": "snake_strategy.planning.time_model.Knee",
+    "snake_strategy.planning.calibration.knee": "snake_strategy.planning.time_model.knee",
 }
 
 

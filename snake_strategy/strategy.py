@@ -36,10 +36,10 @@ from snake_strategy.distributed import DataParallelMixin, build_engine, check_ra
 from snake_strategy.engine import EngineHooks, EngineRuntime, EvalEngine, SnakeEngine
 from snake_strategy.engine.state.weights_file import weights_file_name
 from snake_strategy.module import LayeredModule
-from snake_strategy.planning.autoplan import RunPlan, example_batch, resolve
+from snake_strategy.planning.run_plan import RunPlan, resolve
+from snake_strategy.planning.run_prediction import RunPredictor, example_batch
 from snake_strategy.planning.calibration import CALIBRATION_STEPS, STEADY_STEP
-from snake_strategy.planning.planner import HardwareProfile, ModelShape, StepPrediction
-from snake_strategy.planning.run_prediction import RunPredictor
+from snake_strategy.planning.time_model import HardwareProfile, ModelShape, StepPrediction
 from snake_strategy.precision import GreedySnakePrecision
 from snake_strategy.progress import Progress
 from snake_strategy.telemetry import EvalTraffic

@@ -17,7 +17,7 @@ per thread, each with a ``thread_name`` metadata event:
 Slices on one lane never overlap partially (each thread does one thing at a time; waits nest in the
 work that waited), which the Trace Event Format's complete events ("ph": "X") require. Times are
 microseconds from the first exported step's start. Reading back: ``read_trace``, ``lanes`` and
-``step_breakdown`` (busy seconds per resource, to set next to ``planner.predict``).
+``step_breakdown`` (busy seconds per resource, to set next to ``time_model.predict``).
 """
 from __future__ import annotations
 
@@ -156,7 +156,7 @@ def step_breakdown(events: list[dict[str, Any]], step: int) -> dict[str, float]:
     ``waits``: the compute lane's waiting, inside tasks or not; ``ssd``: time at least one I/O thread was
     moving a chunk; ``optimizer``: the worker's busy time; ``prefetch``: the prefetch thread's. Only what
     falls inside the step's slice counts (work recorded after it, such as the flush at the end of
-    training, does not). Comparable with ``planner.predict``'s ``compute_s``, ``ssd_s``, ``optimizer_s``.
+    training, does not). Comparable with ``time_model.predict``'s ``compute_s``, ``ssd_s``, ``optimizer_s``.
     """
     by_lane = lanes(events, step)
     if not by_lane.get(STEPS):

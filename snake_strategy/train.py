@@ -33,7 +33,7 @@ from snake_strategy.config import STATES, ScheduleConfig, StorageConfig
 from snake_strategy.dry_run import DryRun, plan_run
 from snake_strategy.gpt import GPTConfig
 from snake_strategy.strategy import GreedySnakeStrategy
-from snake_strategy.planning.autoplan import RunPlan
+from snake_strategy.planning.run_plan import RunPlan
 from snake_strategy.telemetry import StepReport
 
 log = logging.getLogger(__name__)

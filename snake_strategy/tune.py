@@ -112,7 +112,7 @@ def train_once(spec: dict[str, Any]) -> dict[str, Any]:
     from torch.utils.data import DataLoader, Subset
 
     from snake_strategy import GreedySnakeStrategy, ScheduleConfig
-    from snake_strategy.planning.planner import HardwareProfile
+    from snake_strategy.planning.time_model import HardwareProfile
     from snake_strategy.data import ByteWindows, load_corpus
     from snake_strategy.gpt import GPTModule, preset
 
@@ -303,7 +303,7 @@ def sweep(args: argparse.Namespace) -> dict[str, Any]:
     spec = base_spec(args)
     if args.hardware == "probe":
         # Probed once here (cached on disk per filesystem), so that no run's peak RSS holds the probe's buffers.
-        from snake_strategy.planning.hardware import probe_hardware
+        from snake_strategy.planning.machine import probe_hardware
         probe_hardware(args.ssd_dir)
     first = run_variant(spec, Variant(DEFAULT_NAME), "1", args.timeout_s)  # the grid depends on its plan
     variants = {v.name: v for v in [Variant(DEFAULT_NAME), *build_grid(axes, first.get("plan"))]}

@@ -4,7 +4,7 @@ meta tensors without a word. ``WeightsHandback`` is the strategy's part: it hold
 the failure of the current stage and, at teardown, decides between the preempted, failed and normal ends.
 
 - A fit that ends normally gives the trained weights back: in memory when they fit the host budget
-  (``host_memory.host_budget``, the plan's), else streamed into a safetensors file that the parameters
+  (``machine.host_budget``, the plan's), else streamed into a safetensors file that the parameters
   then map (``engine/state/weights_file.py``). The guard stays only for the case where no file can be written.
   The file is the run's scratch, not an output: it is written where the SSD tier lives (``export_location``)
   and its name is removed once mapped, so it goes away with the process (a user's working directory never
@@ -36,7 +36,7 @@ from snake_strategy.engine.evaluation import EvalEngine
 if TYPE_CHECKING:
     from snake_strategy.checkpoint.consolidate import CheckpointWeights
     from snake_strategy.engine.training import SnakeEngine
-    from snake_strategy.planning.autoplan import RunPlan
+    from snake_strategy.planning.run_plan import RunPlan
     from snake_strategy.progress import Progress
 
 log = logging.getLogger(__name__)

@@ -39,7 +39,7 @@ import torch.distributed as dist
 
 from snake_strategy.checkpoint.format import SHARDED_FORMAT, fsync_tree, write_raw
 from snake_strategy.checkpoint.store import commit, recover, sibling
-from snake_strategy.planning.memory import shard_bounds
+from snake_strategy.planning.memory_model import shard_bounds
 from snake_strategy.progress import Progress, or_quiet
 
 if TYPE_CHECKING:

@@ -29,8 +29,8 @@ from snake_strategy.engine.runtime import EngineHooks, EngineRuntime
 from snake_strategy.engine.state.api import WeightSpec
 from snake_strategy.engine.trace import TaskTrace
 from snake_strategy.engine.view import StepStats
-from snake_strategy.planning.autoplan import RunPlan
-from snake_strategy.planning.memory import MemoryInputs, ssd_plan
+from snake_strategy.planning.run_plan import RunPlan
+from snake_strategy.planning.memory_model import MemoryInputs, ssd_plan
 from snake_strategy.progress import Progress, or_quiet
 from snake_strategy.storage import IOEngine, SsdDirectory, TrafficCounters
 from snake_strategy.storage.aligned import return_large_frees_to_os

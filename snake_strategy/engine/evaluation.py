@@ -30,7 +30,7 @@ from snake_strategy.engine.state.build import materialize
 from snake_strategy.engine.runtime import EngineRuntime
 from snake_strategy.engine.stream.forward_only import split_eval_batch, stream_blocks, streamed_forward
 from snake_strategy.engine.stream.streamer import WeightStreamer
-from snake_strategy.planning.autoplan import RunPlan
+from snake_strategy.planning.run_plan import RunPlan
 from snake_strategy.sources.pretrained import PretrainedSource
 from snake_strategy.progress import Progress, or_quiet
 from snake_strategy.storage import TieredTensor
@@ -99,7 +99,7 @@ class EvalEngine(EngineBase):
         # Laid out by the planner without an optimizer: one group, slots in registration order. A checkpoint
         # written by training may order a unit's slots by group; CheckpointWeights maps them by name.
         layouts = self.plan.layouts
-        assert layouts, "a plan from planning.autoplan.resolve carries the model's layouts"
+        assert layouts, "a plan from planning.run_plan.resolve carries the model's layouts"
         assert self.plan.evaluating, "an evaluation plan: resolve(optimizer=None)"
         self._unit_params = tuple(layout.numel for layout in layouts)
         self.blocks_prefix = next(name for name, mod in module.named_modules() if mod is module.blocks)

@@ -42,11 +42,12 @@ from snake_strategy.engine.runtime import EngineRuntime
 from snake_strategy.engine.stream.forward_only import stream_blocks, streamed_forward
 from snake_strategy.engine.view import StepStats
 from snake_strategy.engine.stream.streamer import WeightStreamer
-from snake_strategy.planning.host_memory import SOURCE_GIVEN
-from snake_strategy.planning.memory import pool_sizes, unplanned_room_bytes
+from snake_strategy.planning.machine import SOURCE_GIVEN
+from snake_strategy.planning.memory_model import pool_sizes, unplanned_room_bytes
 from snake_strategy.optimizers import hyper_params, step_kind
-from snake_strategy.planning.autoplan import RunPlan
-from snake_strategy.planning.planner import ModelShape, UnitTiming
+from snake_strategy.planning.run_plan import RunPlan
+from snake_strategy.planning.calibration import UnitTiming
+from snake_strategy.planning.time_model import ModelShape
 from snake_strategy.precision import LossScaler
 from snake_strategy.schedule import build_tasks
 from snake_strategy.storage.counters import traffic_delta
@@ -56,7 +57,7 @@ from snake_strategy.units import named_tensors
 
 
 class SnakeEngine(EngineBase):
-    """Trains ``module`` with the plan's storage and schedule (``planning.autoplan.resolve``); the engine
+    """Trains ``module`` with the plan's storage and schedule (``planning.run_plan.resolve``); the engine
     decides none of the plan's settings again. ``EngineView`` (engine/view.py) is what other code may use."""
 
     def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer, plan: RunPlan,
@@ -69,11 +70,11 @@ class SnakeEngine(EngineBase):
         if schedule.unset() or storage.unset():
             raise ValueError(f"SnakeEngine runs concrete settings, but schedule {schedule.unset()} and storage "
                              f"{storage.unset()} are left to the planner: resolve them first (snake_strategy.planning."
-                             "autoplan.resolve, as GreedySnakeStrategy does) or set them")
+                             "run_plan.resolve, as GreedySnakeStrategy does) or set them")
         super().__init__(module, plan, runtime)
         self.optimizer, self.clip = optimizer, clip
         self.scaler = runtime.scaler if runtime.scaler is not None else LossScaler(runtime.dtypes.loss_scaling)
-        self.alpha = schedule.alpha  # the plan's, as its step mode (autoplan.resolve): not decided again here
+        self.alpha = schedule.alpha  # the plan's, as its step mode (run_plan.resolve): not decided again here
         # The plan's step mode, which resolve decided from the same clip and loss scaling this engine runs.
         assert plan.step_mode != "speculative" or self.alpha < 1.0, "a speculative step has backward parts"
         assert plan.step_mode != "deferred" or self.alpha == 1.0, "a deferred step defers whole updates"
@@ -109,10 +110,10 @@ class SnakeEngine(EngineBase):
         """The parts in dependency order, each given what it needs; each one holding a resource is owned
         (closed by ``close``) as soon as it exists."""
         s, storage, dtypes, device = self.schedule, self.storage, self.dtypes, self.device
-        # The planner laid the model out and checked it (autoplan.setup_layouts); the SSD and host checks
+        # The planner laid the model out and checked it (run_plan.setup_layouts); the SSD and host checks
         # need only those sizes, so they run before anything is allocated.
         assert self.plan.layouts and self.plan.shape is not None and not self.plan.evaluating, \
-            "a training plan from planning.autoplan.resolve carries the model's layouts and shape"
+            "a training plan from planning.run_plan.resolve carries the model's layouts and shape"
         self.shape = self.plan.shape  # the one the planner placed the states for
         assert self.shape.optimizer_shards == (self.world_size if self.partition else 1), \
             "the plan was resolved for another partition of the optimizer state"
@@ -185,7 +186,7 @@ class SnakeEngine(EngineBase):
 
     def _free_host_bytes(self, checkpoint_bytes: int) -> int | None:
         """What the plan's budget leaves once the plan with checkpoints of this size is placed
-        (``memory.unplanned_room_bytes``): kept graphs fill it."""
+        (``memory_model.unplanned_room_bytes``): kept graphs fill it."""
         p = self.plan
         return unplanned_room_bytes(p.host_budget_bytes, p.host_budget_source == SOURCE_GIVEN, p.process_baseline_bytes,
                                     sum(self.host_bytes_plan(checkpoint_bytes).values()))
@@ -351,8 +352,8 @@ class SnakeEngine(EngineBase):
 
     def use_plan(self, plan: RunPlan) -> RunPlan:
         """Run ``plan`` from the next step on: the same plan re-planned with measured rates
-        (``planning.prediction.recalibrated``), whose only setting that may differ is the prefetch depth, which changes
-        no math. Called between steps. Returns the plan it runs: a deeper prefetch that the kept graphs
+        (``planning.run_prediction.recalibrated``), whose only setting that may differ is the prefetch depth,
+        which changes no math. Called between steps. Returns the plan it runs: a deeper prefetch that the kept graphs
         leave no room for keeps the current depth."""
         assert plan.storage == self.plan.storage, "a re-plan keeps the placement"
         assert dataclasses.replace(plan.schedule, prefetch_depth=self.schedule.prefetch_depth) == self.schedule, \

@@ -1,28 +1,27 @@
-"""The prediction corrected by what the steps measure, the re-plan it leads to, and the knee of the run.
+"""Calibration: what this run measured of itself, and the machine's rates that reproduce it.
 
-A prediction before step 1 comes from the hardware probe (planning/hardware.py): a few seconds of
-synthetic work, on a machine whose rates move by 1.5x from one day to the next and whose cores the
-compute and the optimizer share in ways a probe does not see. The engine measures each resource's busy
-time in every step (``StepStats``: the main thread's compute, the SSD's busy time, the optimizer worker's),
-so after the first steady step (step 1 also allocates, measures kept graphs and writes the first file
-versions) the rates are taken from it:
+Two measurements. Before step 1, the run's own unit timed forward and backward (``UnitTiming``, made by
+engine/step/unit_timing.py): this model's compute rates at its shapes and precision. After the first steady
+steps, what each resource was busy for (``MeasuredStep``): a prediction before step 1 comes from the hardware
+probe (planning/machine.py), a few seconds of synthetic work on a machine whose rates move by 1.5x from one
+day to the next and whose cores the compute and the optimizer share in ways a probe does not see. The engine
+measures each resource's busy time in every step (``StepStats``: the main thread's compute, the SSD's busy
+time, the optimizer worker's), so after the first steady step (step 1 also allocates, measures kept graphs
+and writes the first file versions) the rates are taken from it (``calibrated``):
 
 - compute FLOP/s: the forward's and the backward's rates scaled so that the step's FLOPs
-  (``planner.step_flops_split``) take the main thread's compute seconds;
+  (``time_model.step_flops_split``) take the main thread's compute seconds;
 - SSD: the probe's read and write rates scaled so that the step's bytes take the measured busy seconds;
 - optimizer params/s = trainable parameters / the worker's busy seconds.
 
 These rates were measured while compute and the optimizer shared the cores, so the corrected profile
 says so (``HardwareProfile.measured_in_step``) and the CPU-sharing term is not added again. When the
 prediction missed the measured step by more than ``REPLAN_MISS``, the settings that depend on rates are
-chosen again with the corrected ones (``planning.prediction.recalibrated``): today the prefetch depth (``planner.prefetch_depth``),
-which the engine changes at a step boundary without touching the math. Everything else the planner chose
-does not depend on rates (the placement fills the budget by bytes moved per byte stored, alpha is the
-forward's share of the compute), so the corrected prediction is the only other change.
-
-The knee (``knee``): the tokens per step from which compute outlasts every other resource. Below it
-the step waits on the SSD (or the optimizer) and more micro-batches cost little; above it every micro-batch
-adds its compute.
+chosen again with the corrected ones (``run_prediction.recalibrated``): today the prefetch depth
+(``placement.prefetch_depth``), which the engine changes at a step boundary without touching the math.
+Everything else the planner chose does not depend on rates (the placement fills the budget by bytes moved
+per byte stored, alpha is the forward's share of the compute), so the corrected prediction is the only other
+change.
 """
 from __future__ import annotations
 
@@ -30,8 +29,8 @@ import dataclasses
 import statistics
 from dataclasses import dataclass
 
-from snake_strategy.config import StorageConfig
-from snake_strategy.planning.planner import HardwareProfile, ModelShape, StepPrediction, compute_seconds, predict
+from snake_strategy.moved import renamed
+from snake_strategy.planning.time_model import HardwareProfile, ModelShape, StepPrediction, compute_seconds
 
 # A prediction further than this from the measured step is re-planned with the measured rates.
 REPLAN_MISS = 0.15
@@ -40,9 +39,6 @@ REPLAN_MISS = 0.15
 # on a shared machine (measured: 22% above the next three at gpt_1b) must not set the rates the run reports.
 STEADY_STEP = 2
 CALIBRATION_STEPS = 3
-# The knee is searched up to this many micro-batches per step.
-KNEE_MAX_MICRO = 4096
-COMPUTE_BOUNDS = ("compute", "cpu")
 
 
 @dataclass(frozen=True)
@@ -65,6 +61,33 @@ class MeasuredStep:
         """Every field's median over ``steps`` (the middle two's mean for an even count)."""
         assert steps, "a median needs at least one step"
         return cls(*(statistics.median(getattr(m, f.name) for m in steps) for f in dataclasses.fields(cls)))
+
+
+@dataclass(frozen=True)
+class UnitTiming:
+    """One unit's forward and backward timed before step 1 (engine/step/unit_timing.py): this model's compute
+    rates at the run's shapes and precision, and the kept graphs "auto" is expected to choose from the size
+    of the forward graph it recorded."""
+
+    forward_s: float
+    backward_s: float
+    params: int  # the timed unit's parameters
+    trained: int  # of which have a weight gradient
+    tokens: int  # in the timed pass
+    kept_units: int  # units the first step is expected to keep the forward graph of
+    graph_bytes_per_unit: int
+    nonlayer_s: float | None = None  # the non-layer work over the same tokens, forward and backward (None: untimed)
+
+    def rates(self, shape: ModelShape) -> dict[str, float]:
+        """The ``HardwareProfile`` rates this timing gives, its FLOPs counted as ``time_model.step_flops_split``
+        counts a step's: a forward of ``params`` over ``tokens``, a backward of the input gradient (one forward's
+        worth) and the weight gradient (the ``trained`` share of one)."""
+        forward = (2 * self.params + shape.attention_flops_per_token_per_unit) * self.tokens
+        backward = forward * (1 + self.trained / max(1, self.params))
+        rates = {"flops_per_s": forward / self.forward_s, "backward_flops_per_s": backward / self.backward_s}
+        if self.nonlayer_s is not None:
+            rates["nonlayer_s_per_token"] = self.nonlayer_s / self.tokens
+        return rates
 
 
 def calibrated(hw: HardwareProfile, shape: ModelShape, prediction: StepPrediction,
@@ -94,52 +117,4 @@ def missed(prediction: StepPrediction, measured: MeasuredStep) -> float:
     return prediction.roofline_s / measured.step_s - 1.0 if measured.step_s > 0 else 0.0
 
 
-@dataclass(frozen=True)
-class Knee:
-    """Where this run turns compute-bound: ``tokens_per_step`` (None: not below ``KNEE_MAX_MICRO``
-    micro-batches), the bound below it, and at the run's own tokens per step the share of the step
-    that waits on that bound (0 when compute-bound)."""
-
-    tokens_per_step: int | None
-    bound_below: str
-    run_tokens_per_step: int
-    waiting_share: float
-
-    def describe(self) -> str:
-        if self.bound_below in COMPUTE_BOUNDS:
-            return "compute-bound at any tokens per step"
-        if self.tokens_per_step is None:
-            return (f"{self.bound_below}-bound up to {KNEE_MAX_MICRO} micro-batches (more micro-batches are "
-                    "almost free)")
-        text = f"{self.bound_below}-bound below ~{self.tokens_per_step} tokens/step"
-        if self.waiting_share > 0:
-            text += (f"; at {self.run_tokens_per_step} tokens/step {100 * self.waiting_share:.0f}% of the step "
-                     f"waits on the {self.bound_below}")
-        else:
-            text += f"; this run ({self.run_tokens_per_step} tokens/step) is compute-bound"
-        return text
-
-    def as_dict(self) -> dict:
-        return dataclasses.asdict(self)
-
-
-def knee(shape: ModelShape, hw: HardwareProfile, storage: StorageConfig, kind: str, alpha: float,
-         speculative: bool = False) -> Knee:
-    """The smallest tokens per step (more micro-batches of this run's size) at which the predicted bound is
-    compute, for this placement and schedule (``planner.predict`` at each count)."""
-    tokens_per_micro = shape.tokens_per_micro
-    here = predict(shape, hw, storage, kind, alpha, speculative)
-    below = predict(dataclasses.replace(shape, num_micro=1), hw, storage, kind, alpha, speculative)
-    run_tokens = shape.num_micro * tokens_per_micro
-    waiting = 0.0 if here.bound in COMPUTE_BOUNDS else 1.0 - here.compute_s / here.roofline_s
-    if below.bound in COMPUTE_BOUNDS:
-        return Knee(tokens_per_micro, below.bound, run_tokens, waiting)
-    lo, hi = 1, KNEE_MAX_MICRO  # bisect: compute grows with micro-batches faster than any other term
-    if predict(dataclasses.replace(shape, num_micro=hi), hw, storage, kind, alpha, speculative).bound \
-            not in COMPUTE_BOUNDS:
-        return Knee(None, below.bound, run_tokens, waiting)
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        bound = predict(dataclasses.replace(shape, num_micro=mid), hw, storage, kind, alpha, speculative).bound
-        lo, hi = (lo, mid) if bound in COMPUTE_BOUNDS else (mid, hi)
-    return Knee(hi * tokens_per_micro, below.bound, run_tokens, waiting)
+__getattr__ = renamed(__name__)  # the old paths of Knee and knee, which the time model holds (snake_strategy/moved.py)

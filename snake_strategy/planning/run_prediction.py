@@ -1,19 +1,23 @@
-"""The prediction of one fit, from before step 1 to its calibration: the one object the strategy asks.
+"""The prediction of one run, from before step 1 to its calibration: the one object the strategy asks, and the
+re-plan of the settings that depend on the machine's rates each time the rates become better known.
 
 ``RunPredictor`` keeps what a fit's prediction needs between steps (the model's shape at the step's batch,
 the machine's rates, the unit timed before step 1, the steady steps measured) and turns a plan into the
 plan with its prediction:
 
-- ``predict(plan, engine, batch, at_setup=True)``: before step 1, from shapes and rates only. Under a probed
-  profile (``hardware`` None or "probe") unit 0's forward and backward are timed on the engine (this model's
-  own compute rate, and its forward graph's size: how many units "auto" will keep), the activations and the
-  loss head are sized from shapes; the prediction is kept as ``plan.setup_prediction``, and its SSD wear is
-  logged once.
+- ``predict(plan, engine, batch, at_setup=True)``: before step 1, from shapes and rates only (the batch from
+  ``example_batch`` when the loader allows it). Under a probed profile (``hardware`` None or "probe") unit 0's
+  forward and backward are timed on the engine (this model's own compute rate, and its forward graph's size:
+  how many units "auto" will keep), the activations and the loss head are sized from shapes; the prediction is
+  kept as ``plan.setup_prediction``, and its SSD wear is logged once.
 - ``predict(plan, engine, batch)`` again after step 1, with what it measured (kept graphs, checkpoints).
-- ``calibrate(plan, engine, step_s)`` after each of the first steady steps (``planning.prediction.recalibrated``).
+- ``calibrate(plan, engine, step_s)`` after each of the first steady steps: checked against their median and
+  re-planned with the measured rates when it missed (``recalibrated``; the rates themselves:
+  planning/calibration.py).
 
-The engine is read through its public surface only (shapes, sizes, the timing, the host plan); which
-settings the engine then runs stays the strategy's call (``SnakeEngine.use_plan``).
+Each prediction comes with the plan's knee and the settings that depend on rates (``with_prediction``: the
+prefetch depth), and the strategy hands the engine the plan it then runs (``SnakeEngine.use_plan``). The
+engine is read through its public surface only (shapes, sizes, the timing, the host plan).
 """
 from __future__ import annotations
 
@@ -24,10 +28,12 @@ from typing import Any
 
 import torch
 
-from snake_strategy.planning.autoplan import RunPlan
-from snake_strategy.planning.calibration import MeasuredStep
-from snake_strategy.planning.planner import HardwareProfile, ModelShape, StepPrediction, UnitTiming
-from snake_strategy.planning.prediction import first_prediction, recalibrated, ssd_wear, with_prediction
+from snake_strategy.config import StorageConfig
+from snake_strategy.planning.calibration import REPLAN_MISS, MeasuredStep, UnitTiming, calibrated, missed
+from snake_strategy.planning.machine import matmul_flops_per_s, optimizer_params_per_s, probe_hardware
+from snake_strategy.planning.placement import prefetch_depth
+from snake_strategy.planning.run_plan import RunPlan
+from snake_strategy.planning.time_model import HardwareProfile, ModelShape, StepPrediction, knee, predict
 
 log = logging.getLogger(__name__)
 
@@ -93,3 +99,123 @@ class RunPredictor:
                             engine.alpha, len(self.steady_steps))
         self.prediction = plan.prediction
         return plan
+
+
+def first_prediction(plan: RunPlan, shape: ModelShape, alpha: float, hardware: HardwareProfile | str | None,
+                     device: torch.device, ssd_path: str | None, largest_block_matrix: tuple[int, int],
+                     at_model_shape: bool, optimizer: torch.optim.Optimizer | None = None,
+                     master_dtype: torch.dtype = torch.float32,
+                     timing: UnitTiming | None = None) -> tuple[StepPrediction, HardwareProfile]:
+    """The planner's roofline for this run from ``shape`` (the engine's, for the first micro-batch): the
+    prediction and the machine's profile. ``hardware`` None or ``"probe"`` measures the machine (cached on
+    disk for a few hours, a scratch file in ``ssd_path``); ``at_model_shape`` (the strategy's
+    ``hardware="probe"``) also probes the compute roof at this model's own matmul with the rows one task
+    multiplies (every micro-batch's tokens under batched passes); an ``optimizer`` off the fused Adam path is
+    timed at the same matrix. ``timing``: the run's own unit timed at setup, whose forward and backward
+    rates replace the probe's. A ``HardwareProfile`` is taken as given."""
+    probing = hardware in ("probe", None)
+    time_optimizer = (probing and optimizer is not None and plan.optimizer is not None
+                      and not plan.optimizer.kind.own_kernel)
+    if probing:
+        hardware = probe_hardware(ssd_path, device)
+    out_dim, in_dim = largest_block_matrix
+    if timing is not None and probing:
+        hardware = dataclasses.replace(hardware, **timing.rates(shape))
+    elif at_model_shape and probing and shape.tokens_per_micro:
+        s = plan.schedule
+        rows = shape.tokens_per_micro * (s.num_micro_batches if s.batched_forward else 1)
+        # The compute roof at this model's own matmul shape (rows x in) @ (in x out).
+        hardware = dataclasses.replace(hardware, flops_per_s=matmul_flops_per_s(rows, in_dim, out_dim, device))
+    if time_optimizer:
+        rate = optimizer_params_per_s(optimizer, (out_dim, in_dim), master_dtype)
+        hardware = dataclasses.replace(hardware, optimizer_params_per_s=rate)
+    prediction = predict(shape, hardware, plan.storage, plan.schedule.kind, alpha, plan.step_mode == "speculative")
+    log.info("planner: predicted floor %.3f s/step (%s-bound; compute %.3f s, ssd %.3f s, optimizer %.3f s)",
+             prediction.roofline_s, prediction.bound, prediction.compute_s, prediction.ssd_s, prediction.optimizer_s)
+    return prediction, hardware
+
+
+def days_to_endurance(endurance_tbw: float, write_bytes_per_step: int, s_per_step: float) -> float | None:
+    """Days of steps writing ``write_bytes_per_step`` every ``s_per_step`` until a drive rated for
+    ``endurance_tbw`` terabytes written is used up; None when the steps write nothing."""
+    if not write_bytes_per_step or not s_per_step:
+        return None
+    return endurance_tbw * 1e12 / (write_bytes_per_step * 86400.0 / s_per_step)
+
+
+def ssd_wear(storage: StorageConfig, prediction: StepPrediction) -> str:
+    """The SSD wear of a run at its predicted rate, in words (the dry run's line, logged once by a fit)."""
+    written = prediction.ssd_write_bytes
+    days = days_to_endurance(storage.ssd_endurance_tbw, written, prediction.roofline_s)
+    if days is None:
+        return "SSD wear: nothing written to the SSD"
+    return (f"SSD wear: {1000 * written / 1e12:.2f} TB written per 1,000 steps; {days:,.0f} days of this run to the "
+            f"drive's rated {storage.ssd_endurance_tbw:,.0f} TBW (storage.ssd_endurance_tbw)")
+
+
+def with_prediction(plan: RunPlan, shape: ModelShape, hardware: HardwareProfile, prediction: StepPrediction,
+                    alpha: float, kept_units: list[int] | None) -> RunPlan:
+    """The plan with this prediction (of ``hardware``'s rates), its knee and the settings that depend on
+    rates: the prefetch depth, unless given (``placement.prefetch_depth``; the engine follows at a step
+    boundary, ``SnakeEngine.use_plan``)."""
+    s, reasons = plan.schedule, dict(plan.reasons)
+    depth = s.prefetch_depth
+    if reasons.get("prefetch_depth") != "given" and not plan.evaluating:
+        depth, reasons["prefetch_depth"] = prefetch_depth(plan.storage, prediction)
+    speculative = plan.step_mode == "speculative"
+    return dataclasses.replace(plan, schedule=dataclasses.replace(s, prefetch_depth=depth), reasons=reasons,
+                               prediction=prediction, kept_units=kept_units, hardware=hardware,
+                               knee=knee(shape, hardware, plan.storage, s.kind, alpha, speculative))
+
+
+def recalibrated(plan: RunPlan, shape: ModelShape, measured: MeasuredStep, step: int, alpha: float,
+                 steps_measured: int = 1) -> RunPlan:
+    """The plan after a steady step (planning/calibration.py), ``measured`` the median of the last
+    ``steps_measured`` steady steps: the prediction kept when it is within ``REPLAN_MISS`` of it, else
+    predicted again with the measured rates and the rate-dependent settings chosen again with them (logged,
+    with the reason). ``plan.calibration`` records the first check, or the last one that re-planned, with every
+    check's error in ``checks``."""
+    before = plan.prediction
+    assert before is not None and plan.hardware is not None, "a plan is predicted before it is calibrated"
+    error = missed(before, measured)
+    checks = [*(plan.calibration or {}).get("checks", []), {"step": step, "error": error}]
+    if abs(error) <= REPLAN_MISS and plan.calibration is not None:
+        return dataclasses.replace(plan, calibration={**plan.calibration, "checks": checks})
+    record: dict[str, Any] = {"step": step, "steps_measured": steps_measured, "measured": dataclasses.asdict(measured),
+                              "predicted_s": before.roofline_s, "predicted_bound": before.bound, "error": error,
+                              "replanned": False, "changes": {}, "checks": checks}
+    if abs(error) <= REPLAN_MISS:
+        return dataclasses.replace(plan, calibration=record)
+    hardware = calibrated(plan.hardware, shape, before, measured)
+    prediction = predict(shape, hardware, plan.storage, plan.schedule.kind, alpha, plan.step_mode == "speculative")
+    after = with_prediction(plan, shape, hardware, prediction, alpha, plan.kept_units)
+    changes = {"prefetch_depth": [plan.schedule.prefetch_depth, after.schedule.prefetch_depth]} \
+        if after.schedule.prefetch_depth != plan.schedule.prefetch_depth else {}
+    record.update(replanned=True, changes=changes, corrected_s=prediction.roofline_s, corrected_bound=prediction.bound)
+    log.info(
+        "planner: step %d took %.2f s (the median of %d steady steps), the prediction was %.2f s (%s-bound, %+.0f%%): "
+        "re-planned with the measured rates (compute %.3g FLOP/s, optimizer %.3g params/s, SSD x%.2f): %.2f s/step, "
+        "%s-bound; %s", step, measured.step_s, steps_measured, before.roofline_s, before.bound, 100 * error,
+        hardware.flops_per_s, hardware.optimizer_params_per_s, hardware.ssd_read_gb_per_s / plan.hardware.ssd_read_gb_per_s,
+        prediction.roofline_s, prediction.bound,
+        "; ".join(f"{k} {a} -> {b} ({after.reasons[k]})" for k, (a, b) in changes.items()) or "the settings stay")
+    return dataclasses.replace(after, calibration=record)
+
+
+def example_batch(trainer: Any) -> Any | None:
+    """A global batch for the prediction at setup, collated from the first samples of the train loader
+    when ``fit`` was given a map-style DataLoader (nothing is iterated: no worker starts, no sampler
+    advances). None otherwise (a DataModule, an iterable dataset): the prediction then waits for step 1."""
+    from torch.utils.data import DataLoader, IterableDataset  # only here: the planner itself needs no loader
+
+    source = getattr(getattr(trainer, "fit_loop", None), "_data_source", None)  # Lightning's (private) handle
+    loader = getattr(source, "instance", None)
+    if not isinstance(loader, DataLoader) or loader.batch_size is None or isinstance(loader.dataset, IterableDataset):
+        return None
+    try:
+        if len(loader.dataset) < loader.batch_size:
+            return None
+        return loader.collate_fn([loader.dataset[i] for i in range(loader.batch_size)])
+    except Exception as err:  # a dataset that cannot be indexed cheaply: predict at the first step instead
+        log.debug("no example batch at setup (%s): the prediction comes at the first step", err)
+        return None

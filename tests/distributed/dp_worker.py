@@ -35,7 +35,7 @@ from tests.helpers import SMALL_GPT, ParamRecorder, token_data, trainer_kwargs  
 
 import snake_strategy  # noqa: E402
 from snake_strategy.gpt import GPTModule  # noqa: E402
-from snake_strategy.planning.memory import ssd_plan  # noqa: E402
+from snake_strategy.planning.memory_model import ssd_plan  # noqa: E402
 from snake_strategy.precision import GreedySnakePrecision  # noqa: E402
 
 

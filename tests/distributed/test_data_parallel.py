@@ -578,7 +578,7 @@ def test_rank_killed_mid_step_leaves_the_last_checkpoint_loadable(tmp_path):
 def test_host_and_ssd_plans_count_this_ranks_moment_shards():
     """With partitioned moments each rank plans its own shards: over the ranks they add up to one process's
     moments, on the host and on the SSD (page-rounded per unit: the shards are whole pages)."""
-    from snake_strategy.planning.memory import MemoryInputs, host_plan, ssd_plan
+    from snake_strategy.planning.memory_model import MemoryInputs, host_plan, ssd_plan
 
     units = (12800, 4096 * 3 + 5, 100)
     for optimizer in ("host", "ssd"):
@@ -605,8 +605,9 @@ def test_host_and_ssd_plans_count_this_ranks_moment_shards():
 def test_planner_places_each_ranks_moment_shards():
     """auto placement with partitioned moments plans rank 0's shards (the largest), so more of them fit in
     the same per-process budget: weights first, then the moments' host share grows."""
-    from snake_strategy.planning.memory import host_plan
-    from snake_strategy.planning.planner import HardwareProfile, ModelShape, choose_alpha, memory_inputs, plan
+    from snake_strategy.planning.memory_model import host_plan
+    from snake_strategy.planning.placement import choose_alpha, memory_inputs, plan
+    from snake_strategy.planning.time_model import HardwareProfile, ModelShape
 
     shape = ModelShape(num_units=8, params_per_unit=2**20, nonlayer_params=0, head_params=0, tokens_per_micro=64,
                        num_micro=4, checkpoint_bytes=2**16)
@@ -628,7 +629,7 @@ def test_planner_places_each_ranks_moment_shards():
 
 
 def test_shards_cover_each_unit_once_on_whole_pages():
-    from snake_strategy.planning.memory import SHARD_ALIGN_ELEMS, shard_size
+    from snake_strategy.planning.memory_model import SHARD_ALIGN_ELEMS, shard_size
 
     for train_end in (0, 1, 4096, 12800, 3 * 4096 + 5, 10**6):
         for world in (1, 2, 3, 8):

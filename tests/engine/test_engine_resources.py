@@ -10,8 +10,8 @@ import torch
 import snake_strategy
 from snake_strategy.engine import DtypePolicy, EngineHooks, EngineRuntime, EvalEngine, SnakeEngine
 from snake_strategy.gpt import GPTConfig, GPTModule
-from snake_strategy.planning.autoplan import resolve
-from snake_strategy.planning.planner import HardwareProfile
+from snake_strategy.planning.run_plan import resolve
+from snake_strategy.planning.time_model import HardwareProfile
 from snake_strategy.precision import GreedySnakePrecision
 
 CFG = GPTConfig(vocab_size=64, d_model=32, num_layers=3, num_heads=4, context_len=8)

@@ -204,7 +204,7 @@ def test_norm_clipping(name, clip, tmp_path):
 def test_the_plan_times_the_optimizers_own_step(tmp_path):
     """The prediction's optimizer term is the user's class's measured rate (Muon's Newton-Schulz iterations:
     far below the fused Adam kernel that the machine probe measures and the default profile assumes)."""
-    from snake_strategy.planning.hardware import probe_hardware
+    from snake_strategy.planning.machine import probe_hardware
     fused_rate = probe_hardware(str(tmp_path)).optimizer_params_per_s
     cls = module_class("muon")
     run = fit_snake(lambda: cls(SMALL_GPT, learning_rate=1e-3),
@@ -214,7 +214,7 @@ def test_the_plan_times_the_optimizers_own_step(tmp_path):
     assert muon_rate < fused_rate / 5, (muon_rate, fused_rate)
     assert "Muon: momentum_buffer float32" in run.strategy.plan.describe()
     # Without a probe the default profile's optimizer rate (fused Adam's constant) is replaced all the same.
-    from snake_strategy.planning.planner import HardwareProfile
+    from snake_strategy.planning.time_model import HardwareProfile
     default = fit_snake(lambda: cls(SMALL_GPT, learning_rate=1e-3),
                         token_loader(16, 8, SMALL_GPT.context_len, SMALL_GPT.vocab_size), steps=1, record=None,
                         storage={"ssd_dir": str(tmp_path / "ssd2")}, schedule={"num_micro_batches": 4})

@@ -8,7 +8,7 @@ import pytest
 import snake_strategy
 from snake_strategy import ScheduleConfig
 from snake_strategy.gpt import GPTConfig
-from snake_strategy.planning.planner import ModelShape, step_flops
+from snake_strategy.planning.time_model import ModelShape, step_flops
 from tests.helpers import max_abs_diff, run_reference, run_snake
 
 CFG = GPTConfig(vocab_size=64, context_len=16, d_model=32, num_heads=4, num_layers=4)

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from snake_strategy.config import StorageConfig
-from snake_strategy.planning.memory import (WEIGHT_STAGING_BUFFERS, MemoryInputs, checkpoint_tiers, host_plan,
-                                   pinned_host_shares, weight_staging_elems)
+from snake_strategy.planning.memory_model import (WEIGHT_STAGING_BUFFERS, MemoryInputs, checkpoint_tiers, host_plan,
+                                                  pinned_host_shares, weight_staging_elems)
 from snake_strategy.storage.aligned import PAGE_BYTES, aligned_allocation_bytes, pinned_allocation_bytes
 from snake_strategy.storage.pool import BufferPool
 from snake_strategy.storage.streams import DONE, CopyStream, Event, copy_stream
@@ -136,7 +136,7 @@ def test_host_plan_counts_pinned_sizes_on_cuda_only():
 
 
 def test_pinned_staging_pool_size_matches_the_plan():
-    """The streamer's staging pool on CUDA has exactly the shape memory.host_plan charges for."""
+    """The streamer's staging pool on CUDA has exactly the shape memory_model.host_plan charges for."""
     split = StorageConfig(weights={"host": 0.3, "ssd": 0.7}).weights
     units = (123_457, 4096 * 50, 99)
     elems = weight_staging_elems(units, split)

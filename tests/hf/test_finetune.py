@@ -134,7 +134,7 @@ def test_units_below_the_first_trainable_one_get_no_backward(tmp_path):
 
 def test_memory_plans_count_only_what_exists():
     from snake_strategy.config import StorageConfig
-    from snake_strategy.planning.memory import MemoryInputs, host_plan, ssd_plan
+    from snake_strategy.planning.memory_model import MemoryInputs, host_plan, ssd_plan
 
     storage = StorageConfig(ssd_dir="/tmp/x", weights="ssd", optimizer="ssd", gradients="ssd")
     full = MemoryInputs(unit_params=(40960,) * 4, nonlayer_params=1000, compute_bytes=4, master_bytes=4,

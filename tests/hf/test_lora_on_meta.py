@@ -193,7 +193,8 @@ def test_planner_keeps_the_adapter_state_on_the_host_while_the_base_streams():
     unit (it leads the unit's flat vector) stay on the host, so a step writes nothing to the SSD and reads
     the frozen base once per fetch; full fine-tuning, even with three times the budget (its working set
     alone is 4.3 GiB), writes its state every step."""
-    from snake_strategy.planning.planner import HardwareProfile, ModelShape, choose_alpha, plan, predict
+    from snake_strategy.planning.placement import choose_alpha, plan
+    from snake_strategy.planning.time_model import HardwareProfile, ModelShape, predict
     from snake_strategy.storage.tiered import tier_bytes
 
     def planned(shape, budget_bytes):  # the placement and its predicted traffic

@@ -25,8 +25,8 @@ import snake_strategy
 from snake_strategy.engine import EngineHooks
 from snake_strategy.engine.state.weights_file import map_weights_file, mapped_parameters
 from snake_strategy.gpt import GPTConfig, GPTModule
-from snake_strategy.planning.host_memory import (CGROUP_HEADROOM_SHARE, SOURCE_AVAILABLE, SOURCE_CGROUP, SOURCE_GIVEN,
-                                                 cgroup_headroom, host_budget)
+from snake_strategy.planning.machine import (CGROUP_HEADROOM_SHARE, SOURCE_AVAILABLE, SOURCE_CGROUP, SOURCE_GIVEN,
+                                             cgroup_headroom, host_budget)
 from snake_strategy.progress import Progress
 from snake_strategy.sources.safetensors_io import ShardedSafetensorsWriter
 from snake_strategy.storage import SsdDirectory

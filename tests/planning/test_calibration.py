@@ -1,11 +1,13 @@
-"""The rates a step measured, the knee and the prefetch rule (planning/calibration.py), by hand."""
+"""The rates a step measured (planning/calibration.py), the knee (planning/time_model.py) and the prefetch rule
+(planning/placement.py), by hand."""
 import dataclasses
 
 import pytest
 
 from snake_strategy.config import StorageConfig
-from snake_strategy.planning.calibration import MeasuredStep, calibrated, knee, missed
-from snake_strategy.planning.planner import HardwareProfile, ModelShape, predict, prefetch_depth, step_flops
+from snake_strategy.planning.calibration import MeasuredStep, calibrated, missed
+from snake_strategy.planning.placement import prefetch_depth
+from snake_strategy.planning.time_model import HardwareProfile, ModelShape, knee, predict, step_flops
 
 SHAPE = ModelShape(num_units=4, params_per_unit=8192, nonlayer_params=0, head_params=0, tokens_per_micro=10,
                    num_micro=2, checkpoint_bytes=100)

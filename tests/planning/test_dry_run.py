@@ -13,7 +13,7 @@ import pytest
 import snake_strategy
 from snake_strategy.dry_run import plan_run
 from snake_strategy.gpt import GPTModule
-from snake_strategy.planning.prediction import days_to_endurance
+from snake_strategy.planning.run_prediction import days_to_endurance
 from tests.helpers import SMALL_GPT, fit_snake, token_loader
 
 MICRO, MICRO_SIZE = 2, 2

@@ -11,7 +11,7 @@ import lightning as L
 
 import snake_strategy
 from snake_strategy.gpt import GPTConfig
-from snake_strategy.planning.memory import LOSS_HEAD_LOGITS_COPIES, RSS_SLACK_BYTES
+from snake_strategy.planning.memory_model import LOSS_HEAD_LOGITS_COPIES, RSS_SLACK_BYTES
 from tests.helpers import SMALL_GPT, run_snake
 
 RSS_SCRIPT = r"""
@@ -66,7 +66,7 @@ def _peak_rss(layers, tmp_path, width=256, slow="none", keep="0", budget_bytes=5
 @pytest.mark.parametrize("slow", ["optimizer", "ssd"])
 def test_peak_rss_does_not_grow_with_depth_when_a_consumer_is_slow(tmp_path, slow):
     """With the optimizer (or the SSD) slowed down, producers wait instead of queueing buffers: peak RSS
-    stays at baseline + plan + memory.RSS_SLACK_BYTES and does not grow with the number of units.
+    stays at baseline + plan + memory_model.RSS_SLACK_BYTES and does not grow with the number of units.
     keep_activations=0 (the _peak_rss default): kept graphs grow with depth up to the host budget, which
     is the next test's bound, not this one's (with "auto" the 32-layer run keeps 31 units' graphs, 62 MiB)."""
     shallow, deep = _peak_rss(4, tmp_path, slow=slow), _peak_rss(32, tmp_path, slow=slow)
@@ -94,8 +94,9 @@ def test_kept_graphs_are_bounded_by_the_budget_not_by_depth(tmp_path):
 
 
 def test_budget_check_planner_and_activation_store_share_one_memory_model(tmp_path):
-    from snake_strategy.planning.memory import checkpoint_tiers, host_plan
-    from snake_strategy.planning.planner import HardwareProfile, memory_inputs
+    from snake_strategy.planning.memory_model import checkpoint_tiers, host_plan
+    from snake_strategy.planning.placement import memory_inputs
+    from snake_strategy.planning.time_model import HardwareProfile
 
     storage = {"ssd_dir": str(tmp_path / "s"), "weights": "ssd", "optimizer": "ssd", "checkpoints": {"ssd": 0.5},
                "checkpoint_host_ends": 1}
@@ -159,8 +160,8 @@ def test_host_budget_counts_checkpoints_at_first_step(tmp_path):
 def _static_plan(cfg):
     from snake_strategy.engine import DtypePolicy, EngineRuntime, SnakeEngine
     from snake_strategy.gpt import GPTModule
-    from snake_strategy.planning.autoplan import resolve
-    from snake_strategy.planning.planner import HardwareProfile
+    from snake_strategy.planning.run_plan import resolve
+    from snake_strategy.planning.time_model import HardwareProfile
     module = GPTModule(cfg)
     with torch.device("meta"):
         module.configure_model()
@@ -182,7 +183,7 @@ def test_in_step_items_count_what_coincides():
     import dataclasses
 
     from snake_strategy.config import StorageConfig
-    from snake_strategy.planning.memory import WORKSPACE_CHECKPOINTS_PER_BLOCK, MemoryInputs, host_plan
+    from snake_strategy.planning.memory_model import WORKSPACE_CHECKPOINTS_PER_BLOCK, MemoryInputs, host_plan
 
     inputs = MemoryInputs(unit_params=(4096,) * 3, nonlayer_params=3000, compute_bytes=4, master_bytes=4,
                           device_is_cpu=True, storage=StorageConfig(), micro_per_backward_task=2,

@@ -4,10 +4,11 @@ import dataclasses
 import pytest
 
 from snake_strategy.config import StorageConfig
-from snake_strategy.planning.memory import host_plan
-from snake_strategy.planning.planner import (HardwareProfile, ModelShape, UnitTiming, choose_alpha, compute_seconds,
-                                             memory_inputs, plan, predict, step_flops, step_flops_split,
-                                             weight_fetches_per_step)
+from snake_strategy.planning.calibration import UnitTiming
+from snake_strategy.planning.memory_model import host_plan
+from snake_strategy.planning.placement import choose_alpha, memory_inputs, plan
+from snake_strategy.planning.time_model import (HardwareProfile, ModelShape, compute_seconds, predict, step_flops,
+                                                step_flops_split, weight_fetches_per_step)
 
 # 8192 parameters per unit: 32 KiB in fp32, whole pages (the engine page-rounds every SSD transfer), and
 # an alpha=0.5 forward part of exactly 4096 elements (forward parts are page-aligned).

@@ -9,7 +9,7 @@ import lightning as L
 import torch
 
 import snake_strategy
-from snake_strategy.planning.planner import HardwareProfile
+from snake_strategy.planning.time_model import HardwareProfile
 from tests.helpers import SMALL_GPT, fit_snake, run_reference, token_loader
 from snake_strategy.gpt import GPTModule
 

@@ -197,7 +197,7 @@ def test_accumulate_grad_batches():
 
 def test_unknown_gradient_clip_algorithm_refused():
     from snake_strategy.engine import EngineRuntime, SnakeEngine
-    from snake_strategy.planning.autoplan import RunPlan
+    from snake_strategy.planning.run_plan import RunPlan
     plan = RunPlan(snake_strategy.StorageConfig(), snake_strategy.ScheduleConfig(kind="vertical"), {}, 0, 0)
     with pytest.raises(ValueError, match="gradient_clip_algorithm"):
         SnakeEngine(None, None, plan, EngineRuntime(None, torch.device("cpu"), clip=("l1", 1.0)))

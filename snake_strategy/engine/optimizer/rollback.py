@@ -13,7 +13,7 @@ forward part), an overflowing one is restored (nothing changed, the step is skip
 ``RollbackStore``: per unit over this rank's backward part, the raw gradient and the in-memory part of the
 pre-step states in slots overwritten every step (all on the host or all in SSD files,
 ``storage.rollback``); the states' SSD part held as the previous versions of their files. Counted by
-``memory.rollback_copied_elems`` and ``memory.rollback_held_bytes``. Its files are the engine's own,
+``memory_model.rollback_copied_elems`` and ``memory_model.rollback_held_bytes``. Its files are the engine's own,
 separate from any checkpoint: a killed run resumes from its last checkpoint.
 
 ``SpeculationPolicy``: when the last step clipped (or overflowed) the next one is not speculated (the
@@ -29,7 +29,7 @@ from snake_strategy.config import TierShares
 from snake_strategy.engine.parallel.partition import shard_range
 from snake_strategy.engine.state.stores import UnitStore
 from snake_strategy.engine.view import StepStats
-from snake_strategy.planning.autoplan import STEP_MODES
+from snake_strategy.planning.run_plan import STEP_MODES
 from snake_strategy.storage import IOEngine, SsdDirectory, TieredTensor, TrafficCounters
 from snake_strategy.precision import LossScaler
 from snake_strategy.storage.io_engine import DONE, Ticket
@@ -140,7 +140,7 @@ class RollbackStore:
 class SpeculationPolicy:
     """Whether each step is speculated, and the counts ``perf/speculation`` / ``perf/rollbacks`` show.
 
-    Enabled when the plan's ``step_mode`` is "speculative" (``autoplan.resolve`` decides it once, from norm
+    Enabled when the plan's ``step_mode`` is "speculative" (``run_plan.resolve`` decides it once, from norm
     clipping, fp16 loss scaling, ``schedule.speculation`` and alpha); ``clip`` and ``scaler`` say only what
     a speculated step assumes."""
 

@@ -27,7 +27,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 # The shard geometry is a sizing rule: it lives with the memory model, which plans each rank's bytes.
-from snake_strategy.planning.memory import shard_bounds, shard_size
+from snake_strategy.planning.memory_model import shard_bounds, shard_size
 
 
 class ShardView:

@@ -16,8 +16,8 @@ from snake_strategy.engine.parallel.partition import ShardView
 from snake_strategy.engine.runtime import EngineRuntime
 from snake_strategy.engine.state.half_weights import tail_shares
 from snake_strategy.engine.state.stores import NonLayerState, UnitStore
-from snake_strategy.planning.autoplan import RunPlan
-from snake_strategy.planning.memory import forward_part_end
+from snake_strategy.planning.run_plan import RunPlan
+from snake_strategy.planning.memory_model import forward_part_end
 from snake_strategy.precision import DtypePolicy
 from snake_strategy.progress import or_quiet
 from snake_strategy.sources.lora_init import adapter_initializer, nonlayer_adapter_values

@@ -80,7 +80,7 @@ class _Recording:
 
 class KeptGraphs:
     def __init__(self, setting: int | str, device: torch.device, forward_tasks_per_unit: int = 1) -> None:
-        """``setting``: the plan's effective policy (``autoplan.resolve``): the number of units to keep, or
+        """``setting``: the plan's effective policy (``run_plan.resolve``): the number of units to keep, or
         "auto" (as many as ``free_bytes`` allows at the first step; a CPU run's only, since on a GPU the
         graphs would live in device memory, which the host budget does not see).
         ``forward_tasks_per_unit``: the forward tasks of one unit whose graphs are alive together (the

@@ -26,7 +26,7 @@ from snake_strategy.engine.state.stores import UnitStore
 from snake_strategy.engine.trace import FetchRecord, TaskTrace
 from snake_strategy.engine.optimizer.worker_threads import single_threaded_ops
 from snake_strategy.schedule import Task, unit_run_ahead
-from snake_strategy.planning.memory import WEIGHT_STAGING_BUFFERS
+from snake_strategy.planning.memory_model import WEIGHT_STAGING_BUFFERS
 from snake_strategy.storage.pool import BufferPool
 from snake_strategy.storage.streams import DONE, CopyStream, Event, copy_stream
 

@@ -7,12 +7,13 @@ import pytest
 import torch
 
 import snake_strategy
-from snake_strategy.planning import autoplan
+from snake_strategy.planning import run_plan
+from snake_strategy.planning.run_prediction import example_batch
 from snake_strategy.config import ScheduleConfig, StorageConfig, TierShares
 from snake_strategy.engine import EngineRuntime, SnakeEngine
 from snake_strategy.gpt import GPTModule
-from snake_strategy.planning.memory import host_plan
-from snake_strategy.planning.planner import HardwareProfile
+from snake_strategy.planning.memory_model import host_plan
+from snake_strategy.planning.time_model import HardwareProfile
 from snake_strategy.precision import DtypePolicy, GreedySnakePrecision
 from tests.helpers import SMALL_GPT, run_reference, run_snake
 
@@ -38,7 +39,7 @@ def _resolve(module_cls=GPTModule, storage=None, schedule=None, config=SMALL_GPT
     module.configure_model()
     optimizer = module.configure_optimizers()
     optimizer = optimizer["optimizer"] if isinstance(optimizer, dict) else optimizer
-    return autoplan.resolve(module, optimizer, storage or StorageConfig(placement="auto"),
+    return run_plan.resolve(module, optimizer, storage or StorageConfig(placement="auto"),
                             schedule or ScheduleConfig(num_micro_batches=MICRO), FP64, torch.device("cpu"),
                             HardwareProfile())
 
@@ -88,7 +89,7 @@ def test_explicit_settings_are_kept():
 
 def test_blocks_that_may_mix_samples_run_unbatched():
     s = _resolve(MixedSamplesGPT).schedule
-    assert (s.batched_forward, s.batched_backward, s.split_backward) == (False, False, autoplan.SPLIT_BACKWARD_WINS)
+    assert (s.batched_forward, s.batched_backward, s.split_backward) == (False, False, run_plan.SPLIT_BACKWARD_WINS)
     # Asking for one batched pass gets both (a random block needs the same grouping in the recompute).
     s = _resolve(MixedSamplesGPT, schedule=ScheduleConfig(num_micro_batches=MICRO, batched_backward=True)).schedule
     assert (s.batched_forward, s.batched_backward) == (True, True)
@@ -102,7 +103,7 @@ def test_a_tight_budget_moves_state_to_the_ssd_and_stays_within_it(tmp_path):
     tight = _resolve(storage=StorageConfig(placement="auto", host_budget_bytes=budget, ssd_dir=str(tmp_path)),
                      config=wide)
     assert tight.storage.weights.ssd > 0 or tight.storage.optimizer.ssd > 0
-    assert tight.host_bytes <= budget * (1 - autoplan.ACTIVATION_RESERVE_SHARE)
+    assert tight.host_bytes <= budget * (1 - run_plan.ACTIVATION_RESERVE_SHARE)
     assert tight.schedule.prefetch_depth == (2 if tight.storage.weights.ssd > 0 else 1)
     assert "exceeds" in tight.reasons["weights"]
     # Not even the working set fits: the refusal says what the placement's figure is a share of, and whence.
@@ -122,8 +123,8 @@ def test_the_engine_refuses_settings_left_to_the_planner():
     module = GPTModule(SMALL_GPT)
     module.configure_model()
     optimizer = torch.optim.AdamW(module.parameters())
-    plan = autoplan.RunPlan(StorageConfig(), ScheduleConfig(), {}, 0, 0)  # made by hand, not resolved
-    with pytest.raises(ValueError, match=r"left to the planner.*autoplan.resolve"):
+    plan = run_plan.RunPlan(StorageConfig(), ScheduleConfig(), {}, 0, 0)  # made by hand, not resolved
+    with pytest.raises(ValueError, match=r"left to the planner.*run_plan.resolve"):
         SnakeEngine(module, optimizer, plan, EngineRuntime(GreedySnakePrecision().dtypes, torch.device("cpu")))
 
 
@@ -168,9 +169,9 @@ def test_no_example_batch_from_an_iterable_dataset():
             class _data_source:
                 instance = DataLoader(Stream(), batch_size=4)
 
-    assert autoplan.example_batch(Trainer) is None
+    assert example_batch(Trainer) is None
     Trainer.fit_loop._data_source.instance = DataLoader(list(range(8)), batch_size=4)
-    assert autoplan.example_batch(Trainer).tolist() == [0, 1, 2, 3]
+    assert example_batch(Trainer).tolist() == [0, 1, 2, 3]
 
 
 class _RunningAlpha(L.Callback):
@@ -215,14 +216,14 @@ def test_describe_shows_the_alpha_and_step_mode_that_run():
     assert f"alpha {log.alpha}," in text and "optimizer step speculative (rollback state" in text, text
     plan = _resolve(schedule=ScheduleConfig(num_micro_batches=MICRO, alpha=0.25, speculation="off"))
     assert "alpha 0.25, optimizer step overlapped" in plan.describe()  # no clipping: nothing deferred
-    clipped = autoplan.resolve(*_resolve_args(ScheduleConfig(num_micro_batches=MICRO, alpha=0.25, speculation="off")),
+    clipped = run_plan.resolve(*_resolve_args(ScheduleConfig(num_micro_batches=MICRO, alpha=0.25, speculation="off")),
                                clip=("norm", 1.0))
     assert clipped.schedule.alpha == 1.0 and "alpha 1.0, optimizer step deferred" in clipped.describe()
     assert clipped.reasons["alpha"].startswith("1: norm clipping")
-    fp16 = autoplan.resolve(*_resolve_args(ScheduleConfig(num_micro_batches=MICRO),
+    fp16 = run_plan.resolve(*_resolve_args(ScheduleConfig(num_micro_batches=MICRO),
                                            dataclasses.replace(FP64, loss_scaling=True)))
     assert fp16.schedule.alpha == pytest.approx(0.2) and fp16.step_mode == "speculative"
-    value = autoplan.resolve(*_resolve_args(ScheduleConfig(num_micro_batches=MICRO)), clip=("value", 1.0))
+    value = run_plan.resolve(*_resolve_args(ScheduleConfig(num_micro_batches=MICRO)), clip=("value", 1.0))
     assert value.step_mode == "overlapped" and value.rollback_bytes == 0
 
 
