@@ -123,6 +123,7 @@ class StepReport(pl.Callback):
         self.total_traffic: dict[str, int] | None = None
         self.predicted_s: float | None = None
         self.predicted_before_step_1_s: float | None = None  # the plan's prediction made before step 1 ran
+        self.setup_timing_s: float | None = None  # what the timing behind it took (None: not timed)
         self._start: float | None = None
 
     # ------------------------------------------------------------------ hooks
@@ -172,6 +173,7 @@ class StepReport(pl.Callback):
         setup = getattr(plan, "setup_prediction", None)
         if setup is not None:
             self.predicted_before_step_1_s = setup.roofline_s
+            self.setup_timing_s = getattr(plan, "setup_timing_s", None)
         if prediction is not None:
             self.predicted_s = prediction.roofline_s
             metrics["perf/predicted_floor_s"] = prediction.roofline_s
@@ -244,6 +246,7 @@ class StepReport(pl.Callback):
             "step_bytes_mean": step_bytes,
             "predicted_floor_s_per_step": self.predicted_s,  # the last: after the first step and calibration
             "predicted_before_step_1_s_per_step": self.predicted_before_step_1_s,
+            "setup_timing_s": self.setup_timing_s,  # what the timing behind that prediction took
             "train_s": sum(self.step_seconds),
             "exposed_io_s": sum(self.step_io_wait_s),
             "exposed_optimizer_s": sum(self.step_optimizer_wait_s),
@@ -264,6 +267,9 @@ class StepReport(pl.Callback):
         if s["predicted_before_step_1_s_per_step"]:
             lines.append(f"predicted before step 1 {s['predicted_before_step_1_s_per_step']:.3f} s/step | measured / "
                          f"predicted {s['median_s_per_step'] / s['predicted_before_step_1_s_per_step']:.2f}")
+            if s["setup_timing_s"] is not None:
+                lines[-1] += (f" | its timing took {s['setup_timing_s']:.1f} s "
+                              f"({s['setup_timing_s'] / s['median_s_per_step']:.0%} of a step)")
         if s["bytes_per_tier"] is not None:
             tiers = ", ".join(f"{t} {format_bytes(n)}" for t, n in s["bytes_per_tier"].items())
             lines.append(f"bytes moved (whole run): {tiers}")

@@ -94,6 +94,9 @@ class RunPlan:
     # The prediction made before step 1 ran (from shapes and probed rates only), kept as it was: ``prediction``
     # is replaced by the first step's measured sizes and by the calibration.
     setup_prediction: StepPrediction | None = None
+    # Seconds the timing of this model's unit and non-layer work before step 1 took (None: not timed, the
+    # strategy was given a HardwareProfile): what the prediction before step 1 cost the run.
+    setup_timing_s: float | None = None
     kept_units: list[int] | None = None  # units whose forward graph is kept (known after the first step)
     # The model laid out in units and its shape before any batch (setup_layouts): what the engine builds
     # from, so the model is laid out and checked once. Not part of as_dict (module references).
@@ -194,6 +197,8 @@ class RunPlan:
                                                    2 * self.shape.master_bytes, step_s)
         if self.setup_prediction is not None:
             text += f"; predicted before step 1 {self.setup_prediction.roofline_s:.3f} s/step"
+            if self.setup_timing_s is not None:
+                text += f" (its timing took {self.setup_timing_s:.1f} s)"
         if self.prediction is not None:
             text += f"; predicted {self.prediction.roofline_s:.3f} s/step ({self.prediction.bound}-bound"
             c = self.calibration
@@ -224,6 +229,7 @@ class RunPlan:
                 "placement_budget_bytes": self.placement_budget_bytes, "evaluating": self.evaluating,
                 "prediction": self.prediction.as_dict() if self.prediction is not None else None,
                 "setup_prediction": self.setup_prediction.as_dict() if self.setup_prediction is not None else None,
+                "setup_timing_s": self.setup_timing_s,
                 "knee": self.knee.as_dict() if self.knee is not None else None,
                 "calibration": self.calibration,
                 "hardware": dataclasses.asdict(self.hardware) if self.hardware is not None else None,

@@ -48,6 +48,7 @@ class RunPredictor:
         self.hardware_profile: HardwareProfile | None = None  # the rates of the latest prediction
         self.prediction: StepPrediction | None = None
         self.timing: UnitTiming | None = None  # this model's unit timed before step 1 (probed rates)
+        self.timing_s: float | None = None  # what that timing took
         self.steady_steps: list[MeasuredStep] = []  # what the steady steps so far measured
 
     def predict(self, plan: RunPlan, engine: Any, batch: Any, at_setup: bool = False) -> RunPlan:
@@ -61,7 +62,7 @@ class RunPredictor:
             # forward graph's size says how many units "auto" will keep (no recompute for them).
             start_s = time.perf_counter()
             self.timing = engine.time_unit(batch, shape.checkpoint_bytes)
-            timing_s = time.perf_counter() - start_s
+            self.timing_s = timing_s = time.perf_counter() - start_s
             rates = self.timing.rates(shape)
             log.info("planner: unit 0's forward over %d tokens took %.3f s (%.1f GFLOP/s), its backward %.3f s "
                      "(%.1f GFLOP/s), the embedding and head %s before step 1 (the timing took %.1f s); %d units "
@@ -85,7 +86,7 @@ class RunPredictor:
         plan = dataclasses.replace(plan, step_host_bytes=expected_graphs + sum(engine.host_bytes_plan(
             engine.checkpoint_bytes or shape.checkpoint_bytes).values()))
         if self.prediction is None:  # the run's first prediction: before step 1
-            plan = dataclasses.replace(plan, setup_prediction=prediction)
+            plan = dataclasses.replace(plan, setup_prediction=prediction, setup_timing_s=self.timing_s)
             if self.log_wear:
                 log.info("planner: %s", ssd_wear(plan.storage, prediction))  # said once
         self.prediction = prediction

@@ -152,6 +152,9 @@ def test_the_prediction_is_made_at_setup_and_refined_at_the_first_step():
     _, strategy = run_snake(SMALL_GPT, 1, MICRO, MICRO_SIZE, "64-true", schedule_kind="auto", callbacks=[Watch()])
     assert seen["setup"] is not None and seen["setup"].roofline_s > 0
     assert strategy.plan.setup_prediction == seen["setup"]  # kept as it was made
+    # what the timing behind it cost is reported with it
+    assert strategy.plan.setup_timing_s > 0 and strategy.plan.as_dict()["setup_timing_s"] == strategy.plan.setup_timing_s
+    assert f"predicted before step 1 {seen['setup'].roofline_s:.3f} s/step (its timing took" in strategy.plan.describe()
     # every unit below the last keeps its graph here, as expected before step 1: no recompute counted in either
     assert strategy.plan.kept_units == list(range(SMALL_GPT.num_layers - 1))
     assert seen["step1"].compute_s == pytest.approx(seen["setup"].compute_s)

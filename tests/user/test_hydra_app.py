@@ -142,6 +142,8 @@ def test_run_trains_on_ssd(tmp_path):
     assert report["bytes_total"]["ssd/weights/read"] > 0
     assert report["step_bytes_mean"]["ssd/weights/read"] > 0
     assert report["median_s_per_step"] > 0 and report["tokens_per_s"] > 0
+    # the prediction made before step 1 and what its timing took, beside the measurement
+    assert report["predicted_before_step_1_s_per_step"] > 0 and report["setup_timing_s"] > 0
     on_disk = json.loads((tmp_path / "report.json").read_text())
     assert on_disk["final_train_loss"] == pytest.approx(report["final_train_loss"])
     # The trained model is saved by default: a resumable directory checkpoint and one consolidated file.

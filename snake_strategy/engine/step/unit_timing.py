@@ -30,9 +30,12 @@ from snake_strategy.contract import batch_tensors, unpack_pre_stage
 from snake_strategy.engine.step.kept_graphs import KeptGraphs
 
 RUNS = 3  # the first run also warms the kernels and the allocator's caches; the fastest counts
-# The non-layer pass runs once, after the unit's runs warmed the process: it is long (gpt_1b: 3.8 s over 512
-# tokens, as long as four unit passes), and three runs made the timing 17 s, 60% of a step.
-NONLAYER_RUNS = 1
+# The non-layer pass runs after the unit's runs warmed the process, again only while one run is short: a large
+# model's is long (gpt_1b: 3.8 s over 512 tokens, as long as four unit passes; three runs made the timing 17 s,
+# 60% of a step), a small model's lasts milliseconds, where one descheduling of a loaded machine would be the
+# whole measurement (the fastest run counts).
+NONLAYER_MAX_RUNS = 3
+NONLAYER_REPEAT_UNDER_S = 0.25
 # A pass of more tokens times only whole micro-batches up to this many (at least one): the matmuls' rates have
 # settled by then (gpt_1b: 197 GFLOP/s forward at 512 tokens) and the timing of gpt_4b's 4,096-token task
 # would take 50 s; the forward graph's bytes, linear in the tokens, are scaled to the whole task.
@@ -126,7 +129,8 @@ class _NonLayerPass(nn.Module):
 def time_nonlayer(module: nn.Module, micro_batches: list[Any], tensors: dict[str, Tensor], autocast: Callable,
                   device: torch.device) -> float:
     """Seconds of the non-layer work over ``micro_batches`` (the embedding's forward and backward, the head's
-    forward and backward, seeded with ones), run ``NONLAYER_RUNS`` times (the fastest counts), with the
+    forward and backward, seeded with ones), run again while a run is short (``NONLAYER_MAX_RUNS``,
+    ``NONLAYER_REPEAT_UNDER_S``; the fastest counts), with the
     non-layer parameters and buffers ``tensors`` (by name, as ``module.named_parameters`` names them; the
     trainable ones require grad): the part of a step the blocks' FLOPs do not count (the embedding's dense
     gradient, the head at its own shapes)."""
@@ -135,7 +139,9 @@ def time_nonlayer(module: nn.Module, micro_batches: list[Any], tensors: dict[str
     named = {f"inner.{name}": t for name, t in tensors.items()}
     trainable = [t for t in tensors.values() if t.requires_grad]
     best_s = float("inf")
-    for _ in range(NONLAYER_RUNS):
+    for _ in range(NONLAYER_MAX_RUNS):
+        if best_s < float("inf") and best_s >= NONLAYER_REPEAT_UNDER_S:
+            break
         sync()
         start_s = time.perf_counter()
         with torch.enable_grad(), autocast():
