@@ -19,6 +19,7 @@ slower than the rest. ``settle_fresh_memory`` touches fresh pieces until one cos
 """
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from typing import Any
@@ -41,6 +42,8 @@ NONLAYER_REPEAT_UNDER_S = 0.25
 # would take 50 s; the forward graph's bytes, linear in the tokens, are scaled to the whole task.
 TIMED_TOKENS = 1024
 
+log = logging.getLogger(__name__)
+
 
 # Fresh-memory settling: pieces of up to 256 MiB, each allocated, filled, refilled and freed (one piece alive at
 # a time), until filling fresh pages costs at most this many refills of them (settled here: 6-9x; unsettled:
@@ -57,7 +60,8 @@ def settle_fresh_memory(max_bytes: int) -> None:
     """Touch fresh host memory, at most ``max_bytes`` of it, until the kernel serves it at its settled cost
     (see the module docstring)."""
     piece_elems = max(1, min(SETTLE_PIECE_ELEMS, max_bytes // 4))
-    for _ in range(max(1, max_bytes // (4 * piece_elems))):
+    pieces = max(1, max_bytes // (4 * piece_elems))
+    for touched in range(1, pieces + 1):
         piece_start_s = time.perf_counter()
         piece = torch.ones(piece_elems)
         fresh_s = time.perf_counter() - piece_start_s
@@ -67,6 +71,8 @@ def settle_fresh_memory(max_bytes: int) -> None:
         del piece
         if fresh_s <= SETTLED_FRESH_OVER_REFILL * refill_s:
             break
+    log.debug("fresh memory: %d of at most %d pieces of %d MiB touched, the last %.1fx its refill (settled: <= %.0fx)",
+              touched, pieces, piece_elems * 4 // 2**20, fresh_s / max(refill_s, 1e-9), SETTLED_FRESH_OVER_REFILL)
 
 
 def timed_micro_batches(num_micro: int, tokens_per_micro: int) -> int:
@@ -103,6 +109,8 @@ def time_forward_backward(forward: Callable[[Tensor, list[Tensor]], Tensor], hid
             if roots:
                 torch.autograd.grad(roots, [x, *trainable], [torch.ones_like(r) for r in roots], allow_unused=True)
         sync()
+        log.debug("unit timing run %d: forward %.3f s, backward %.3f s", run, forward_done_s - start_s,
+                  time.perf_counter() - forward_done_s)
         best_forward_s = min(best_forward_s, forward_done_s - start_s)
         best_backward_s = min(best_backward_s, time.perf_counter() - forward_done_s)
         del x, y, outputs, roots
