@@ -21,7 +21,8 @@ IO_THREADS = 2
 
 # The second fit of test_a_prediction_within_15_percent_is_kept must see the first one's rates: a disk twice as
 # slow again makes sleeping most of its step, so a machine whose load changes between the two fits moves the
-# step less (at SLOW_SSD_BYTES_PER_S, with two busy loops started beside the test, 1 of 2 runs missed by 18%).
+# step less (two busy loops started beside the test: 1 of 2 runs missed by 18% at SLOW_SSD_BYTES_PER_S, 1 of 12
+# at this rate).
 SLOWER_SSD_BYTES_PER_S = 1e6
 
 
