@@ -84,8 +84,9 @@ def run_case(name: str, steps: int, ssd_root: str | None) -> dict:
         module = GPTModule(cfg, learning_rate=1e-4)
         windows = ByteWindows(load_corpus("stdlib"), case["context_len"])
         loader = DataLoader(Subset(windows, range(batch * steps)), batch_size=batch, shuffle=False)
+    ssd_dir = tempfile.mkdtemp(prefix="snake-pred-", dir=ssd_root)
     strategy = snake_strategy.GreedySnakeStrategy(
-        storage={"ssd_dir": tempfile.mkdtemp(prefix="snake-pred-", dir=ssd_root)},
+        storage={"ssd_dir": ssd_dir},
         schedule={"num_micro_batches": case["num_micro"]})
     step_s, stats, marks = [], [], {}
 
@@ -125,12 +126,14 @@ def run_case(name: str, steps: int, ssd_root: str | None) -> dict:
     trainer.fit(module, train_dataloaders=loader)
     if model_dir is not None:
         shutil.rmtree(model_dir)
+    left_behind = sorted(str(f.relative_to(ssd_dir)) for f in Path(ssd_dir).rglob("*"))  # the engine's files: none
+    shutil.rmtree(ssd_dir)
     plan = strategy.plan
     setup = plan.setup_prediction  # made before step 1 ran
     steady = step_s[1:] or step_s
     measured = statistics.median(steady)
     return dict(
-        case=name, **case, steps=steps, step_s=step_s, s_per_step=measured,
+        case=name, **case, steps=steps, step_s=step_s, s_per_step=measured, ssd_dir_left_behind=left_behind,
         tokens_per_step=batch * case["context_len"],
         setup_prediction=setup.as_dict() if setup else None, setup_hardware=marks.get("setup_hardware"),
         step1_prediction=marks["step1_prediction"].as_dict() if marks.get("step1_prediction") else None,
