@@ -123,7 +123,8 @@ def disk_used_bytes(path: str) -> int:
 
 def write_random_hf(model_dir: Path, config, dtype=None, max_shard_bytes: int = 2**30) -> int:
     """An HF directory of sharded safetensors for ``config`` with random weights (normal, std 0.02; norms 1),
-    built shape by shape (the model itself stays on the meta device); returns the parameter count."""
+    built shape by shape (the model itself stays on the meta device) and stored in ``dtype`` (export_hf's
+    default when None); returns the parameter count."""
     import torch
 
     from snake_strategy.hf import HFCausalLM, export_hf
@@ -135,8 +136,7 @@ def write_random_hf(model_dir: Path, config, dtype=None, max_shard_bytes: int = 
 
     def tensors():
         for name, shape in shapes:
-            value = torch.ones(shape) if "norm" in name else torch.randn(shape, generator=g) * 0.02
-            yield name, value.to(dtype) if dtype is not None else value
+            yield name, torch.ones(shape) if "norm" in name else torch.randn(shape, generator=g) * 0.02
 
     export_hf(tensors(), model_dir, config=config, dtype=dtype, max_shard_bytes=max_shard_bytes)
     return sum(shape.numel() for _, shape in shapes)

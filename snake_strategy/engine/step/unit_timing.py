@@ -71,8 +71,9 @@ def settle_fresh_memory(max_bytes: int) -> None:
         del piece
         if fresh_s <= SETTLED_FRESH_OVER_REFILL * refill_s:
             break
-    log.debug("fresh memory: %d of at most %d pieces of %d MiB touched, the last %.1fx its refill (settled: <= %.0fx)",
-              touched, pieces, piece_elems * 4 // 2**20, fresh_s / max(refill_s, 1e-9), SETTLED_FRESH_OVER_REFILL)
+    log.debug("fresh memory: %d of at most %d pieces of %d MiB touched, the last %.1fx its refill (settled: "
+              "<= %.0fx)", touched, pieces, piece_elems * 4 // 2**20, fresh_s / max(refill_s, 1e-9),
+              SETTLED_FRESH_OVER_REFILL)
 
 
 def timed_micro_batches(num_micro: int, tokens_per_micro: int) -> int:
@@ -109,10 +110,9 @@ def time_forward_backward(forward: Callable[[Tensor, list[Tensor]], Tensor], hid
             if roots:
                 torch.autograd.grad(roots, [x, *trainable], [torch.ones_like(r) for r in roots], allow_unused=True)
         sync()
-        log.debug("unit timing run %d: forward %.3f s, backward %.3f s", run, forward_done_s - start_s,
-                  time.perf_counter() - forward_done_s)
-        best_forward_s = min(best_forward_s, forward_done_s - start_s)
-        best_backward_s = min(best_backward_s, time.perf_counter() - forward_done_s)
+        forward_s, backward_s = forward_done_s - start_s, time.perf_counter() - forward_done_s
+        log.debug("unit timing run %d: forward %.3f s, backward %.3f s", run, forward_s, backward_s)
+        best_forward_s, best_backward_s = min(best_forward_s, forward_s), min(best_backward_s, backward_s)
         del x, y, outputs, roots
     return best_forward_s, best_backward_s, graph_bytes
 
@@ -148,8 +148,6 @@ def time_nonlayer(module: nn.Module, micro_batches: list[Any], tensors: dict[str
     trainable = [t for t in tensors.values() if t.requires_grad]
     best_s = float("inf")
     for _ in range(NONLAYER_MAX_RUNS):
-        if best_s < float("inf") and best_s >= NONLAYER_REPEAT_UNDER_S:
-            break
         sync()
         start_s = time.perf_counter()
         with torch.enable_grad(), autocast():
@@ -161,4 +159,6 @@ def time_nonlayer(module: nn.Module, micro_batches: list[Any], tensors: dict[str
         sync()
         best_s = min(best_s, time.perf_counter() - start_s)
         del hidden, x, outputs, grads
+        if best_s >= NONLAYER_REPEAT_UNDER_S:
+            break
     return best_s
