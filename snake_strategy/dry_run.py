@@ -42,7 +42,7 @@ from snake_strategy.contract import (batch_size, check_contract, checkpoint_byte
                                      split_micro_batches, stack_side_inputs)
 from snake_strategy.engine.step.batch_check import eval_mode
 from snake_strategy.engine.step.kept_graphs import KeptGraphs
-from snake_strategy.engine.step.unit_timing import time_forward_backward, time_nonlayer, timed_micro_batches
+from snake_strategy.engine.step.unit_timing import time_forward_backward, time_nonlayer, timed_task
 from snake_strategy.planning.run_plan import RunPlan, resolve
 from snake_strategy.planning.time_model import HardwareProfile
 from snake_strategy.planning.machine import SOURCE_GIVEN
@@ -187,8 +187,7 @@ def _time_unit(module: nn.Module, plan: RunPlan, dtypes: DtypePolicy, device: to
     shapes ``pre_stage`` gives on meta; and the units "auto" keeps in the budget ``items`` leave."""
     s, layout = plan.schedule, plan.layouts[0]
     micro_batches = split_micro_batches(batch, s.num_micro_batches)
-    task = len(micro_batches) if s.batched_forward else 1
-    timed = timed_micro_batches(task, micro_batch_tokens(micro_batches[0]))
+    timed, task = timed_task(micro_batches, s.batched_forward)
     micro_batches = micro_batches[:timed]
     staged = [meta_pre_stage(module, b) for b in micro_batches]
     if any(x is None for x in staged):

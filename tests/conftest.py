@@ -1,4 +1,6 @@
 """Slow tests (soak runs, long benchmarks) are opt-in: `pytest --runslow`."""
+import subprocess
+
 import pytest
 import torch
 
@@ -40,3 +42,20 @@ def lightning_reference():
         return cache[key]
 
     return get
+
+
+@pytest.fixture
+def tmpfs(tmp_path):
+    """``tmpfs(size)`` mounts a tmpfs of ``size`` (mount's syntax: "64k") and returns its path; unmounted
+    after the test; skipped where mounting needs a root the run does not have."""
+    mount = tmp_path / "tmpfs"
+    mount.mkdir()
+
+    def make(size: str):
+        if subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mount)],
+                          capture_output=True).returncode != 0:
+            pytest.skip("cannot mount a tmpfs here (needs root)")
+        return mount
+
+    yield make
+    subprocess.run(["umount", str(mount)], capture_output=True)

@@ -29,6 +29,8 @@ import logging
 import mmap
 import os
 import queue
+import shutil
+import tempfile
 import threading
 import time
 import zlib
@@ -36,8 +38,13 @@ from collections import Counter
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
+from snake_strategy.planning.memory_model import MemoryInputs, ssd_plan
+from snake_strategy.storage.tiered import tier_bounds, tier_bytes
+
 if TYPE_CHECKING:
+    from snake_strategy.config import StorageConfig
     from snake_strategy.engine.state.api import CheckpointedEngine
+    from snake_strategy.planning.run_plan import RunPlan
 
 log = logging.getLogger(__name__)
 
@@ -251,26 +258,65 @@ def state_bytes(engine: CheckpointedEngine) -> tuple[int, int]:
     return ssd, other
 
 
-def check_space(engine: CheckpointedEngine, directory: str | os.PathLike, kept: int, what: str) -> None:
+def planned_state_bytes(inputs: MemoryInputs) -> tuple[int, int]:
+    """``state_bytes`` of the engine a plan builds, from the plan's memory inputs before any file exists:
+    the same tensors at the same tier bounds (storage/tiered.py) as engine/state/build.py lays them out."""
+    s = inputs.storage
+    ssd = other = 0
+    for numel, held, split, elem_bytes in _checkpointed_tensors(inputs, s):
+        _, host_end = tier_bounds(numel, split)
+        head = min(host_end, held)
+        other += head * elem_bytes
+        if held > head:
+            ssd += tier_bytes(numel, split, elem_bytes)["ssd"]
+    return ssd, other
+
+
+def _checkpointed_tensors(inputs: MemoryInputs, s: StorageConfig):
+    """(elements, elements a checkpoint holds, tier shares, bytes per element) of every unit tensor a
+    checkpoint holds: the master copy (fp32 training: the weights' vector, of which the trainable head) and
+    each optimizer slot."""
+    for numel, trained in zip(inputs.unit_params, inputs.trainable):
+        if inputs.separate_master:
+            yield trained, trained, s.master, inputs.master_bytes
+        else:
+            yield numel, trained, s.weights, inputs.master_bytes
+    for elem_bytes, numels, _ in inputs.slots():
+        for numel in numels:
+            yield numel, numel, s.optimizer, elem_bytes
+
+
+def _existing(path: str | os.PathLike) -> Path:
+    """``path``, or its nearest existing parent (a directory a run has not made yet)."""
+    target = Path(path)
+    while not target.exists() and target != target.parent:
+        target = target.parent
+    return target
+
+
+def check_space(state: tuple[int, int], ssd_path: str | None, directory: str | os.PathLike, kept: int, what: str,
+                ssd_tier_to_write: int = 0) -> None:
     """Refuse, before the first byte, a checkpoint plan that will not fit: each of ``kept`` retained
     checkpoints of distinct steps may come to hold one copy of the SSD state (on the SSD's filesystem when
     the checkpoints share it: pinned versions; on the checkpoint directory's otherwise: copies), plus the
-    parts it writes. ValueError with the numbers and the ways out."""
-    ssd_bytes, other_bytes = state_bytes(engine)
-    target = Path(directory)
-    while not target.exists() and target != target.parent:
-        target = target.parent
-    same_fs = engine.ssd_path is not None and os.stat(engine.ssd_path).st_dev == os.stat(target).st_dev
+    parts it writes. ``state``: (SSD bytes, other bytes) of the checkpointed state (``state_bytes`` of an
+    engine, ``planned_state_bytes`` of a plan); ``ssd_tier_to_write``: the SSD tier's own files when they do
+    not exist yet (at setup), which take the same filesystem's space first. ValueError with the numbers and
+    the ways out."""
+    ssd_bytes, other_bytes = state
+    target = _existing(directory)
+    same_fs = ssd_path is not None and os.stat(_existing(ssd_path)).st_dev == os.stat(target).st_dev
     needed = kept * (ssd_bytes + other_bytes)
-    free = os.statvfs(target).f_bavail * os.statvfs(target).f_frsize
+    free = shutil.disk_usage(target).free - (ssd_tier_to_write if same_fs else 0)
     if needed <= free:
         return
     where = ("pinned versions on the SSD tier's filesystem (the checkpoints share it)" if same_fs
              else "copies on the checkpoint directory's filesystem")
+    after = f" once the SSD tier's {ssd_tier_to_write} bytes are written" if same_fs and ssd_tier_to_write else ""
     raise ValueError(
         f"{what}: {kept} kept checkpoint(s) of this run need up to {needed} bytes ({needed / 2**30:.3g} GiB: "
         f"{ssd_bytes} bytes of SSD-tier state each, as {where}, plus {other_bytes} bytes written), but {target} "
-        f"has {free} bytes ({free / 2**30:.3g} GiB) free. Put the checkpoints on another disk "
+        f"has {free} bytes ({free / 2**30:.3g} GiB) free{after}. Put the checkpoints on another disk "
         "(ModelCheckpoint(dirpath=...)), keep fewer of them (save_top_k, save_last), or place a share of the "
         "state on the host tier (storage.master / storage.optimizer host fraction)")
 
@@ -282,12 +328,14 @@ def kept_checkpoints(callback: Any) -> int:
     return kept + (1 if getattr(callback, "save_last", False) else 0)
 
 
-def prepare_checkpoint_dirs(engine: CheckpointedEngine, callbacks: list, is_global_zero: bool,
+def prepare_checkpoint_dirs(plan: RunPlan, callbacks: list, is_global_zero: bool,
                             sweep: Callable[[str], None]) -> None:
-    """At setup: sweep each ModelCheckpoint directory of what killed saves left (``sweep``:
-    store.sweep_and_log, rank 0 only; restores a ``last`` set aside: a directory resolved only now, from
-    the logger's; the launcher swept those named up front), and check that its kept checkpoints fit
-    their disk."""
+    """At setup, before the engine writes anything: sweep each ModelCheckpoint directory of what killed saves
+    left (``sweep``: store.sweep_and_log, rank 0 only; restores a ``last`` set aside: a directory resolved
+    only now, from the logger's; the launcher swept those named up front), and check from the plan that its
+    kept checkpoints fit their disk beside the SSD tier (a 7B model's streamed load takes minutes: the
+    refusal comes before it)."""
+    inputs = plan.memory_inputs()
     for callback in callbacks:
         dirpath = getattr(callback, "dirpath", None)
         if not dirpath:
@@ -295,6 +343,9 @@ def prepare_checkpoint_dirs(engine: CheckpointedEngine, callbacks: list, is_glob
         if is_global_zero:
             sweep(dirpath)
         kept = kept_checkpoints(callback)
-        if kept and not engine.partitioned:  # per-rank shards are written, not pinned: not counted here
-            check_space(engine, dirpath, kept, f"ModelCheckpoint(dirpath={dirpath!r}, save_top_k="
-                                               f"{callback.save_top_k}, save_last={callback.save_last})")
+        # per-rank shards of partitioned state are written, not pinned: not counted here
+        if kept and inputs.shard_world_size == 1:
+            ssd_dir = plan.storage.ssd_dir or tempfile.gettempdir()  # where SsdDirectory makes its own
+            check_space(planned_state_bytes(inputs), ssd_dir, dirpath, kept,
+                        f"ModelCheckpoint(dirpath={dirpath!r}, save_top_k={callback.save_top_k}, "
+                        f"save_last={callback.save_last})", sum(ssd_plan(inputs).values()))

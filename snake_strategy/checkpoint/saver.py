@@ -24,6 +24,7 @@ from snake_strategy.checkpoint.preemption import DeferredSaves, PreemptionSaver,
 
 if TYPE_CHECKING:
     from snake_strategy.engine.state.api import CheckpointedEngine
+    from snake_strategy.planning.run_plan import RunPlan
     from snake_strategy.progress import Progress
 
 log = logging.getLogger(__name__)
@@ -43,12 +44,16 @@ class CheckpointSaver:
         self.eval_checkpoint: CheckpointWeights | None = None  # ckpt_path of an evaluation stage
 
     # ------------------------------------------------------------------ the fit around the saves
+    @staticmethod
+    def prepare_fit(plan: RunPlan, trainer: Any, is_global_zero: bool) -> None:
+        """Before fit builds its engine: sweep what killed saves left in the checkpoint directories and check
+        from the plan that the kept checkpoints fit (``pins.prepare_checkpoint_dirs``)."""
+        pins.prepare_checkpoint_dirs(plan, trainer.checkpoint_callbacks, is_global_zero, store.sweep_and_log)
+
     def start_fit(self, engine: CheckpointedEngine, trainer: Any, is_global_zero: bool) -> None:
-        """At the end of fit's setup: sweep what killed saves left in the checkpoint directories, check that
-        the kept checkpoints fit, and add the preemption callback."""
+        """At the end of fit's setup: add the preemption callback."""
         self.preempted, self.pinning_saves = False, 0
         self.deferred = DeferredSaves()
-        pins.prepare_checkpoint_dirs(engine, trainer.checkpoint_callbacks, is_global_zero, store.sweep_and_log)
         if not any(c is self.preemption for c in trainer.callbacks):
             trainer.callbacks.append(self.preemption)
         self.preemption.saved_step = None
@@ -91,7 +96,8 @@ class CheckpointSaver:
             # fit; each one when every checkpoint is kept), and what it writes.
             keep_all = any(getattr(c, "save_top_k", 1) < 0 for c in trainer.checkpoint_callbacks)
             if self.pinning_saves == 0 or keep_all:
-                pins.check_space(engine, os.path.dirname(os.path.abspath(filepath)), 1, f"saving {filepath}")
+                pins.check_space(pins.state_bytes(engine), engine.ssd_path, os.path.dirname(os.path.abspath(filepath)),
+                                 1, f"saving {filepath}")
             self.pinning_saves += 1
         if sharded:
             shards.save(engine, checkpoint, filepath, self.progress)

@@ -31,7 +31,7 @@ from snake_strategy.engine.step.batch_check import batching_tolerance
 from snake_strategy.engine.state.build import build_model
 from snake_strategy.engine.step.gradients import GradientPath
 from snake_strategy.engine.step.kept_graphs import KeptGraphs
-from snake_strategy.engine.step.unit_timing import timed_micro_batches
+from snake_strategy.engine.step.unit_timing import timed_task
 from snake_strategy.engine.optimizer.update import ChunkUpdate
 from snake_strategy.engine.optimizer.worker import OptimizerOverlap
 from snake_strategy.engine.parallel.partition import Partition, shard_range
@@ -207,8 +207,7 @@ class SnakeEngine(EngineBase):
         ``StepRunner.time_nonlayer``), and the kept graphs "auto" will choose in the budget the plan leaves with
         checkpoints of that size."""
         micro_batches, sizes = self.micro_batches(batch)
-        task = len(micro_batches) if self.schedule.batched_forward else 1
-        timed = timed_micro_batches(task, micro_batch_tokens(micro_batches[0]))
+        timed, task = timed_task(micro_batches, self.schedule.batched_forward)
         micro_batches, sizes = micro_batches[:timed], sizes[:timed]
         forward_s, backward_s, graph_bytes = self.runner.time_unit(0, micro_batches, sizes)
         nonlayer_s = self.runner.time_nonlayer(micro_batches)

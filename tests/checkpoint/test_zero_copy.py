@@ -21,11 +21,12 @@ import torch
 
 from snake_strategy import checkpoint as snake_checkpoint
 from snake_strategy.checkpoint import store as checkpoint_store
+from snake_strategy.checkpoint import pins
 from snake_strategy.checkpoint.pins import Checksums
 from snake_strategy.storage import IOEngine, aligned_empty, versions
 from snake_strategy.storage.aligned import padded_bytes
 from snake_strategy.storage.leftovers import REGISTRY_DIR
-from tests.helpers import Killed, KillAt, assert_bitwise, checkpoint_tag, fit_resumable
+from tests.helpers import Killed, KillAt, StackModule, assert_bitwise, checkpoint_tag, fit_resumable, fit_snake, token_loader
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -339,21 +340,6 @@ def test_sigterm_mid_step_saves_the_last_step_and_exits_zero(tmp_path, straight_
 
 
 # ------------------------------------------------------------------------------ other filesystems, space
-@pytest.fixture
-def tmpfs(tmp_path):
-    mount = tmp_path / "tmpfs"
-    mount.mkdir()
-
-    def make(size: str):
-        if subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mount)],
-                          capture_output=True).returncode != 0:
-            pytest.skip("cannot mount a tmpfs here (needs root)")
-        return mount
-
-    yield make
-    subprocess.run(["umount", str(mount)], capture_output=True)
-
-
 def test_checkpoint_dir_on_another_filesystem_is_copied_and_says_so(tmp_path, tmpfs, straight_six, caplog):
     ckpts = tmpfs("256m") / "ckpts"
     with caplog.at_level(logging.INFO, logger="snake_strategy.checkpoint"):
@@ -374,6 +360,36 @@ def test_checkpoints_that_cannot_fit_are_refused_at_setup_with_the_numbers(tmp_p
         fit_resumable(3, tmp_path / "ssd", ckpt_dir=ckpts)
     assert "save_top_k=-1" in str(info.value)
     assert not ckpts.exists() or os.listdir(ckpts) == []
+
+
+@pytest.mark.parametrize("case", ["fp32", "bf16-mixed", "adafactor", "frozen"])
+def test_the_setup_counts_from_the_plan_the_state_a_save_counts_on_the_engine(tmp_path, case):
+    """The space check at setup runs before the engine exists (from the plan's memory inputs); a save during
+    the fit counts the engine's tiers. Both see the same bytes on the SSD tier and off it, for a master copy
+    apart from the weights (bf16-mixed), a slot of its own length (Adafactor's factors) and frozen elements."""
+    seen = {}
+
+    class Look(L.Callback):
+        def on_train_start(self, trainer, pl_module):
+            strategy = trainer.strategy
+            seen["plan"] = pins.planned_state_bytes(strategy.plan.memory_inputs())
+            seen["engine"] = pins.state_bytes(strategy.engine)
+
+    def model():
+        module = StackModule(lambda i: torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.GELU()), width=256,
+                             depth=3)
+        if case == "adafactor":
+            module.configure_optimizers = lambda: torch.optim.Adafactor(module.parameters(), lr=1e-2)
+        if case == "frozen":
+            module.blocks[1][0].weight.requires_grad_(False)
+        return module
+
+    shares = {"weights": {"host": 0.3, "ssd": 0.7}, "master": {"host": 0.45, "ssd": 0.55},
+              "optimizer": {"host": 0.2, "ssd": 0.8}, "ssd_dir": str(tmp_path / "ssd")}
+    fit_snake(model, token_loader(8, 4), steps=1, storage=shares, callbacks=[Look()], record=None,
+              precision="bf16-mixed" if case == "bf16-mixed" else None)
+    assert seen["plan"] == seen["engine"]
+    assert seen["engine"][0] > 0 and seen["engine"][1] > 0
 
 
 # ------------------------------------------------------------------------------ issue 25 items 2, 3, 17

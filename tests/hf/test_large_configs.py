@@ -70,6 +70,25 @@ def test_a_13b_full_fine_tune_is_refused_by_the_fit_before_step_1(tmp_path):
     assert list(tmp_path.iterdir()) == [tmp_path / "llama2-13b"]  # no state file was made
 
 
+def test_a_7b_whose_kept_checkpoint_cannot_fit_is_refused_before_its_weights_are_made(tmp_path, tmpfs):
+    """A ModelCheckpoint that could not hold one checkpoint of a 7B run is refused from the plan, before the
+    engine makes ~40 GB of state on the SSD (minutes): in seconds, and nothing is left in the SSD directory."""
+    ckpts = tmpfs("64k") / "ckpts"
+    module = Llama8bit(path=llama2_config_dir(tmp_path, "7b"))
+    strategy = snake_strategy.GreedySnakeStrategy(storage={"host_budget_bytes": BUDGET_16G,
+                                                           "ssd_dir": str(tmp_path / "ssd")})
+    trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=1, max_steps=1, logger=False,
+                        callbacks=[L.pytorch.callbacks.ModelCheckpoint(dirpath=ckpts)], enable_progress_bar=False,
+                        enable_model_summary=False)
+    loader = torch.utils.data.DataLoader([{"input_ids": row} for row in _batch()["input_ids"]], batch_size=4)
+    start = time.perf_counter()
+    with pytest.raises(ValueError, match=r"ModelCheckpoint\(dirpath=.*need up to \d+ bytes \(3\d\.\d GiB"):
+        trainer.fit(module, train_dataloaders=loader)
+    # 3 s here; making the state first took ~50 s at this disk's ~0.8 GB/s
+    assert trainer.global_step == 0 and time.perf_counter() - start < 30
+    assert not (tmp_path / "ssd").exists() or not any((tmp_path / "ssd").iterdir())
+
+
 def test_the_13b_refusal_from_the_command_line(tmp_path):
     path = llama2_config_dir(tmp_path, "13b")
     proc = subprocess.run([sys.executable, "-m", "snake_strategy.plan", "model=hf_local", f"model.path={path}",

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from snake_strategy.contract import batch_tensors, unpack_pre_stage
+from snake_strategy.contract import batch_tensors, micro_batch_tokens, unpack_pre_stage
 from snake_strategy.engine.step.kept_graphs import KeptGraphs
 
 RUNS = 3  # the first run also warms the kernels and the allocator's caches; the fastest counts
@@ -76,9 +76,12 @@ def settle_fresh_memory(max_bytes: int) -> None:
               SETTLED_FRESH_OVER_REFILL)
 
 
-def timed_micro_batches(num_micro: int, tokens_per_micro: int) -> int:
-    """How many of a task's ``num_micro`` micro-batches the timing runs (``TIMED_TOKENS``)."""
-    return max(1, min(num_micro, TIMED_TOKENS // max(1, tokens_per_micro)))
+def timed_task(micro_batches: list[Any], batched_forward: bool) -> tuple[int, int]:
+    """(how many of ``micro_batches`` the timing runs, how many one task runs): a task is every micro-batch under
+    batched passes, else one; the timing runs whole micro-batches of it up to ``TIMED_TOKENS``, at least one.
+    The fit and the dry run time the same micro-batches this way."""
+    task = len(micro_batches) if batched_forward else 1
+    return max(1, min(task, TIMED_TOKENS // max(1, micro_batch_tokens(micro_batches[0])))), task
 
 
 def time_forward_backward(forward: Callable[[Tensor, list[Tensor]], Tensor], hidden: Tensor, leaves: list[Tensor],
