@@ -38,7 +38,6 @@ from snake_strategy.engine.state.weights_file import weights_file_name
 from snake_strategy.module import LayeredModule
 from snake_strategy.planning.run_plan import RunPlan, resolve
 from snake_strategy.planning.run_prediction import RunPredictor, example_batch
-from snake_strategy.planning.calibration import CALIBRATION_STEPS, STEADY_STEP
 from snake_strategy.planning.time_model import HardwareProfile, ModelShape, StepPrediction
 from snake_strategy.precision import GreedySnakePrecision
 from snake_strategy.progress import Progress
@@ -343,10 +342,12 @@ class GreedySnakeStrategy(DataParallelMixin, ParallelStrategy):
         self._run_plan()
         return self.predictor.prediction
 
-    def _calibrate(self) -> None:
-        """After each of the first steady steps: checked, and re-planned when it missed (``RunPredictor``)."""
-        self.plan = self.predictor.calibrate(self.plan, self.engine, time.perf_counter() - self._step_start_s)
-        self.prediction = self.plan.prediction
+    def _after_step(self) -> None:
+        """The step's time to the predictor, which calibrates and re-plans when it misses (``RunPredictor``)."""
+        plan = self.predictor.after_step(self.plan, self.engine, time.perf_counter() - self._step_start_s)
+        if plan is self.plan:
+            return
+        self.plan, self.prediction = plan, plan.prediction
         self.progress.predictions["step"] = self.prediction.roofline_s
         self._run_plan()
 
@@ -381,10 +382,7 @@ class GreedySnakeStrategy(DataParallelMixin, ParallelStrategy):
         # gradients and so changes nothing, then applies the engine's step over the tiers.
         result = super().optimizer_step(optimizer, closure, model, **kwargs)
         self.engine.optimizer_step()
-        # this process's steps (a resumed run counts from its own first step)
-        if (STEADY_STEP <= self.engine.trace.last.index < STEADY_STEP + CALIBRATION_STEPS
-                and self.plan.prediction is not None):
-            self._calibrate()
+        self._after_step()
         self._saver.step_ended()
         return result
 

@@ -11,9 +11,10 @@ plan with its prediction:
   how many units "auto" will keep), the activations and the loss head are sized from shapes; the prediction is
   kept as ``plan.setup_prediction``, and its SSD wear is logged once.
 - ``predict(plan, engine, batch)`` again after step 1, with what it measured (kept graphs, checkpoints).
-- ``calibrate(plan, engine, step_s)`` after each of the first steady steps: checked against their median and
-  re-planned with the measured rates when it missed (``recalibrated``; the rates themselves:
-  planning/calibration.py).
+- ``after_step(plan, engine, step_s)`` after every step: the first steady steps are checked against their
+  median and re-planned with the measured rates when it missed (``recalibrated``; the rates themselves:
+  planning/calibration.py); later steps re-plan when the median of the last few moves away from the
+  prediction (a rate that changes mid-run).
 
 Each prediction comes with the plan's knee and the settings that depend on rates (``with_prediction``: the
 prefetch depth), and the strategy hands the engine the plan it then runs (``SnakeEngine.use_plan``). The
@@ -29,7 +30,8 @@ from typing import Any
 import torch
 
 from snake_strategy.config import StorageConfig
-from snake_strategy.planning.calibration import REPLAN_MISS, MeasuredStep, UnitTiming, calibrated, missed
+from snake_strategy.planning.calibration import (CALIBRATION_STEPS, REPLAN_MISS, STEADY_STEP, MeasuredStep, UnitTiming,
+                                                 calibrated, missed)
 from snake_strategy.planning.machine import matmul_flops_per_s, optimizer_params_per_s, probe_hardware
 from snake_strategy.planning.placement import prefetch_depth
 from snake_strategy.planning.run_plan import RunPlan
@@ -92,12 +94,21 @@ class RunPredictor:
         self.prediction = prediction
         return plan
 
-    def calibrate(self, plan: RunPlan, engine: Any, step_s: float) -> RunPlan:
-        """After one of the first steady steps (``step_s`` of wall time): the prediction against the median of
-        what they measured, re-planned with the measured rates when it missed."""
-        self.steady_steps.append(MeasuredStep.from_stats(step_s, engine.last_step))
-        plan = recalibrated(plan, self.model_shape, MeasuredStep.median(self.steady_steps), engine.step_count,
-                            engine.alpha, len(self.steady_steps))
+    def after_step(self, plan: RunPlan, engine: Any, step_s: float) -> RunPlan:
+        """After each optimizer step of this process (``step_s`` of wall time; a resumed run counts from its
+        own first step). The first steady steps calibrate: each is checked against the median of the steady
+        steps so far and re-planned with the measured rates when it missed. Every later step watches for a rate
+        that moves mid-run (an MoE's routing as its router learns, a disk that slows down): the prediction
+        against the median of the last ``CALIBRATION_STEPS`` steps, re-planned from them when it misses by more
+        than ``REPLAN_MISS`` (only those re-plans are recorded)."""
+        step = engine.trace.last.index
+        if step < STEADY_STEP or plan.prediction is None:
+            return plan
+        self.steady_steps = [*self.steady_steps, MeasuredStep.from_stats(step_s, engine.last_step)][-CALIBRATION_STEPS:]
+        recent = MeasuredStep.median(self.steady_steps)
+        if step >= STEADY_STEP + CALIBRATION_STEPS and abs(missed(plan.prediction, recent)) <= REPLAN_MISS:
+            return plan
+        plan = recalibrated(plan, self.model_shape, recent, engine.step_count, engine.alpha, len(self.steady_steps))
         self.prediction = plan.prediction
         return plan
 

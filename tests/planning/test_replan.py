@@ -99,3 +99,34 @@ def test_a_prediction_within_15_percent_is_kept():
     # (measured on an AMD EPYC: ssd 0.4665 s, optimizer 0.4663 s; on an Intel Xeon ssd came out ahead).
     assert second.strategy.plan.prediction.bound in ("ssd", "optimizer")
     assert "-bound, " in second.strategy.plan.describe()
+
+
+def test_a_rate_that_moves_mid_run_is_re_planned_after_the_calibration_steps_and_the_math_stays():
+    # The disk binds from the start (slowed, so a load spike in compute does not decide the calibration at steps
+    # 2-4) and slows down to half its speed from step 6 on: the watch over the last three steps re-plans once
+    # their median has moved, from their rates; the math is fp64 against plain Lightning throughout.
+    steps = 9
+    slowed = {"on": False}
+
+    def disk(direction: str, num_bytes: int) -> None:
+        (_slower_disk if slowed["on"] else _slow_disk)(direction, num_bytes)
+
+    class SlowerFromStep6(L.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            slowed["on"] = trainer.global_step >= 5
+
+    ref = run_reference(SMALL_GPT, steps, MICRO, MICRO_SIZE, "64-true")
+    loader = token_loader(steps * MICRO * MICRO_SIZE, MICRO * MICRO_SIZE, SMALL_GPT.context_len, SMALL_GPT.vocab_size)
+    run = fit_snake(lambda: GPTModule(SMALL_GPT, learning_rate=1e-3), loader, steps=steps, precision="64-true",
+                    storage={"weights": "ssd", "optimizer": "ssd", "gradients": "host", "checkpoints": "host"},
+                    schedule={"num_micro_batches": MICRO}, callbacks=[SlowerFromStep6()], record="last",
+                    hooks=snake_strategy.EngineHooks(before_ssd_transfer=disk))
+    plan = run.strategy.plan
+    c = plan.calibration
+    # The slower steps are 6, 7, ...: their median leads from step 7 (two of three), at the latest from step 8.
+    assert c is not None and c["replanned"] and c["step"] in (7, 8), c
+    assert c["corrected_bound"] in ("ssd", "optimizer") and c["corrected_s"] > 1.5 * c["predicted_s"], c
+    assert c["steps_measured"] == 3 and c["checks"][-1]["step"] == c["step"]
+    assert plan.prediction.bound in ("ssd", "optimizer") and f"corrected after step {c['step']}" in plan.describe()
+    for name, ref_value in ref[-1].items():
+        torch.testing.assert_close(run.states[-1][name], ref_value, rtol=0, atol=1e-10, msg=name)
