@@ -396,6 +396,9 @@ def _host_plan(inputs: MemoryInputs) -> dict[str, int]:
         "weight_buffers": 0 if weights_in_place else pools.weight_buffers * inputs.weight_buffer_bytes,
         # + the horizontal schedule's partial sum, read back to be added (one unit, transient)
         "gradient_buffers": (pools.grad_buffers + (inputs.kind == "horizontal")) * unit_trained * e_m,
+        # a unit's weight gradients as autograd returns them (one tensor per leaf, the weights' dtype), alive
+        # until they are added into a gradient buffer: 0.8 GB a Llama-2-7B layer (on the device when it computes)
+        "weight_gradients": unit_trained * e_w if cpu else 0,
         # the worker's chunk of master weights, each slot's piece of it, the parked gradient (+ the refreshed
         # compute copy)
         "optimizer_scratch": (2 * chunk * e_m + sum(scratch * size for size, _, scratch in slots)

@@ -93,6 +93,15 @@ def test_kept_graphs_are_bounded_by_the_budget_not_by_depth(tmp_path):
     assert run["peak"] <= run["base"] + run["planned"] + RSS_SLACK_BYTES, run
 
 
+def test_wide_units_over_few_tokens_stay_within_their_plan(tmp_path):
+    """Few tokens through wide units: a unit's weight gradients as autograd returns them (200 MB at d=2048, one
+    tensor per leaf, before they are added into the gradient buffer) outweigh its activations. The plan counts
+    them (``weight_gradients``), so the peak stays within it; without that item it did not (a 7B layer's is
+    0.8 GB)."""
+    run = _peak_rss(2, tmp_path, width=2048, budget_bytes=3 * 2**30)
+    assert run["peak"] <= run["base"] + run["planned"] + RSS_SLACK_BYTES, run
+
+
 def test_budget_check_planner_and_activation_store_share_one_memory_model(tmp_path):
     from snake_strategy.planning.memory_model import checkpoint_tiers, host_plan
     from snake_strategy.planning.placement import memory_inputs
