@@ -130,8 +130,11 @@ def test_host_plan_counts_pinned_sizes_on_cuda_only():
     assert checkpoint_tiers(storage, 4) == ["host", "ssd", "ssd", "host"]
     assert cuda["checkpoints"] == 2 * 3 * 4096
     assert cuda["checkpoint_io_buffers"] == (2 + 1) * 4096
+    # a unit's weight gradients as autograd returns them are device tensors on CUDA
+    assert cuda["weight_gradients"] == 0 and cpu["weight_gradients"] == 3_000_000 * 2
     # nothing else changes between the devices
-    same = set(cpu) - {"weights", "master", "optimizer_moments", "gradients", "checkpoints", "checkpoint_io_buffers"}
+    same = set(cpu) - {"weights", "master", "optimizer_moments", "gradients", "checkpoints", "checkpoint_io_buffers",
+                       "weight_gradients"}
     assert {k: cuda[k] for k in same} == {k: cpu[k] for k in same}
 
 
