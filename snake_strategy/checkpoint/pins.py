@@ -42,7 +42,6 @@ from snake_strategy.planning.memory_model import MemoryInputs, ssd_plan
 from snake_strategy.storage.tiered import tier_bounds, tier_bytes
 
 if TYPE_CHECKING:
-    from snake_strategy.config import StorageConfig
     from snake_strategy.engine.state.api import CheckpointedEngine
     from snake_strategy.planning.run_plan import RunPlan
 
@@ -261,9 +260,8 @@ def state_bytes(engine: CheckpointedEngine) -> tuple[int, int]:
 def planned_state_bytes(inputs: MemoryInputs) -> tuple[int, int]:
     """``state_bytes`` of the engine a plan builds, from the plan's memory inputs before any file exists:
     the same tensors at the same tier bounds (storage/tiered.py) as engine/state/build.py lays them out."""
-    s = inputs.storage
     ssd = other = 0
-    for numel, held, split, elem_bytes in _checkpointed_tensors(inputs, s):
+    for numel, held, split, elem_bytes in _checkpointed_tensors(inputs):
         _, host_end = tier_bounds(numel, split)
         head = min(host_end, held)
         other += head * elem_bytes
@@ -272,10 +270,11 @@ def planned_state_bytes(inputs: MemoryInputs) -> tuple[int, int]:
     return ssd, other
 
 
-def _checkpointed_tensors(inputs: MemoryInputs, s: StorageConfig):
+def _checkpointed_tensors(inputs: MemoryInputs):
     """(elements, elements a checkpoint holds, tier shares, bytes per element) of every unit tensor a
     checkpoint holds: the master copy (fp32 training: the weights' vector, of which the trainable head) and
     each optimizer slot."""
+    s = inputs.storage
     for numel, trained in zip(inputs.unit_params, inputs.trainable):
         if inputs.separate_master:
             yield trained, trained, s.master, inputs.master_bytes
@@ -307,7 +306,11 @@ def check_space(state: tuple[int, int], ssd_path: str | None, directory: str | o
     target = _existing(directory)
     same_fs = ssd_path is not None and os.stat(_existing(ssd_path)).st_dev == os.stat(target).st_dev
     needed = kept * (ssd_bytes + other_bytes)
-    free = shutil.disk_usage(target).free - (ssd_tier_to_write if same_fs else 0)
+    free = shutil.disk_usage(target).free
+    if same_fs:
+        if ssd_tier_to_write > free:
+            return  # the SSD tier itself does not fit: the engine's own check refuses that, naming it
+        free -= ssd_tier_to_write
     if needed <= free:
         return
     where = ("pinned versions on the SSD tier's filesystem (the checkpoints share it)" if same_fs
