@@ -50,6 +50,7 @@ from snake_strategy.planning.memory_model import ssd_plan, unplanned_room_bytes
 from snake_strategy.planning.calibration import UnitTiming
 from snake_strategy.planning.run_prediction import days_to_endurance, first_prediction, ssd_wear, with_prediction
 from snake_strategy.precision import DtypePolicy, GreedySnakePrecision
+from snake_strategy.storage.ssd_directory import ssd_location
 from snake_strategy.strategy import GreedySnakeStrategy
 from snake_strategy.units import WeightFormat
 
@@ -152,7 +153,7 @@ def plan_run(module: nn.Module, strategy: Any = None, batch: Any = None, *, prec
     s = plan.schedule
     host_peak = plan.process_baseline_bytes + sum(items.values())
     ssd_bytes = sum(ssd_plan(plan.memory_inputs(checkpoint_bytes)).values())
-    free = _free_bytes(ssd_dir)
+    free = shutil.disk_usage(ssd_location(ssd_dir)).free
     problems = []
     if plan.storage.host_budget_bytes is not None and sum(items.values()) > plan.storage.host_budget_bytes:
         problems.append(f"host RAM: the plan needs {sum(items.values()) / 2**30:.2f} GiB of "
@@ -247,10 +248,3 @@ def _optimizer(module: nn.Module) -> torch.optim.Optimizer:
         raise ValueError(f"configure_optimizers returned {type(out).__name__}; the dry run needs a "
                          "torch.optim.Optimizer (alone, in a list or in Lightning's dict)")
     return out
-
-
-def _free_bytes(directory: str | None) -> int | None:
-    path = directory or tempfile.gettempdir()
-    while path and not os.path.exists(path):
-        path = os.path.dirname(path)
-    return shutil.disk_usage(path).free if path else None

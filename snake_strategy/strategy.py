@@ -207,9 +207,10 @@ class GreedySnakeStrategy(DataParallelMixin, ParallelStrategy):
                                 shard_optimizer=self.shard_optimizer_state, trace=self.trace_path is not None)
 
         def build() -> SnakeEngine:
+            plan = self._rank_plan()
             # The checkpoints' space is checked before the engine streams the weights (minutes at 7B).
-            self._saver.prepare_fit(self._rank_plan(), trainer, self.is_global_zero)
-            return SnakeEngine(module, self.optimizers[0], self._rank_plan(), runtime)
+            self._saver.prepare_fit(plan, trainer, self.is_global_zero)
+            return SnakeEngine(module, self.optimizers[0], plan, runtime)
 
         # Several ranks: every rank's storage is checked first, and a failure on one stops all.
         self.engine, self._created_ssd_dirs = build_engine(build, self.storage, self.global_rank, self.world_size)

@@ -30,7 +30,6 @@ import mmap
 import os
 import queue
 import shutil
-import tempfile
 import threading
 import time
 import zlib
@@ -39,6 +38,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 from snake_strategy.planning.memory_model import MemoryInputs, ssd_plan
+from snake_strategy.storage.ssd_directory import nearest_existing, ssd_location
 from snake_strategy.storage.tiered import tier_bounds, tier_bytes
 
 if TYPE_CHECKING:
@@ -285,14 +285,6 @@ def _checkpointed_tensors(inputs: MemoryInputs):
             yield numel, numel, s.optimizer, elem_bytes
 
 
-def _existing(path: str | os.PathLike) -> Path:
-    """``path``, or its nearest existing parent (a directory a run has not made yet)."""
-    target = Path(path)
-    while not target.exists() and target != target.parent:
-        target = target.parent
-    return target
-
-
 def check_space(state: tuple[int, int], ssd_path: str | None, directory: str | os.PathLike, kept: int, what: str,
                 ssd_tier_to_write: int = 0) -> None:
     """Refuse, before the first byte, a checkpoint plan that will not fit: each of ``kept`` retained
@@ -303,8 +295,8 @@ def check_space(state: tuple[int, int], ssd_path: str | None, directory: str | o
     not exist yet (at setup), which take the same filesystem's space first. ValueError with the numbers and
     the ways out."""
     ssd_bytes, other_bytes = state
-    target = _existing(directory)
-    same_fs = ssd_path is not None and os.stat(_existing(ssd_path)).st_dev == os.stat(target).st_dev
+    target = nearest_existing(directory)
+    same_fs = ssd_path is not None and os.stat(nearest_existing(ssd_path)).st_dev == os.stat(target).st_dev
     needed = kept * (ssd_bytes + other_bytes)
     free = shutil.disk_usage(target).free
     if same_fs:
@@ -339,6 +331,7 @@ def prepare_checkpoint_dirs(plan: RunPlan, callbacks: list, is_global_zero: bool
     kept checkpoints fit their disk beside the SSD tier (a 7B model's streamed load takes minutes: the
     refusal comes before it)."""
     inputs = plan.memory_inputs()
+    state, ssd_tier = planned_state_bytes(inputs), sum(ssd_plan(inputs).values())
     for callback in callbacks:
         dirpath = getattr(callback, "dirpath", None)
         if not dirpath:
@@ -348,7 +341,6 @@ def prepare_checkpoint_dirs(plan: RunPlan, callbacks: list, is_global_zero: bool
         kept = kept_checkpoints(callback)
         # per-rank shards of partitioned state are written, not pinned: not counted here
         if kept and inputs.shard_world_size == 1:
-            ssd_dir = plan.storage.ssd_dir or tempfile.gettempdir()  # where SsdDirectory makes its own
-            check_space(planned_state_bytes(inputs), ssd_dir, dirpath, kept,
+            check_space(state, ssd_location(plan.storage.ssd_dir), dirpath, kept,
                         f"ModelCheckpoint(dirpath={dirpath!r}, save_top_k={callback.save_top_k}, "
-                        f"save_last={callback.save_last})", sum(ssd_plan(inputs).values()))
+                        f"save_last={callback.save_last})", ssd_tier)

@@ -35,8 +35,9 @@ from snake_strategy.planning.time_model import HardwareProfile, ModelShape, Step
 # A prediction further than this from the measured step is re-planned with the measured rates.
 REPLAN_MISS = 0.15
 # The steps whose measurements correct the prediction: the first after the warm-up step, and the next ones up
-# to CALIBRATION_STEPS steady steps, each checked against the median of the steady steps so far. One slow step
-# on a shared machine (measured: 22% above the next three at gpt_1b) must not set the rates the run reports.
+# to CALIBRATION_STEPS steady steps, each checked against the median of the steady steps so far; every later step
+# against the median of the last CALIBRATION_STEPS (run_prediction.RunPredictor.after_step). One slow step on a
+# shared machine (measured: 22% above the next three at gpt_1b) must not set the rates the run reports.
 STEADY_STEP = 2
 CALIBRATION_STEPS = 3
 

@@ -51,7 +51,7 @@ class RunPredictor:
         self.prediction: StepPrediction | None = None
         self.timing: UnitTiming | None = None  # this model's unit timed before step 1 (probed rates)
         self.timing_s: float | None = None  # what that timing took
-        self.steady_steps: list[MeasuredStep] = []  # what the steady steps so far measured
+        self.recent_steps: list[MeasuredStep] = []  # what the last CALIBRATION_STEPS steady steps measured
 
     def predict(self, plan: RunPlan, engine: Any, batch: Any, at_setup: bool = False) -> RunPlan:
         """``plan`` with the prediction for ``batch``'s shapes (see the module docstring)."""
@@ -104,11 +104,11 @@ class RunPredictor:
         step = engine.trace.last.index
         if step < STEADY_STEP or plan.prediction is None:
             return plan
-        self.steady_steps = [*self.steady_steps, MeasuredStep.from_stats(step_s, engine.last_step)][-CALIBRATION_STEPS:]
-        recent = MeasuredStep.median(self.steady_steps)
+        self.recent_steps = [*self.recent_steps, MeasuredStep.from_stats(step_s, engine.last_step)][-CALIBRATION_STEPS:]
+        recent = MeasuredStep.median(self.recent_steps)
         if step >= STEADY_STEP + CALIBRATION_STEPS and abs(missed(plan.prediction, recent)) <= REPLAN_MISS:
             return plan
-        plan = recalibrated(plan, self.model_shape, recent, engine.step_count, engine.alpha, len(self.steady_steps))
+        plan = recalibrated(plan, self.model_shape, recent, engine.step_count, engine.alpha, len(self.recent_steps))
         self.prediction = plan.prediction
         return plan
 

@@ -22,6 +22,21 @@ LOCK_NAME = ".snake.lock"
 ALT_SUFFIX = ".alt"  # a versioned state file's second name (storage/versions.py, "Spares")
 
 
+def nearest_existing(path: str | os.PathLike) -> str:
+    """``path`` (absolute), or its nearest existing parent: where a directory a run has not made yet will
+    take its space from."""
+    path = os.path.abspath(path)
+    while not os.path.exists(path) and os.path.dirname(path) != path:
+        path = os.path.dirname(path)
+    return path
+
+
+def ssd_location(ssd_dir: str | None) -> str:
+    """The existing directory the SSD tier's files of ``storage.ssd_dir`` will live under (None: the
+    temporary directory ``SsdDirectory`` makes its own in), for free-space checks before it exists."""
+    return nearest_existing(ssd_dir or tempfile.gettempdir())
+
+
 class SsdDirectory:
     """Owns the directory of state files: checks it, opens files (O_DIRECT when the filesystem allows
     it), and removes what it created on ``close()``: its files, the lock, and every directory it made
