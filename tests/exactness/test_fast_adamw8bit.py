@@ -12,14 +12,14 @@ from snake_strategy.optimizers.fast_adamw8bit import BLOCK
 LR, BETAS, EPS, WD = 1e-2, (0.9, 0.999), 1e-8, 0.1
 
 
-def _reference_step(p, g, m_codes, m_absmax, v_codes, v_max, step):
+def _reference_step(p, g, m_codes, m_absmax, v_codes, v_root_max, step):
     """One step on flat fp64 tensors padded to whole blocks, block by block, as the docstring states it."""
     b1, b2 = BETAS
     out_p, out_mc, out_ma, out_vc, out_vm = p.clone(), [], [], [], []
     for r in range(m_codes.shape[0]):
         sl = slice(r * BLOCK, (r + 1) * BLOCK)
         m_old = m_codes[r].double() * m_absmax[r] / 127
-        root_old = v_codes[r].double() * math.sqrt(v_max[r]) / 255
+        root_old = v_codes[r].double() * v_root_max[r] / 255
         m = b1 * m_old + (1 - b1) * g[sl]
         v = b2 * root_old ** 2 + (1 - b2) * g[sl] ** 2
         denom = v.sqrt() / math.sqrt(1 - b2 ** step) + EPS
@@ -28,7 +28,7 @@ def _reference_step(p, g, m_codes, m_absmax, v_codes, v_max, step):
         out_mc.append(torch.round(m * 127 / amax) if amax > 0 else torch.zeros_like(m))
         out_vc.append(torch.ceil(v.sqrt() * 255 / math.sqrt(vmax)).clamp(max=255) if vmax > 0 else torch.zeros_like(v))
         out_ma.append(amax)
-        out_vm.append(vmax)
+        out_vm.append(math.sqrt(vmax))
     return (out_p, torch.stack(out_mc), torch.tensor(out_ma, dtype=torch.float64), torch.stack(out_vc),
             torch.tensor(out_vm, dtype=torch.float64))
 
@@ -53,7 +53,7 @@ def test_matches_the_format_it_documents(shape):
         state = optimizer.state[param]
         torch.testing.assert_close(param.detach().reshape(-1), p[:param.numel()], rtol=0, atol=1e-12)
         torch.testing.assert_close(state["exp_avg_absmax"], ma, rtol=1e-14, atol=0)
-        torch.testing.assert_close(state["exp_avg_sq_max"], vm, rtol=1e-14, atol=0)
+        torch.testing.assert_close(state["exp_avg_sq_root_max"], vm, rtol=1e-14, atol=0)
         # A value within rounding of a code boundary may land on either side: codes agree to one step, and
         # all but a handful exactly.
         for got, want in ((state["exp_avg_codes"].double(), mc), (state["exp_avg_sq_codes"].double(), vc)):
@@ -83,12 +83,12 @@ def test_the_stored_denominator_is_never_below_the_true_one():
     optimizer.step()
     for _ in range(3):
         state = optimizer.state[param]
-        root_old = state["exp_avg_sq_codes"].double() * (state["exp_avg_sq_max"].sqrt() / 255)[:, None]
+        root_old = state["exp_avg_sq_codes"].double() * (state["exp_avg_sq_root_max"] / 255)[:, None]
         grad = torch.randn_like(param) * torch.logspace(-6, 0, 256, dtype=torch.float64)
         true_v = BETAS[1] * root_old ** 2 + (1 - BETAS[1]) * grad ** 2
         param.grad = grad
         optimizer.step()
-        stored = state["exp_avg_sq_codes"].double() * (state["exp_avg_sq_max"].sqrt() / 255)[:, None]
+        stored = state["exp_avg_sq_codes"].double() * (state["exp_avg_sq_root_max"] / 255)[:, None]
         assert (stored >= true_v.sqrt() * (1 - 1e-12)).all()
         assert (stored[true_v > 0] > 0).all(), "a nonzero second moment never stores zero"
 
@@ -103,8 +103,33 @@ def test_state_bytes_and_the_small_tensor_path():
     assert stored / big.numel() <= 2.1, stored / big.numel()
     assert {k: t.dtype for k, t in state.items() if k != "step"} == {
         "exp_avg_codes": torch.int8, "exp_avg_absmax": torch.float32, "exp_avg_sq_codes": torch.uint8,
-        "exp_avg_sq_max": torch.float32}
+        "exp_avg_sq_root_max": torch.float32}
     assert optimizer.state[small]["exp_avg"].dtype == torch.float32  # under min_8bit_size: fp32, torch's fused step
+
+
+def test_a_state_saved_with_the_largest_v_per_block_loads_and_trains_on():
+    """The earlier format kept each block's largest v (``exp_avg_sq_max``); loaded, it continues the run as the
+    current format (its root) does."""
+    torch.manual_seed(3)
+    start = torch.randn(16, 256, dtype=torch.float64)
+    params = [torch.nn.Parameter(start.clone()) for _ in range(2)]
+    optimizers = [FastAdamW8bit([p], lr=LR, min_8bit_size=BLOCK) for p in params]
+    for step in range(3):
+        grad = torch.randn(16, 256, dtype=torch.float64)
+        for p in params:
+            p.grad = grad.clone()
+        if step == 1:
+            saved = optimizers[1].state_dict()
+            for s in saved["state"].values():
+                s["exp_avg_sq_max"] = s.pop("exp_avg_sq_root_max").square()
+            optimizers[1] = FastAdamW8bit([params[1]], lr=LR, min_8bit_size=BLOCK)
+            optimizers[1].load_state_dict(saved)
+            assert "exp_avg_sq_max" not in optimizers[1].state[params[1]]
+        for o in optimizers:
+            o.step()
+    torch.testing.assert_close(params[1], params[0], rtol=0, atol=1e-14)
+    torch.testing.assert_close(optimizers[1].state[params[1]]["exp_avg_sq_root_max"],
+                               optimizers[0].state[params[0]]["exp_avg_sq_root_max"], rtol=1e-14, atol=0)
 
 
 def test_refusals():
