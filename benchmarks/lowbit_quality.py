@@ -4,6 +4,8 @@ seed (the seed sets the weights and the data order), the same LR schedule (warmu
 
     python benchmarks/lowbit_quality.py                       # 300 steps, 3 seeds, ~25 min on 2 cores
     python benchmarks/lowbit_quality.py --steps 50 --seeds 0  # a smoke run
+    python benchmarks/lowbit_quality.py --optimizers fast_adamw8bit \
+        --reuse benchmarks/results/lowbit_quality/lowbit_quality.json   # one class again, the others' runs kept
 
 The verdict per low-bit optimizer: its final loss (the mean train loss of the last ``--tail`` steps, and the
 validation loss at the end) against the seed-to-seed spread of fp32 AdamW's, i.e. inside [min, max] of the fp32
@@ -91,6 +93,8 @@ def run(name: str, seed: int, args) -> dict:
 def verdict(runs: list[dict]) -> dict:
     out = {}
     base = [r for r in runs if r["optimizer"] == "adamw"]
+    if not base:
+        return {"note": "no fp32 AdamW runs to judge against: add adamw to --optimizers or pass --reuse"}
     for key in ("final_train_loss", "val_loss"):
         lo, hi = min(r[key] for r in base), max(r[key] for r in base)
         out[key] = {"adamw_spread": [lo, hi]}
@@ -137,12 +141,24 @@ def main() -> None:
     ap.add_argument("--val-batches", type=int, default=16)
     ap.add_argument("--out", default=str(results_dir("lowbit_quality") / "lowbit_quality.json"))
     ap.add_argument("--verdict-only", action="store_true", help="recompute the verdict and plot of --out's runs")
+    ap.add_argument("--reuse", default=None,
+                    help="an earlier report: its runs of the optimizers not in --optimizers join this one (same steps, "
+                         "seeds, batch and lr), e.g. to rerun a changed low-bit class against recorded fp32 AdamW runs")
     args = ap.parse_args()
     args.seeds = [int(s) for s in args.seeds.split(",")]
     report = dict(args=vars(args), runs=[])
     if args.verdict_only:
         report = json.loads(Path(args.out).read_text())
         args.seeds = []
+    if args.reuse:
+        earlier = json.loads(Path(args.reuse).read_text())
+        same = ("steps", "batch", "lr", "tail", "val_batches")
+        if any(earlier["args"][k] != vars(args)[k] for k in same) or not set(args.seeds) <= set(earlier["args"]["seeds"]):
+            raise ValueError(f"--reuse {args.reuse} ran with other settings ({ {k: earlier['args'][k] for k in same} }, "
+                             f"seeds {earlier['args']['seeds']}): rerun every optimizer instead")
+        rerun = set(args.optimizers.split(","))
+        report["runs"] += [{**r, "reused_from": args.reuse} for r in earlier["runs"]
+                           if r["optimizer"] not in rerun and r["seed"] in args.seeds]
     for seed in args.seeds:
         for name in args.optimizers.split(","):
             row = run(name, seed, args)
