@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -141,8 +142,11 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.json_out).write_text(json.dumps(child(args)))
         return 0
     work = Path(tempfile.mkdtemp(prefix="snake-moe-bench-"))
-    cases = [run_case(args, "many_tokens", args.batch, args.context_len, work),
-             run_case(args, "few_tokens", 4, max(1, args.few_tokens // 4), work)]
+    try:
+        cases = [run_case(args, "many_tokens", args.batch, args.context_len, work),
+                 run_case(args, "few_tokens", 4, max(1, args.few_tokens // 4), work)]
+    finally:
+        shutil.rmtree(work, ignore_errors=True)  # the children's temporary directory and their JSON
     report = dict(preset=args.preset, memory_limit_gib=args.memory_limit_gib, steps=args.steps, cases=cases)
     out = Path(args.out or RESULTS / f"{args.preset}.json")
     out.parent.mkdir(parents=True, exist_ok=True)

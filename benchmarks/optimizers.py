@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -105,14 +106,17 @@ def run_scale(name: str, preset_name: str, steps: int, context_len: int, budget:
     import snake_strategy
     torch.manual_seed(0)
     module = module_for(name, preset_name, context_len, LR[name])
-    strategy = snake_strategy.GreedySnakeStrategy(storage={"ssd_dir": tempfile.mkdtemp(prefix="snake-opt-", dir=ssd_root),
-                                                           "placement": "auto", "host_budget_bytes": budget})
+    ssd_dir = tempfile.mkdtemp(prefix="snake-opt-", dir=ssd_root)
+    strategy = snake_strategy.GreedySnakeStrategy(storage={"ssd_dir": ssd_dir, "placement": "auto",
+                                                           "host_budget_bytes": budget})
     probe = step_probe(f"{name} ", flush_at_end=True, rss_in_line=True)
     trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=1, max_steps=steps, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         limit_val_batches=0, num_sanity_val_steps=0, callbacks=[probe])
     start = time.perf_counter()
     trainer.fit(module, train_dataloaders=_loader(steps, 4, context_len))
+    left_behind = sorted(str(f.relative_to(ssd_dir)) for f in Path(ssd_dir).rglob("*"))  # the engine's files: none
+    shutil.rmtree(ssd_dir)
     plan = strategy.plan
     steady = probe.traffic[1:] or probe.traffic  # each step's traffic, the optimizer worker's included
     return dict(case=name, params=module.config.num_params(), s_per_step=probe.steady_s_per_step(),
@@ -122,7 +126,8 @@ def run_scale(name: str, preset_name: str, steps: int, context_len: int, budget:
                 state_bytes_per_param=plan.as_dict()["optimizer"]["state_bytes_per_param"],
                 optimizer=plan.as_dict()["optimizer"], peak_rss_bytes=probe.train_peak_rss_bytes,
                 host_budget_bytes=plan.host_budget_bytes, plan_host_bytes=plan.host_bytes, describe=plan.describe(),
-                optimizer_busy_s=[s.optimizer_busy_s for s in probe.stats], total_s=time.perf_counter() - start)
+                optimizer_busy_s=[s.optimizer_busy_s for s in probe.stats], total_s=time.perf_counter() - start,
+                ssd_dir_left_behind=left_behind)
 
 
 def run_losses(name: str, preset_name: str, steps: int, context_len: int) -> dict:

@@ -3,7 +3,9 @@ plain Lightning (``fit_snake`` / ``fit_lightning``, the GPT runs ``run_snake`` /
 checkpoint tests' ``fit_resumable``), the comparisons and their tolerances, and the kill helpers."""
 from __future__ import annotations
 
+import atexit
 import dataclasses
+import shutil
 import tempfile
 from typing import Callable
 
@@ -99,10 +101,16 @@ class ParamRecorder(L.Callback):
             self.states.append({n: p.detach().clone() for n, p in pl_module.named_parameters()})
 
 
+# One directory per test process for the trainers' root directories, removed when the process exits: a suite
+# run makes over a thousand of them.
+_ROOT_DIRS = tempfile.mkdtemp(prefix="snake-test-")
+atexit.register(shutil.rmtree, _ROOT_DIRS, True)
+
+
 def trainer_kwargs(**overrides) -> dict:
     # default_root_dir: a fresh directory, not the working directory: checkpoints of a ModelCheckpoint without
     # dirpath are written there.
-    kw = dict(default_root_dir=tempfile.mkdtemp(prefix="snake-test-"), accelerator="cpu", devices=1, logger=False,
+    kw = dict(default_root_dir=tempfile.mkdtemp(dir=_ROOT_DIRS), accelerator="cpu", devices=1, logger=False,
               enable_checkpointing=False,
               enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
               limit_val_batches=0)

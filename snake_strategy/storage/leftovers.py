@@ -9,7 +9,10 @@ Each ``SsdDirectory`` therefore keeps, next to its lock (which holds its pid):
   run refused for lack of space can name what dead runs left elsewhere on the same filesystem, and how
   much. Temporary ``snake-ssd-*`` directories with a stale lock are found there too.
 
-Both are removed when the directory is closed normally.
+Both are removed when the directory is closed normally. A temporary directory outlives a killed run (its
+state files have no name and go with the process, but the directory, its lock and a named weights scratch
+file stay), and no later run opens it again by name: a run that makes its own temporary directory first
+removes the dead ones (``sweep_temporary``), and registry entries whose directory is gone.
 """
 from __future__ import annotations
 
@@ -90,6 +93,41 @@ def forget(directory: str) -> None:
             os.remove(path)
         except OSError:
             pass
+
+
+def sweep_temporary(lock_name: str, is_alive) -> int:
+    """Remove the temporary ``snake-ssd-*`` directories whose lock names a dead pid (their files listed in
+    the manifest, then the lock, the manifest and the directories left empty; a file nobody listed stays,
+    and so does its directory), and registry entries naming a directory that no longer exists. Returns the
+    bytes given back. A directory without a lock is skipped: a starting run makes its directory before it
+    takes the lock."""
+    freed_bytes = 0
+    for directory in glob.glob(os.path.join(tempfile.gettempdir(), TEMP_PREFIX + "*")):
+        pid = _pid_in(os.path.join(directory, lock_name))
+        if pid is None or is_alive(pid) or os.path.basename(directory) == REGISTRY_DIR:
+            continue
+        freed_bytes += reclaim(directory, pid)
+        for path in (os.path.join(directory, lock_name), os.path.join(directory, MANIFEST_NAME)):
+            try:
+                os.remove(path)
+            except OSError:
+                pass
+        for parent, _, _ in sorted(os.walk(directory), key=lambda entry: -len(entry[0])):
+            try:
+                os.rmdir(parent)  # only when empty
+            except OSError:
+                pass
+        if not os.path.exists(directory):
+            log.info("removed the temporary directory %s of a dead run (pid %s)", directory, pid)
+    for entry in glob.glob(os.path.join(tempfile.gettempdir(), REGISTRY_DIR, "*")):
+        try:
+            with open(entry) as f:
+                named = f.read().strip()
+            if named and not os.path.isdir(named):
+                os.remove(entry)
+        except OSError:
+            continue
+    return freed_bytes
 
 
 def dead_runs(near: str, lock_name: str, is_alive) -> list[Leftover]:

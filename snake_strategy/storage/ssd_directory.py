@@ -51,6 +51,8 @@ class SsdDirectory:
 
     def __init__(self, path: str | None, use_o_direct: bool = True, keep_files: bool = False) -> None:
         self._owns_dir = path is None
+        if self._owns_dir:
+            leftovers.sweep_temporary(LOCK_NAME, pid_alive)  # no later run would ever open a dead one's again
         self.path = tempfile.mkdtemp(prefix="snake-ssd-") if path is None else os.path.abspath(path)
         self._keep_files = keep_files and not self._owns_dir
         self._fds: dict[str, int] = {}

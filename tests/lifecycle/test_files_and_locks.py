@@ -290,3 +290,55 @@ def test_failed_start_leaves_no_directory(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="in use"):
         SsdDirectory(str(tmp_path / "a" / "b"))
     assert os.listdir(tmp_path) == []
+
+
+_KILLED_IN_A_TEMPORARY_DIR = """
+import os, signal
+from snake_strategy.storage import SsdDirectory, leftovers
+ssd = SsdDirectory(None, use_o_direct=False)  # under TMPDIR
+fd = ssd.open("weights/unit00000.bin", 4 << 20)  # nameless (O_TMPFILE): goes with the process
+os.pwrite(fd, b"x" * (4 << 20), 0)
+os.makedirs(os.path.join(ssd.path, "weights"), exist_ok=True)
+with open(os.path.join(ssd.path, "weights", "scratch.bin"), "wb") as f:  # a named file, as the weights scratch
+    f.write(b"y" * (1 << 20))
+leftovers.record_file(ssd.path, "weights/scratch.bin")
+print(ssd.path, flush=True)
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_a_temporary_run_removes_what_killed_temporary_runs_left(tmp_path, monkeypatch):
+    """A SIGKILLed run's temporary directory (its lock, a named scratch file, empty state directories) is never
+    opened by name again: the next run that makes a temporary directory removes it. A live run's, one still
+    starting (no lock yet), and a file nobody listed stay; registry entries naming removed directories go."""
+    import signal
+    import tempfile
+
+    from snake_strategy.storage import leftovers
+    env = {**os.environ, "TMPDIR": str(tmp_path),
+           "PYTHONPATH": os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-c", _KILLED_IN_A_TEMPORARY_DIR], env=env, capture_output=True, text=True)
+    assert done.returncode == -signal.SIGKILL, done.stderr[-2000:]
+    killed = tmp_path / os.path.basename(done.stdout.strip())
+    assert (killed / "weights" / "scratch.bin").stat().st_size == 1 << 20
+    dead_pid = (killed / ".snake.lock").read_text()
+    unlisted = tmp_path / "snake-ssd-unlisted"  # a dead run's directory holding a file no manifest names
+    unlisted.mkdir()
+    (unlisted / ".snake.lock").write_text(dead_pid)
+    (unlisted / "notes.txt").write_text("not listed")
+    live = tmp_path / "snake-ssd-live"
+    live.mkdir()
+    (live / ".snake.lock").write_text(str(os.getpid()))
+    starting = tmp_path / "snake-ssd-starting"
+    starting.mkdir()
+    registry = tmp_path / leftovers.REGISTRY_DIR
+    (registry / "gone").write_text(str(tmp_path / "snake-ssd-gone"))
+    (registry / "live").write_text(str(live))
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    SsdDirectory(None, use_o_direct=False).close()
+    assert not killed.exists()
+    assert sorted(p.name for p in unlisted.iterdir()) == ["notes.txt"]
+    assert (live / ".snake.lock").exists() and starting.exists()
+    assert sorted(p.name for p in registry.iterdir()) == ["live"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([leftovers.REGISTRY_DIR, unlisted.name, live.name,
+                                                                 starting.name])
