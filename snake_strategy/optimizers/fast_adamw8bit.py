@@ -7,15 +7,17 @@ of 256 values but uses codes that are arithmetic to encode:
 - the first moment, linear: ``m = code * absmax / 127`` (int8, round to nearest), ``absmax`` the block's
   largest ``|m|`` after the step;
 - the second moment, linear in its square root (the quantity Adam divides by): ``sqrt(v) = code *
-  sqrt(vmax) / 255`` (uint8), rounded *up*, so a stored denominator is never smaller than the true one and
-  a small ``v`` never rounds to zero under a nonzero ``m`` (which would step by ``m / eps``).
+  root_max / 255`` (uint8), rounded *up*, ``root_max`` the block's largest ``sqrt(v)``, so a stored
+  denominator is never smaller than the true one and a small ``v`` never rounds to zero under a nonzero
+  ``m`` (which would step by ``m / eps``).
 
 One step of a parameter dequantizes both moments, runs the AdamW update in fp32 and requantizes against the
 new block maxima in a single pass over memory: ``torch.compile`` turns ``_step_rows`` into one loop per block
 (the maxima, then the codes and the parameter), compiled once per process for every row count (rows are a
 dynamic dimension) and cached on disk by inductor. Where no C++ compiler is found the same function runs
 eagerly (slower, and its last bits may differ from the compiled kernel's; the choice is made once per
-process, so two runs in one process always agree). Measured in benchmarks/optimizer_kernels.py.
+process, so two runs in one process always agree). Measured in benchmarks/lowbit_step.py (against torch's
+fused AdamW, taking turns) and benchmarks/optimizer_kernels.py.
 
 Its math is its own: neither bitsandbytes' nor torchao's AdamW8bit. greedysnake never substitutes it for
 the user's class; a user returns it from ``configure_optimizers`` and plain Lightning trains it the same way
