@@ -96,29 +96,30 @@ def forget(directory: str) -> None:
 
 
 def sweep_temporary(lock_name: str, is_alive) -> int:
-    """Remove the temporary ``snake-ssd-*`` directories whose lock names a dead pid (their files listed in
-    the manifest, then the lock, the manifest and the directories left empty; a file nobody listed stays,
-    and so does its directory), and registry entries naming a directory that no longer exists. Returns the
-    bytes given back. A directory without a lock is skipped: a starting run makes its directory before it
-    takes the lock."""
+    """Remove the temporary ``snake-ssd-*`` directories whose lock names a dead pid (the files their manifest
+    lists, then the lock and the directories left empty), and registry entries naming a directory that no
+    longer exists. Returns the bytes given back. A directory holding a file nobody listed keeps it and its
+    lock (a free-space refusal still names it); one without a lock is skipped: a starting run makes its
+    directory before it takes the lock."""
     freed_bytes = 0
     for directory in glob.glob(os.path.join(tempfile.gettempdir(), TEMP_PREFIX + "*")):
-        pid = _pid_in(os.path.join(directory, lock_name))
+        lock_path = os.path.join(directory, lock_name)
+        pid = _pid_in(lock_path)
         if pid is None or is_alive(pid) or os.path.basename(directory) == REGISTRY_DIR:
             continue
         freed_bytes += reclaim(directory, pid)
-        for path in (os.path.join(directory, lock_name), os.path.join(directory, MANIFEST_NAME)):
-            try:
-                os.remove(path)
-            except OSError:
-                pass
+        if any(os.path.join(d, n) != lock_path for d, _, names in os.walk(directory) for n in names):
+            continue
+        try:
+            os.remove(lock_path)
+        except OSError:
+            continue
         for parent, _, _ in sorted(os.walk(directory), key=lambda entry: -len(entry[0])):
             try:
                 os.rmdir(parent)  # only when empty
             except OSError:
                 pass
-        if not os.path.exists(directory):
-            log.info("removed the temporary directory %s of a dead run (pid %s)", directory, pid)
+        log.info("removed the temporary directory %s of a dead run (pid %s)", directory, pid)
     for entry in glob.glob(os.path.join(tempfile.gettempdir(), REGISTRY_DIR, "*")):
         try:
             with open(entry) as f:

@@ -310,7 +310,8 @@ os.kill(os.getpid(), signal.SIGKILL)
 def test_a_temporary_run_removes_what_killed_temporary_runs_left(tmp_path, monkeypatch):
     """A SIGKILLed run's temporary directory (its lock, a named scratch file, empty state directories) is never
     opened by name again: the next run that makes a temporary directory removes it. A live run's, one still
-    starting (no lock yet), and a file nobody listed stay; registry entries naming removed directories go."""
+    starting (no lock yet), and a file nobody listed (with the dead run's lock, so a free-space refusal still
+    names it) stay; registry entries naming removed directories go."""
     import signal
     import tempfile
 
@@ -337,7 +338,7 @@ def test_a_temporary_run_removes_what_killed_temporary_runs_left(tmp_path, monke
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     SsdDirectory(None, use_o_direct=False).close()
     assert not killed.exists()
-    assert sorted(p.name for p in unlisted.iterdir()) == ["notes.txt"]
+    assert sorted(p.name for p in unlisted.iterdir()) == [".snake.lock", "notes.txt"]
     assert (live / ".snake.lock").exists() and starting.exists()
     assert sorted(p.name for p in registry.iterdir()) == ["live"]
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([leftovers.REGISTRY_DIR, unlisted.name, live.name,
