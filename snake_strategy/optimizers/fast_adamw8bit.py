@@ -140,27 +140,33 @@ class FastAdamW8bit(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         for group in self.param_groups:
+            small = []
             for p in group["params"]:
                 if p.grad is None:
                     continue
                 if p.dtype not in (torch.float32, torch.float64) or p.grad.dtype != p.dtype:
                     raise ValueError(f"FastAdamW8bit steps fp32 parameters, got {p.dtype} (gradient {p.grad.dtype}); "
                                      "keep fp32 weights (Lightning's precision='bf16-mixed' does)")
-                state = self.state[p]
                 if p.numel() < group["min_8bit_size"]:
-                    self._step_fp32(group, p, state)
+                    small.append(p)
                 else:
-                    self._step_8bit(group, p, state)
+                    self._step_8bit(group, p, self.state[p])
+            if small:
+                self._step_fp32(group, small, [self.state[p] for p in small])
         return loss
 
     @staticmethod
-    def _step_fp32(group: dict[str, Any], p: Tensor, state: dict[str, Any]) -> None:
-        if not state:
-            state["step"] = torch.zeros((), dtype=torch.float32)
-            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+    def _step_fp32(group: dict[str, Any], params: list[Tensor], states: list[dict[str, Any]]) -> None:
+        """The group's tensors under ``min_8bit_size``, in one call of torch's fused kernel (one call per
+        tensor cost ~30 us each: a model's biases and norms would take longer than its matrices)."""
+        for p, state in zip(params, states):
+            if not state:
+                state["step"] = torch.zeros((), dtype=torch.float32)
+                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
         beta1, beta2 = group["betas"]
-        functional_adam([p], [p.grad], [state["exp_avg"]], [state["exp_avg_sq"]], [], [state["step"]], fused=True,
+        functional_adam(params, [p.grad for p in params], [s["exp_avg"] for s in states],
+                        [s["exp_avg_sq"] for s in states], [], [s["step"] for s in states], fused=True,
                         amsgrad=False, beta1=beta1, beta2=beta2, lr=float(group["lr"]),
                         weight_decay=group["weight_decay"], eps=group["eps"], maximize=False,
                         decoupled_weight_decay=True)

@@ -132,6 +132,28 @@ def test_a_state_saved_with_the_largest_v_per_block_loads_and_trains_on():
                                optimizers[0].state[params[0]]["exp_avg_sq_root_max"], rtol=1e-14, atol=0)
 
 
+def test_tensors_under_min_8bit_size_step_as_torch_fused_adamw_bitwise():
+    """The small tensors of a group (biases, norms) keep fp32 moments and step in one call of torch's fused
+    kernel: the same numbers as ``torch.optim.AdamW(fused=True)``, bit for bit, beside an 8-bit matrix."""
+    torch.manual_seed(4)
+    shapes = [(64,), (33,), (8, 16), (4096, 2)]
+    ours = [torch.nn.Parameter(torch.randn(s)) for s in shapes]
+    theirs = [torch.nn.Parameter(p.detach().clone()) for p in ours[:3]]
+    fast = FastAdamW8bit(ours, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD)
+    torch_adamw = torch.optim.AdamW(theirs, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, fused=True)
+    for _ in range(3):
+        for i, p in enumerate(ours):
+            p.grad = torch.randn_like(p)
+            if i < 3:
+                theirs[i].grad = p.grad.clone()
+        fast.step()
+        torch_adamw.step()
+    for mine, reference in zip(ours[:3], theirs):
+        assert torch.equal(mine, reference)
+        assert torch.equal(fast.state[mine]["exp_avg_sq"], torch_adamw.state[reference]["exp_avg_sq"])
+    assert "exp_avg_codes" in fast.state[ours[3]]
+
+
 def test_refusals():
     with pytest.raises(ValueError, match="min_8bit_size"):
         FastAdamW8bit([torch.nn.Parameter(torch.randn(4))], min_8bit_size=16)
