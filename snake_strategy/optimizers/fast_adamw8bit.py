@@ -97,7 +97,10 @@ class _Kernel:
 
     def _first_call(self, args: tuple[Tensor, ...]) -> None:
         p_before = args[0].clone()
-        compiled = torch.compile(_step_rows, dynamic=None, fullgraph=True, options=COMPILE_OPTIONS)
+        try:
+            compiled = torch.compile(_step_rows, dynamic=None, fullgraph=True, options=COMPILE_OPTIONS)
+        except RuntimeError:  # an inductor without these flags (torch before ~2.6) names them unknown
+            compiled = torch.compile(_step_rows, dynamic=None, fullgraph=True)
         for t in args[:-1]:
             torch._dynamo.mark_dynamic(t, 0)
         try:
