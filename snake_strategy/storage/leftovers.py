@@ -21,6 +21,7 @@ import hashlib
 import logging
 import os
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 
 log = logging.getLogger(__name__)
@@ -95,7 +96,7 @@ def forget(directory: str) -> None:
             pass
 
 
-def sweep_temporary(lock_name: str, is_alive) -> int:
+def sweep_temporary(lock_name: str, is_alive: Callable[[str, int], bool]) -> int:
     """Remove the temporary ``snake-ssd-*`` directories whose lock names a dead pid (the files their manifest
     lists, then the lock and the directories left empty), and registry entries naming a directory that no
     longer exists. Returns the bytes given back. A directory holding a file nobody listed keeps it and its
@@ -105,7 +106,7 @@ def sweep_temporary(lock_name: str, is_alive) -> int:
     for directory in glob.glob(os.path.join(tempfile.gettempdir(), TEMP_PREFIX + "*")):
         lock_path = os.path.join(directory, lock_name)
         pid = _pid_in(lock_path)
-        if pid is None or is_alive(pid) or os.path.basename(directory) == REGISTRY_DIR:
+        if pid is None or is_alive(lock_path, pid) or os.path.basename(directory) == REGISTRY_DIR:
             continue
         freed_bytes += reclaim(directory, pid)
         if any(os.path.join(d, n) != lock_path for d, _, names in os.walk(directory) for n in names):
@@ -131,7 +132,7 @@ def sweep_temporary(lock_name: str, is_alive) -> int:
     return freed_bytes
 
 
-def dead_runs(near: str, lock_name: str, is_alive) -> list[Leftover]:
+def dead_runs(near: str, lock_name: str, is_alive: Callable[[str, int], bool]) -> list[Leftover]:
     """Directories of dead runs on the same filesystem as ``near`` that still hold bytes: registered ones
     and temporary ``snake-ssd-*`` ones whose lock names a dead pid."""
     try:
@@ -150,7 +151,7 @@ def dead_runs(near: str, lock_name: str, is_alive) -> list[Leftover]:
         if os.path.realpath(directory) == os.path.realpath(near) or not os.path.isdir(directory):
             continue
         pid = _pid_in(os.path.join(directory, lock_name))
-        if pid is None or is_alive(pid):
+        if pid is None or is_alive(os.path.join(directory, lock_name), pid):
             continue
         try:
             if os.stat(directory).st_dev != device:

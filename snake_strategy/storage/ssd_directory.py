@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import logging
 import os
 import shutil
@@ -52,7 +53,7 @@ class SsdDirectory:
     def __init__(self, path: str | None, use_o_direct: bool = True, keep_files: bool = False) -> None:
         self._owns_dir = path is None
         if self._owns_dir:
-            leftovers.sweep_temporary(LOCK_NAME, pid_alive)  # no later run would ever open a dead one's again
+            leftovers.sweep_temporary(LOCK_NAME, owner_alive)  # no later run would ever open a dead one's again
         self.path = tempfile.mkdtemp(prefix="snake-ssd-") if path is None else os.path.abspath(path)
         self._keep_files = keep_files and not self._owns_dir
         self._fds: dict[str, int] = {}
@@ -61,6 +62,7 @@ class SsdDirectory:
         self._lock = threading.Lock()
         self._lock_path = os.path.join(self.path, LOCK_NAME)
         self._holds_lock = False
+        self._lock_fd: int | None = None
         self._closed = False
         self.anonymous = False
         try:
@@ -96,7 +98,7 @@ class SsdDirectory:
                 fd = os.open(self._lock_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
             except FileExistsError:
                 owner = _lock_owner(self._lock_path)
-                if owner is not None and pid_alive(owner):
+                if owner_alive(self._lock_path, owner):
                     raise ValueError(
                         f"storage.ssd_dir='{self.path}' is in use by a running process (pid {owner}, lock file "
                         f"{self._lock_path}); give this run its own storage.ssd_dir"
@@ -109,8 +111,11 @@ class SsdDirectory:
                     pass
                 continue
             self._holds_lock = True
-            with os.fdopen(fd, "w") as f:
-                f.write(str(os.getpid()))
+            # Held open under an flock until close: the kernel drops it when the process dies, however it
+            # dies, and another PID namespace sharing this directory sees it where it cannot see our pid.
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            self._lock_fd = fd
+            os.write(fd, str(os.getpid()).encode())
             leftovers.register(self.path)  # so a refused run elsewhere can name what a dead one left here
             return
         raise ValueError(f"could not take the lock {self._lock_path}; another run is starting in storage.ssd_dir")
@@ -138,7 +143,7 @@ class SsdDirectory:
     def check_free_space(self, needed_bytes: int, what: str) -> None:
         free_bytes = shutil.disk_usage(self.path).free
         if needed_bytes > free_bytes:
-            dead = leftovers.dead_runs(self.path, LOCK_NAME, pid_alive)
+            dead = leftovers.dead_runs(self.path, LOCK_NAME, owner_alive)
             left = (f"; dead runs left {sum(d.size_bytes for d in dead) / 2**30:.3g} GiB on this filesystem: "
                     + ", ".join(d.describe() for d in dead) + " (remove them)") if dead else ""
             raise ValueError(
@@ -278,9 +283,14 @@ class SsdDirectory:
 
     def _release_lock(self) -> None:
         # Only the lock this object wrote: after a failed start, the file may be another run's.
-        if self._holds_lock and _lock_owner(self._lock_path) == os.getpid():
-            os.remove(self._lock_path)
-        self._holds_lock = False
+        try:
+            if self._holds_lock and _lock_owner(self._lock_path) == os.getpid():
+                os.remove(self._lock_path)
+        finally:
+            self._holds_lock = False
+            if self._lock_fd is not None:
+                fd, self._lock_fd = self._lock_fd, None
+                os.close(fd)
 
     def _remove_created_dirs(self) -> None:
         # Deepest first, and only when empty: a user's file put there during the run is never removed.
@@ -314,6 +324,25 @@ def _lock_owner(path: str) -> int | None:
             return int(f.read().strip() or "0") or None
     except (OSError, ValueError):
         return None  # unreadable or torn: treat as stale
+
+
+def owner_alive(lock_path: str, pid: int | None) -> bool:
+    """Whether the run that wrote this lock file still runs: it holds the file's flock, or its pid (from
+    the file) exists here. Either alone keeps a directory: a lock written before the flock existed has the
+    pid only, a run in another PID namespace the flock only."""
+    try:
+        fd = os.open(lock_path, os.O_RDONLY)
+    except OSError:
+        return pid is not None and pid_alive(pid)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    except OSError:
+        pass  # a filesystem without flock: the pid decides
+    finally:
+        os.close(fd)  # releases the flock if this test took it
+    return pid is not None and pid_alive(pid)
 
 
 def pid_alive(pid: int) -> bool:

@@ -343,3 +343,44 @@ def test_a_temporary_run_removes_what_killed_temporary_runs_left(tmp_path, monke
     assert sorted(p.name for p in registry.iterdir()) == ["live"]
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([leftovers.REGISTRY_DIR, unlisted.name, live.name,
                                                                  starting.name])
+
+
+_HOLDS_A_LOCK = """
+import fcntl, os, sys, time
+fd = os.open(sys.argv[1], os.O_RDONLY)
+fcntl.flock(fd, fcntl.LOCK_EX)
+print("held", flush=True)
+time.sleep(60)
+"""
+
+
+def test_a_lock_held_by_a_process_this_one_cannot_see_keeps_its_directory(tmp_path, monkeypatch):
+    """A run in another PID namespace sharing the directory: the pid in its lock names no process here, but
+    it holds the lock file's flock, so its temporary directory is not swept and its named directory is not
+    taken; once it is gone, both are. (Stood in for by a process that holds the flock under a pid that does
+    not exist.)"""
+    import tempfile
+
+    done = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    no_such_pid = done.stdout.strip()
+    temporary, named = tmp_path / "snake-ssd-elsewhere", tmp_path / "named"
+    for directory in (temporary, named):
+        directory.mkdir()
+        (directory / ".snake.lock").write_text(no_such_pid)
+    holders = [subprocess.Popen([sys.executable, "-c", _HOLDS_A_LOCK, str(d / ".snake.lock")], stdout=subprocess.PIPE,
+                                text=True) for d in (temporary, named)]
+    try:
+        assert all(h.stdout.readline().strip() == "held" for h in holders)
+        monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+        SsdDirectory(None, use_o_direct=False).close()
+        assert (temporary / ".snake.lock").exists()
+        with pytest.raises(ValueError, match="in use by a running process"):
+            SsdDirectory(str(named), use_o_direct=False)
+    finally:
+        for h in holders:
+            h.kill()
+            h.wait()
+    SsdDirectory(None, use_o_direct=False).close()
+    assert not temporary.exists()
+    SsdDirectory(str(named), use_o_direct=False).close()
+    assert not (named / ".snake.lock").exists()

@@ -377,7 +377,7 @@ class SsdObserver(L.Callback):
         self.path = engine.ssd.path
         flags = open_files_o_direct(self.path)
         assert set(flags) >= set(engine.ssd_files()), "a state file is not open"
-        self.o_direct |= set(flags.values())
+        self.o_direct |= {flags[f] for f in engine.ssd_files()}  # the state files (the lock is open too)
         self.slots = [list(unit.layout.slots) for unit in engine.units]
         # A temporary ssd_dir's files have no name (O_TMPFILE): the kernel's "<dir>/#<inode> (deleted)",
         # sized through their descriptors.
