@@ -210,6 +210,7 @@ def remove_empty_dirs(levels: list[str]) -> None:
 
 def _layout_problem(given: str, root: str, mine: str) -> str | None:
     """What is wrong with this rank's SSD directory before it is locked (None: nothing)."""
+    from snake_strategy.storage.leftovers import lock_pid
     from snake_strategy.storage.ssd_directory import LOCK_NAME, owner_alive
 
     if "$" in given:
@@ -217,12 +218,10 @@ def _layout_problem(given: str, root: str, mine: str) -> str | None:
                 "set it on every node (or write the path out)")
     for directory, what in ((root, "one-process run on storage.ssd_dir itself"), (mine, "run in this rank's directory")):
         lock_path = os.path.join(directory, LOCK_NAME)
-        try:
-            with open(lock_path) as f:
-                owner = int(f.read().strip() or "0")
-        except (OSError, ValueError):
+        owner = lock_pid(lock_path)
+        if owner is None:
             continue  # no lock (or a torn one: SsdDirectory deals with it)
-        if owner != os.getpid() and owner_alive(lock_path, owner or None):
+        if owner != os.getpid() and owner_alive(lock_path, owner):
             return (f"{directory} is in use by a running process (pid {owner}, a {what}); give this run its own "
                     "storage.ssd_dir, or wait for that run to end")
     return None

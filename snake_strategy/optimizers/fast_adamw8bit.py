@@ -122,8 +122,9 @@ class FastAdamW8bit(torch.optim.Optimizer):
 
     State of a parameter of ``min_8bit_size`` elements or more: ``exp_avg_codes`` (int8) and ``exp_avg_sq_codes``
     (uint8), [ceil(numel / 256), 256] each; ``exp_avg_absmax`` (the block's largest |m|) and
-    ``exp_avg_sq_root_max`` (the block's largest sqrt(v)), fp32, one per block; ``step``. Smaller ones keep ``exp_avg`` / ``exp_avg_sq`` in the parameter's dtype. Parameters are fp32
-    (fp64 also steps, with fp64 scales: the exactness tests' precision)."""
+    ``exp_avg_sq_root_max`` (the block's largest sqrt(v)), fp32, one per block; ``step``. Smaller ones keep
+    ``exp_avg`` / ``exp_avg_sq`` in the parameter's dtype. Parameters are fp32 (fp64 also steps, with fp64
+    scales: the exactness tests' precision)."""
 
     def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 1e-2, min_8bit_size: int = 4096) -> None:

@@ -105,7 +105,7 @@ def sweep_temporary(lock_name: str, is_alive: Callable[[str, int], bool]) -> int
     freed_bytes = 0
     for directory in glob.glob(os.path.join(tempfile.gettempdir(), TEMP_PREFIX + "*")):
         lock_path = os.path.join(directory, lock_name)
-        pid = _pid_in(lock_path)
+        pid = lock_pid(lock_path)
         if pid is None or is_alive(lock_path, pid) or os.path.basename(directory) == REGISTRY_DIR:
             continue
         freed_bytes += reclaim(directory, pid)
@@ -150,7 +150,7 @@ def dead_runs(near: str, lock_name: str, is_alive: Callable[[str, int], bool]) -
     for directory in sorted(candidates):
         if os.path.realpath(directory) == os.path.realpath(near) or not os.path.isdir(directory):
             continue
-        pid = _pid_in(os.path.join(directory, lock_name))
+        pid = lock_pid(os.path.join(directory, lock_name))
         if pid is None or is_alive(os.path.join(directory, lock_name), pid):
             continue
         try:
@@ -186,7 +186,8 @@ def _allocated_bytes(path: str) -> int:
         return 0
 
 
-def _pid_in(lock_path: str) -> int | None:
+def lock_pid(lock_path: str) -> int | None:
+    """The pid a run's lock file holds (None: no file, or unreadable or torn: treated as stale)."""
     try:
         with open(lock_path) as f:
             return int(f.read().strip() or "0") or None

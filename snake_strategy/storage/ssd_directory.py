@@ -97,7 +97,7 @@ class SsdDirectory:
             try:
                 fd = os.open(self._lock_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
             except FileExistsError:
-                owner = _lock_owner(self._lock_path)
+                owner = leftovers.lock_pid(self._lock_path)
                 if owner_alive(self._lock_path, owner):
                     raise ValueError(
                         f"storage.ssd_dir='{self.path}' is in use by a running process (pid {owner}, lock file "
@@ -287,7 +287,7 @@ class SsdDirectory:
     def _release_lock(self) -> None:
         # Only the lock this object wrote: after a failed start, the file may be another run's.
         try:
-            if self._holds_lock and _lock_owner(self._lock_path) == os.getpid():
+            if self._holds_lock and leftovers.lock_pid(self._lock_path) == os.getpid():
                 os.remove(self._lock_path)
         finally:
             self._holds_lock = False
@@ -319,14 +319,6 @@ def _remove_file(path: str) -> None:
         os.remove(path)
     except FileNotFoundError:
         pass
-
-
-def _lock_owner(path: str) -> int | None:
-    try:
-        with open(path) as f:
-            return int(f.read().strip() or "0") or None
-    except (OSError, ValueError):
-        return None  # unreadable or torn: treat as stale
 
 
 def owner_alive(lock_path: str, pid: int | None) -> bool:
