@@ -105,12 +105,12 @@ class RunPredictor:
         if step < STEADY_STEP or plan.prediction is None:
             return plan
         self.recent_steps = [*self.recent_steps, MeasuredStep.from_stats(step_s, engine.last_step)][-CALIBRATION_STEPS:]
-        recent = MeasuredStep.median(self.recent_steps)
-        if step >= STEADY_STEP + CALIBRATION_STEPS and abs(missed(plan.prediction, recent)) <= REPLAN_MISS:
-            return plan
-        plan = recalibrated(plan, self.model_shape, recent, engine.step_count, engine.alpha, len(self.recent_steps))
-        self.prediction = plan.prediction
-        return plan
+        checked = recalibrated(plan, self.model_shape, MeasuredStep.median(self.recent_steps), engine.step_count,
+                               engine.alpha, len(self.recent_steps))
+        if step >= STEADY_STEP + CALIBRATION_STEPS and checked.prediction is plan.prediction:
+            return plan  # a watched step within REPLAN_MISS: not recorded
+        self.prediction = checked.prediction
+        return checked
 
 
 def first_prediction(plan: RunPlan, shape: ModelShape, alpha: float, hardware: HardwareProfile | str | None,
