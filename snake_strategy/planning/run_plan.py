@@ -106,6 +106,12 @@ class RunPlan:
     # The optimizer step that runs: "overlapped" (no global decision needed), "speculative" (norm clipping
     # or fp16 loss scaling, rolled back when wrong) or "deferred" (alpha 1: whole updates deferred).
     step_mode: str = "overlapped"
+    # What the prediction takes the steps to be under a speculative step: deferring (the step after a clipped
+    # one applies every whole update at the next forward) under norm clipping, whose early steps clip (a
+    # model's norm is far above max_norm at init: 143 for gpt_1b); speculated under fp16 loss scaling, whose
+    # overflows are rare. The steps themselves decide (``SpeculationPolicy``); the calibration follows what
+    # they measured (``RunPredictor.after_step``).
+    deferring: bool = False
     rollback_bytes: int = 0  # the speculative step's rollback copies, on storage.rollback
     rollback_held_bytes: int = 0  # and the SSD bytes its held state versions keep (disk only)
     # The host budget less ACTIVATION_RESERVE_SHARE: what the placement filled (the reserve is left for the
@@ -183,7 +189,9 @@ class RunPlan:
         step = self.step_mode
         if step == "speculative":
             step = (f"speculative (rollback state {self.rollback_bytes / 2**30:.2f} GiB copied to the {st.rollback}, "
-                    f"{self.rollback_held_bytes / 2**30:.2f} GiB held as SSD file versions)")
+                    f"{self.rollback_held_bytes / 2**30:.2f} GiB held as SSD file versions; predicted "
+                    + ("deferring: the steps after a clipped one apply whole updates at the next forward)"
+                       if self.deferring else "speculated)"))
         text = (f"{s.kind}, {s.num_micro_batches} micro-batches, {batching}, alpha {s.alpha}, optimizer step "
                 f"{step}, prefetch {s.prefetch_depth}, keep activations {kept}; {places}; host "
                 f"{self.host_bytes / 2**30:.2f} of {self.host_budget_bytes / 2**30:.2f} GiB (bounded by "
@@ -223,7 +231,7 @@ class RunPlan:
                 "host_budget_source": self.host_budget_source, "host_budget_detail": self.host_budget_detail,
                 "host_bytes": self.host_bytes, "step_host_bytes": self.step_host_bytes,
                 "process_baseline_bytes": self.process_baseline_bytes,
-                "kept_units": self.kept_units, "step_mode": self.step_mode,
+                "kept_units": self.kept_units, "step_mode": self.step_mode, "deferring": self.deferring,
                 "rollback_bytes": self.rollback_bytes,
                 "rollback_held_bytes": self.rollback_held_bytes,
                 "placement_budget_bytes": self.placement_budget_bytes, "evaluating": self.evaluating,
@@ -371,7 +379,9 @@ def resolve(module: nn.Module, optimizer: torch.optim.Optimizer | None, storage:
     run_plan = RunPlan(storage, concrete, reasons, budget, 0, bounded.source, bounded.detail,
                        process_baseline_bytes=process_baseline_bytes([*module.parameters(), *module.buffers()]),
                        layouts=layouts,
-                       shape=shape, optimizer=spec, step_mode=step_mode, placement_budget_bytes=placement_budget,
+                       shape=shape, optimizer=spec, step_mode=step_mode,
+                       deferring=speculative and clip is not None and clip[0] == "norm",
+                       placement_budget_bytes=placement_budget,
                        device_is_cpu=device.type == "cpu", evaluating=evaluating)
     inputs = run_plan.memory_inputs()
     rollback_bytes = sum(rollback_copied_elems(inputs)) * shape.master_bytes

@@ -52,6 +52,7 @@ class RunPredictor:
         self.timing: UnitTiming | None = None  # this model's unit timed before step 1 (probed rates)
         self.timing_s: float | None = None  # what that timing took
         self.recent_steps: list[MeasuredStep] = []  # what the last CALIBRATION_STEPS steady steps measured
+        self.recent_modes: list[bool] = []  # under a speculative step: whether each of them deferred
 
     def predict(self, plan: RunPlan, engine: Any, batch: Any, at_setup: bool = False) -> RunPlan:
         """``plan`` with the prediction for ``batch``'s shapes (see the module docstring)."""
@@ -105,12 +106,28 @@ class RunPredictor:
         if step < STEADY_STEP or plan.prediction is None:
             return plan
         self.recent_steps = [*self.recent_steps, MeasuredStep.from_stats(step_s, engine.last_step)][-CALIBRATION_STEPS:]
+        given = plan
+        if plan.step_mode == "speculative":
+            self.recent_modes = [*self.recent_modes, not engine.last_step.speculation][-CALIBRATION_STEPS:]
+            if all(deferred != plan.deferring for deferred in self.recent_modes):
+                plan = self._in_mode(plan, engine.alpha, deferring=not plan.deferring)
         checked = recalibrated(plan, self.model_shape, MeasuredStep.median(self.recent_steps), engine.step_count,
                                engine.alpha, len(self.recent_steps))
-        if step >= STEADY_STEP + CALIBRATION_STEPS and checked.prediction is plan.prediction:
+        if step >= STEADY_STEP + CALIBRATION_STEPS and checked.prediction is plan.prediction and plan is given:
             return plan  # a watched step within REPLAN_MISS: not recorded
         self.prediction = checked.prediction
         return checked
+
+    def _in_mode(self, plan: RunPlan, alpha: float, deferring: bool) -> RunPlan:
+        """``plan`` predicted again at its rates for steps that defer (or speculate), as the last steady
+        steps all did: a fine-tune whose norms stay within max_norm speculates, a run from scratch defers."""
+        plan = dataclasses.replace(plan, deferring=deferring)
+        prediction = predict_plan(plan, self.model_shape, plan.hardware, alpha)
+        log.info("planner: the last %d steps %s: predicted %.3f s/step (%s-bound) for such steps",
+                 len(self.recent_modes), "deferred their whole updates (clipped norms)" if deferring else
+                 "speculated (norms within max_norm)", prediction.roofline_s, prediction.bound)
+        self.prediction = prediction
+        return with_prediction(plan, self.model_shape, plan.hardware, prediction, alpha, plan.kept_units)
 
 
 def first_prediction(plan: RunPlan, shape: ModelShape, alpha: float, hardware: HardwareProfile | str | None,
@@ -141,10 +158,16 @@ def first_prediction(plan: RunPlan, shape: ModelShape, alpha: float, hardware: H
     if time_optimizer:
         rate = optimizer_params_per_s(optimizer, (out_dim, in_dim), master_dtype)
         hardware = dataclasses.replace(hardware, optimizer_params_per_s=rate)
-    prediction = predict(shape, hardware, plan.storage, plan.schedule.kind, alpha, plan.step_mode == "speculative")
+    prediction = predict_plan(plan, shape, hardware, alpha)
     log.info("planner: predicted floor %.3f s/step (%s-bound; compute %.3f s, ssd %.3f s, optimizer %.3f s)",
              prediction.roofline_s, prediction.bound, prediction.compute_s, prediction.ssd_s, prediction.optimizer_s)
     return prediction, hardware
+
+
+def predict_plan(plan: RunPlan, shape: ModelShape, hardware: HardwareProfile, alpha: float) -> StepPrediction:
+    """``time_model.predict`` for ``plan``'s placement, order and optimizer step mode."""
+    return predict(shape, hardware, plan.storage, plan.schedule.kind, alpha, plan.step_mode == "speculative",
+                   plan.deferring)
 
 
 def days_to_endurance(endurance_tbw: float, write_bytes_per_step: int, s_per_step: float) -> float | None:
@@ -174,10 +197,10 @@ def with_prediction(plan: RunPlan, shape: ModelShape, hardware: HardwareProfile,
     depth = s.prefetch_depth
     if reasons.get("prefetch_depth") != "given" and not plan.evaluating:
         depth, reasons["prefetch_depth"] = prefetch_depth(plan.storage, prediction)
-    speculative = plan.step_mode == "speculative"
     return dataclasses.replace(plan, schedule=dataclasses.replace(s, prefetch_depth=depth), reasons=reasons,
                                prediction=prediction, kept_units=kept_units, hardware=hardware,
-                               knee=knee(shape, hardware, plan.storage, s.kind, alpha, speculative))
+                               knee=knee(shape, hardware, plan.storage, s.kind, alpha, plan.step_mode == "speculative",
+                                         plan.deferring))
 
 
 def recalibrated(plan: RunPlan, shape: ModelShape, measured: MeasuredStep, step: int, alpha: float,
@@ -199,7 +222,7 @@ def recalibrated(plan: RunPlan, shape: ModelShape, measured: MeasuredStep, step:
     if abs(error) <= REPLAN_MISS:
         return dataclasses.replace(plan, calibration=record)
     hardware = calibrated(plan.hardware, shape, before, measured)
-    prediction = predict(shape, hardware, plan.storage, plan.schedule.kind, alpha, plan.step_mode == "speculative")
+    prediction = predict_plan(plan, shape, hardware, alpha)
     after = with_prediction(plan, shape, hardware, prediction, alpha, plan.kept_units)
     changes = {"prefetch_depth": [plan.schedule.prefetch_depth, after.schedule.prefetch_depth]} \
         if after.schedule.prefetch_depth != plan.schedule.prefetch_depth else {}

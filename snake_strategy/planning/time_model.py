@@ -209,69 +209,140 @@ def compute_seconds(shape: ModelShape, hw: HardwareProfile) -> float:
     return forward / hw.flops_per_s + backward / (hw.backward_flops_per_s or hw.flops_per_s) + nonlayer_s
 
 
+COMPUTE_BOUNDS = ("compute", "cpu")
+
+
+@dataclass
+class _Phase:
+    """What one phase of a step (the forward pass, or the turn and the backward) asks of each resource."""
+
+    compute_s: float = 0.0
+    read: float = 0.0  # SSD bytes
+    write: float = 0.0
+    host_bytes: float = 0.0  # copied between the tiers in memory
+    optimizer_params: float = 0.0
+
+    def add_moved(self, read: float, write: float, host: float) -> None:
+        self.read, self.write, self.host_bytes = self.read + read, self.write + write, self.host_bytes + host
+
+    def seconds(self, hw: HardwareProfile) -> dict[str, float]:
+        """Each resource's busy time in this phase (the CPU's: what shares the cores, as in ``predict``)."""
+        busy = {"compute": self.compute_s,
+                "ssd": self.read / (hw.ssd_read_gb_per_s * 1e9) + self.write / (hw.ssd_write_gb_per_s * 1e9),
+                "host_copy": self.host_bytes / (hw.host_copy_gb_per_s * 1e9),
+                "optimizer": self.optimizer_params / hw.optimizer_params_per_s}
+        if hw.device_is_cpu and not hw.measured_in_step:
+            busy["cpu"] = (busy["compute"] + busy["optimizer"] + busy["host_copy"]
+                           + (self.read + self.write) / 1e9 * hw.ssd_cpu_s_per_gb)
+        return busy
+
+
 def predict(shape: ModelShape, hw: HardwareProfile, storage: StorageConfig, kind: str, alpha: float,
-            speculative: bool = False) -> StepPrediction:
+            speculative: bool = False, deferring: bool = False) -> StepPrediction:
     """Predicted floor of one step's time for this placement and schedule (``speculative``: a committed
-    speculative step, which also writes its rollback state; a rollback's redo is not in the floor).
+    speculative step, which also writes its rollback state; a rollback's redo is not in the floor;
+    ``deferring``: with ``speculative``, a step that follows a clipped one, which saves its backward part's
+    raw gradient in the rollback store and applies every whole update at the next forward).
 
     The bytes are exact: the same tier boundaries and page rounding as the engine's transfers
     (``storage.tiered.tier_bytes``), so they equal the engine's counters for a steady-state step.
+
+    Phases: the forward pass (units below the last) and the rest (the turn, the recomputes and backwards) each
+    take at least their busiest resource's work, and no work crosses from one to the other: a unit's
+    forward needs its update (the forward part's, or the whole update of a deferring step), which needs
+    the previous backward's gradient. The floor is the larger of the whole step's busiest resource and the
+    two phases' sum; the second is larger only when one phase waits on a resource the other leaves idle
+    (a deferring step's whole optimizer traffic against the forward's compute alone).
     """
     u, L, M = shape.params_per_unit, shape.num_units, shape.num_micro
     e_w, e_m = shape.weight_bytes, shape.master_bytes
     separate_master = e_w != e_m
     states = shape.state_bytes / e_m  # the optimizer's state in master-dtype elements (2 for Adam's moments)
     fetches = weight_fetches_per_step(kind, L, M, shape.backward_from)
+    # the forward pass fetches the units below the last (vertical; the horizontal order in that proportion)
+    forward_fetches = round(fetches * (L - 1) / max(1, 2 * L - 1 - shape.backward_from))
+    fwd, bwd = _Phase(), _Phase()
     weights = tier_bytes(shape.weight_elems_per_unit or u, storage.weights, e_w)
     # the tail: read by every fetch, rewritten by every step, kept in host memory (or on the device)
     tail = shape.weight_tail_bytes_per_unit if storage.weights.device < 1.0 else 0
-    read, write = fetches * weights["ssd"], 0
-    host_bytes = fetches * (weights["host"] + tail)
+    for phase, count in ((fwd, forward_fetches), (bwd, fetches - forward_fetches)):
+        phase.add_moved(count * weights["ssd"], 0, count * (weights["host"] + tail))
     partials = M - 1 if kind == "horizontal" else 0
+    rollback_split = TierShares(host=0.0, ssd=1.0) if storage.rollback == "ssd" else TierShares()
     # Only a unit's trainable part [0, t) has a master copy, moments and gradients; frozen weights are read
     # by the fetches above and never written.
     for t in shape.trainable:
         master = tier_bytes(t, storage.master, e_m) if separate_master else tier_bytes(u, storage.weights, e_m, 0, t)
         moments = tier_bytes(t, storage.optimizer, e_m)
-        grad_part = tier_bytes(t, storage.gradients, e_m, 0, forward_part_end(t, alpha))  # parked forward part
+        forward_end = forward_part_end(t, alpha)
+        grad_part = tier_bytes(t, storage.gradients, e_m, 0, forward_end)  # parked forward part
         grad_full = tier_bytes(t, storage.gradients, e_m)  # a horizontal partial sum
-        # The optimizer reads and writes the master and both moments once; bf16-true refreshes the compute copy.
-        moved = master["ssd"] + states * moments["ssd"] + grad_part["ssd"] + partials * grad_full["ssd"]
-        read += moved
-        write += moved
-        host_bytes += 2 * master["host"] + 2 * states * moments["host"]
-        if separate_master:
-            refresh = tier_bytes(shape.weight_elems_per_unit or u, storage.weights, e_w, 0, t)
-            write += refresh["ssd"]
-            host_bytes += refresh["host"] + tail
-        if speculative:  # the rollback copies (gradient + in-memory states); the states' SSD part is held
+        # The optimizer reads and writes the master and its state once; bf16-true refreshes the compute copy.
+        state_ssd = master["ssd"] + states * moments["ssd"]
+        state_host = 2 * master["host"] + 2 * states * moments["host"]
+        refresh = tier_bytes(shape.weight_elems_per_unit or u, storage.weights, e_w, 0, t) if separate_master else None
+        if refresh is not None:
+            refresh_ssd, refresh_host = refresh["ssd"], refresh["host"] + tail
+        else:
+            refresh_ssd = refresh_host = 0
+        # The update's share that runs in the next forward: the forward part, or all of a deferring step.
+        in_forward = 1.0 if deferring or t == 0 else forward_end / t
+        for phase, share in ((fwd, in_forward), (bwd, 1 - in_forward)):
+            phase.add_moved(share * state_ssd, share * (state_ssd + refresh_ssd), share * (state_host + refresh_host))
+            phase.optimizer_params += share * t
+        # the parked forward part: written by the backward, read back by the next forward's update
+        fwd.add_moved(grad_part["ssd"], 0, 0)
+        bwd.add_moved(partials * grad_full["ssd"], grad_part["ssd"] + partials * grad_full["ssd"], 0)
+        if speculative:
             _, copied, _ = unit_rollback_elems(t, u, alpha, storage, separate_master, shape.optimizer_shards, 0,
                                                states)
-            rollback = tier_bytes(copied, TierShares(host=0.0, ssd=1.0) if storage.rollback == "ssd" else TierShares(),
-                                  e_m)
-            write += rollback["ssd"]
-            host_bytes += rollback["host"]
+            if deferring:  # the backward part's raw gradient, saved by the backward and read by the next forward
+                saved = tier_bytes(t - forward_end, rollback_split, e_m)
+                bwd.add_moved(0, saved["ssd"], saved["host"])
+                fwd.add_moved(saved["ssd"], 0, saved["host"])
+            else:  # the rollback copies (gradient + in-memory states); the states' SSD part is held
+                rollback = tier_bytes(copied, rollback_split, e_m)
+                bwd.add_moved(0, rollback["ssd"], rollback["host"])
     if L > 1:
-        # Each SSD checkpoint (a unit's input) is written once and read by the unit's forward and by its
-        # recompute; the last unit's input only once (its backward is fused with its forward), and units
-        # without a backward (below backward_from) or with a kept graph are not recomputed.
+        # Each SSD checkpoint (a unit's input) is written once, by the forward, and read by the unit's forward
+        # and by its recompute; the last unit's input only once (its backward is fused with its forward), and
+        # units without a backward (below backward_from) or with a kept graph are not recomputed.
         ckpt_ssd = checkpoint_tiers(storage, M).count("ssd") * shape.checkpoint_bytes
-        write += L * ckpt_ssd
-        read += (2 * L - 1 - shape.backward_from - shape.kept_units) * ckpt_ssd
-    ssd_s = read / (hw.ssd_read_gb_per_s * 1e9) + write / (hw.ssd_write_gb_per_s * 1e9)
-    host_copy_s = host_bytes / (hw.host_copy_gb_per_s * 1e9)
+        reads = 2 * L - 1 - shape.backward_from - shape.kept_units
+        fwd.add_moved(min(L - 1, reads) * ckpt_ssd, L * ckpt_ssd, 0)
+        bwd.add_moved(max(0, reads - (L - 1)) * ckpt_ssd, 0, 0)
     compute_s = compute_seconds(shape, hw)
+    # The forward pass of the units below the last, at the forward's rate (the turn, the head and the
+    # non-layer work are counted with the backward).
+    fwd_unit = (2 * shape.params_per_unit + shape.attention_flops_per_token_per_unit) * shape.tokens_per_micro
+    fwd.compute_s = min(compute_s, M * fwd_unit * max(0, L - 1) / hw.flops_per_s)
+    bwd.compute_s = compute_s - fwd.compute_s
+    bwd.optimizer_params += shape.nonlayer_params
+    read, write = fwd.read + bwd.read, fwd.write + bwd.write
+    ssd_s = read / (hw.ssd_read_gb_per_s * 1e9) + write / (hw.ssd_write_gb_per_s * 1e9)
+    host_copy_s = (fwd.host_bytes + bwd.host_bytes) / (hw.host_copy_gb_per_s * 1e9)
     optimizer_s = (sum(shape.trainable) + shape.nonlayer_params) / hw.optimizer_params_per_s
     bounds = {"compute": compute_s, "ssd": ssd_s, "host_copy": host_copy_s, "optimizer": optimizer_s}
     if hw.device_is_cpu and not hw.measured_in_step:
         bounds["cpu"] = compute_s + optimizer_s + host_copy_s + (read + write) / 1e9 * hw.ssd_cpu_s_per_gb
     bound = max(bounds, key=bounds.get)
-    return StepPrediction(compute_s, ssd_s, host_copy_s, optimizer_s, bounds[bound], bound, int(read), int(write))
+    roofline_s = bounds[bound]
+    phases = [phase.seconds(hw) for phase in (fwd, bwd)]
+    phased_s = sum(max(busy.values()) for busy in phases)
+    if phased_s > roofline_s * (1 + 1e-9):
+        # the resource a phase waits on beyond its compute: the phase that waits longest names it
+        def waiting(busy: dict[str, float]) -> tuple[float, str]:
+            own = max(busy[b] for b in COMPUTE_BOUNDS if b in busy)
+            worst = max(busy, key=busy.get)
+            return max(busy.values()) - own, worst
+
+        _, bound = max(waiting(busy) for busy in phases)
+        roofline_s = phased_s
+    return StepPrediction(compute_s, ssd_s, host_copy_s, optimizer_s, roofline_s, bound, round(read), round(write))
 
 
 # The knee is searched up to this many micro-batches per step.
 KNEE_MAX_MICRO = 4096
-COMPUTE_BOUNDS = ("compute", "cpu")
 
 
 @dataclass(frozen=True)
@@ -304,22 +375,22 @@ class Knee:
 
 
 def knee(shape: ModelShape, hw: HardwareProfile, storage: StorageConfig, kind: str, alpha: float,
-         speculative: bool = False) -> Knee:
+         speculative: bool = False, deferring: bool = False) -> Knee:
     """The smallest tokens per step (more micro-batches of this run's size) at which the predicted bound is
     compute, for this placement and schedule (``predict`` at each count)."""
     tokens_per_micro = shape.tokens_per_micro
-    here = predict(shape, hw, storage, kind, alpha, speculative)
-    below = predict(dataclasses.replace(shape, num_micro=1), hw, storage, kind, alpha, speculative)
+    here = predict(shape, hw, storage, kind, alpha, speculative, deferring)
+    below = predict(dataclasses.replace(shape, num_micro=1), hw, storage, kind, alpha, speculative, deferring)
     run_tokens = shape.num_micro * tokens_per_micro
     waiting = 0.0 if here.bound in COMPUTE_BOUNDS else 1.0 - here.compute_s / here.roofline_s
     if below.bound in COMPUTE_BOUNDS:
         return Knee(tokens_per_micro, below.bound, run_tokens, waiting)
     lo, hi = 1, KNEE_MAX_MICRO  # bisect: compute grows with micro-batches faster than any other term
-    if predict(dataclasses.replace(shape, num_micro=hi), hw, storage, kind, alpha, speculative).bound \
+    if predict(dataclasses.replace(shape, num_micro=hi), hw, storage, kind, alpha, speculative, deferring).bound \
             not in COMPUTE_BOUNDS:
         return Knee(None, below.bound, run_tokens, waiting)
     while hi - lo > 1:
         mid = (lo + hi) // 2
-        bound = predict(dataclasses.replace(shape, num_micro=mid), hw, storage, kind, alpha, speculative).bound
+        bound = predict(dataclasses.replace(shape, num_micro=mid), hw, storage, kind, alpha, speculative, deferring).bound
         lo, hi = (lo, mid) if bound in COMPUTE_BOUNDS else (mid, hi)
     return Knee(hi * tokens_per_micro, below.bound, run_tokens, waiting)

@@ -116,3 +116,25 @@ def test_a_timed_unit_gives_the_rates_of_its_own_flops():
     assert timing.rates(shape) == pytest.approx({"flops_per_s": forward / 0.5,
                                                  "backward_flops_per_s": 1.5 * forward / 2.0,
                                                  "nonlayer_s_per_token": 0.01})
+
+
+def test_a_deferring_step_waits_in_the_forward_for_its_whole_optimizer_traffic():
+    # Moments on the SSD, everything else in memory; a disk fast enough for the whole step's traffic (0.61 ms
+    # against 2.29 ms of compute) but not for the forward's 0.33 ms when every update runs there.
+    hw = dataclasses.replace(HW, ssd_read_gb_per_s=0.4, ssd_write_gb_per_s=0.8, optimizer_params_per_s=1e9,
+                             device_is_cpu=False)
+    storage = StorageConfig(optimizer="ssd", rollback="ssd")
+    forward_s = 2 * 163_840 / 1e9  # unit 0's forward, both micro-batches: the forward pass
+    backward_s = 2 * 7 * 163_840 / 1e9 - forward_s
+    speculated = predict(SHAPE, hw, storage, "vertical", alpha=0.5, speculative=True)
+    # the forward part's updates (half the moments, 65,536 bytes each way) fit under the forward's compute
+    assert speculated.bound == "compute" and speculated.roofline_s == pytest.approx(forward_s + backward_s)
+    deferring = predict(SHAPE, hw, storage, "vertical", alpha=0.5, speculative=True, deferring=True)
+    # the forward reads both units' moments (2 x 65,536) and the backward parts' raw gradients saved in the
+    # rollback store (2 x 4096 x 4 bytes, written by the backward), and writes the moments back
+    forward_ssd_s = (2 * 65_536 + 2 * 16_384) / 0.4e9 + 2 * 65_536 / 0.8e9
+    assert (deferring.ssd_read_bytes, deferring.ssd_write_bytes) == (2 * 65_536 + 2 * 16_384,
+                                                                     2 * 65_536 + 2 * 16_384)
+    assert deferring.bound == "ssd" and deferring.roofline_s == pytest.approx(forward_ssd_s + backward_s)
+    # the whole step's SSD time alone is under its compute: without phases the floor would be compute
+    assert deferring.ssd_s < deferring.compute_s < deferring.roofline_s

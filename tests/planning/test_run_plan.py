@@ -228,6 +228,38 @@ def test_describe_shows_the_alpha_and_step_mode_that_run():
     assert fp16.schedule.alpha == pytest.approx(0.2) and fp16.step_mode == "speculative"
     value = run_plan.resolve(*_resolve_args(ScheduleConfig(num_micro_batches=MICRO)), clip=("value", 1.0))
     assert value.step_mode == "overlapped" and value.rollback_bytes == 0
+    # Under norm clipping the steps are predicted deferring (early norms clip); under fp16 loss scaling alone,
+    # speculated (overflows are rare).
+    norm = run_plan.resolve(*_resolve_args(ScheduleConfig(num_micro_batches=MICRO)), clip=("norm", 1.0))
+    assert norm.deferring and "predicted deferring" in norm.describe()
+    assert not fp16.deferring and "predicted speculated" in fp16.describe()
+    assert not value.deferring and not clipped.deferring
+
+
+class _Deferring(L.Callback):
+    """What the plan predicts the steps to be after each step, beside what the step was."""
+
+    def __init__(self) -> None:
+        self.predicted, self.speculated = [], []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.predicted.append(trainer.strategy.plan.deferring)
+        self.speculated.append(trainer.strategy.engine.last_step.speculation)
+
+
+@pytest.mark.parametrize("max_norm", [1e-6, 1e6])
+def test_the_prediction_follows_whether_the_steps_defer(max_norm):
+    """Under norm clipping the prediction takes the steps to defer; from the first steady step on it follows
+    what they did: a max_norm every norm exceeds keeps them deferring, one no norm reaches has them speculate
+    (step 1 speculates either way and is not a steady step)."""
+    log = _Deferring()
+    _, strategy = run_snake(SMALL_GPT, 3, MICRO, MICRO_SIZE, "64-true", schedule_kind="auto", callbacks=[log],
+                            trainer_extra={"gradient_clip_val": max_norm})
+    assert strategy.plan.step_mode == "speculative" and strategy.plan.prediction is not None
+    if max_norm < 1:
+        assert log.speculated == [True, False, False] and log.predicted == [True, True, True]
+    else:
+        assert log.speculated == [True, True, True] and log.predicted == [True, False, False]
 
 
 def _resolve_args(schedule, dtypes=None):
