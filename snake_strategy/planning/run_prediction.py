@@ -14,7 +14,8 @@ plan with its prediction:
 - ``after_step(plan, engine, step_s)`` after every step: the first steady steps are checked against their
   median and re-planned with the measured rates when it missed (``recalibrated``; the rates themselves:
   planning/calibration.py); later steps re-plan when the median of the last few moves away from the
-  prediction (a rate that changes mid-run).
+  prediction (a rate that changes mid-run). Under a speculative step the steps are predicted as the plan
+  expects them (``RunPlan.deferring``) until the last steady steps all ran the other way.
 
 Each prediction comes with the plan's knee and the settings that depend on rates (``with_prediction``: the
 prefetch depth), and the strategy hands the engine the plan it then runs (``SnakeEngine.use_plan``). The

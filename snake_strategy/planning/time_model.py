@@ -21,6 +21,9 @@ Roofline, per resource: the step cannot be faster than the busiest resource's to
 - ``cpu``: on a CPU-only machine compute, the optimizer, the copies between the tiers in memory and the
   processor time of the SSD transfers share the same cores, so their sum.
 
+By phase (docs/design.md, "Traffic model"): the forward pass and the rest each take at least their own
+busiest resource, so the floor is also at least the two phases' sum (``predict``).
+
 The knee: the tokens per step from which compute outlasts every other resource. Below it the step waits on
 the SSD (or the optimizer) and more micro-batches cost little; above it every micro-batch adds its compute.
 """
