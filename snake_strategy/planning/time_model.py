@@ -394,6 +394,7 @@ def knee(shape: ModelShape, hw: HardwareProfile, storage: StorageConfig, kind: s
         return Knee(None, below.bound, run_tokens, waiting)
     while hi - lo > 1:
         mid = (lo + hi) // 2
-        bound = predict(dataclasses.replace(shape, num_micro=mid), hw, storage, kind, alpha, speculative, deferring).bound
+        bound = predict(dataclasses.replace(shape, num_micro=mid), hw, storage, kind, alpha, speculative,
+                        deferring).bound
         lo, hi = (lo, mid) if bound in COMPUTE_BOUNDS else (mid, hi)
     return Knee(hi * tokens_per_micro, below.bound, run_tokens, waiting)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from snake_strategy.optimizers import FastAdamW8bit
-from snake_strategy.optimizers.fast_adamw8bit import BLOCK
+from snake_strategy.optimizers.fast_adamw8bit import BLOCK, CHUNK_ROWS
 
 LR, BETAS, EPS, WD = 1e-2, (0.9, 0.999), 1e-8, 0.1
 
@@ -58,6 +58,26 @@ def test_matches_the_format_it_documents(shape):
         # all but a handful exactly.
         for got, want in ((state["exp_avg_codes"].double(), mc), (state["exp_avg_sq_codes"].double(), vc)):
             assert (got - want).abs().max() <= 1 and (got != want).sum() <= 2, (step, (got != want).sum())
+
+
+def test_a_parameter_stepped_in_chunks_equals_its_rows_stepped_as_parameters_bitwise():
+    """Blocks are independent: a parameter longer than one kernel call (its new codes copied into the state
+    chunk by chunk) steps exactly as its rows split into parameters of one call each (whose state takes the
+    kernel's new tensors)."""
+    torch.manual_seed(0)
+    rows = CHUNK_ROWS + 3
+    whole = torch.nn.Parameter(torch.randn(rows, BLOCK) * 0.02)
+    parts = [torch.nn.Parameter(rows_.clone()) for rows_ in whole.detach().split([CHUNK_ROWS, 3])]
+    one = FastAdamW8bit([whole], lr=LR, weight_decay=WD, min_8bit_size=BLOCK)
+    split = FastAdamW8bit(parts, lr=LR, weight_decay=WD, min_8bit_size=BLOCK)
+    for _ in range(3):
+        grad = torch.randn(rows, BLOCK) * torch.logspace(-4, 0, BLOCK)
+        whole.grad, parts[0].grad, parts[1].grad = grad, grad[:CHUNK_ROWS].clone(), grad[CHUNK_ROWS:].clone()
+        one.step()
+        split.step()
+    assert torch.equal(whole.detach(), torch.cat([q.detach() for q in parts]))
+    for key in ("exp_avg_codes", "exp_avg_absmax", "exp_avg_sq_codes", "exp_avg_sq_root_max"):
+        assert torch.equal(one.state[whole][key], torch.cat([split.state[q][key] for q in parts])), key
 
 
 def test_the_largest_value_of_a_block_keeps_the_top_code():
