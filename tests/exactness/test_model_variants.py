@@ -1,6 +1,7 @@
 """Model and optimizer variants docs/guide/model-contract.md promises, each against plain Lightning (fp64, atol 1e-10),
 and the RNG replay of dropout masks during the recompute."""
 import dataclasses
+import logging
 
 import pytest
 import torch
@@ -117,3 +118,17 @@ def test_recompute_replays_the_forward_dropout_masks(kind):
     dropped = torch.cat([m.flatten() for m in masks]).float().mean().item()
     assert 0.2 < 1 - dropped < 0.4  # dropout really ran (p = 0.3) ...
     assert len({m.numpy().tobytes() for m in masks}) == len(masks)  # ... with a fresh mask for every call
+
+
+@pytest.mark.parametrize("p", [0.0, 0.3])
+def test_a_run_whose_blocks_draw_random_numbers_says_once_that_its_masks_are_not_plain_lightnings(p, caplog):
+    """Dropout masks are drawn in the schedule's order (unit by unit), not plain Lightning's (micro-batch by
+    micro-batch): such a run says so once, naming the unit; a run without dropout says nothing."""
+    with caplog.at_level(logging.WARNING, logger="snake_strategy"):
+        fit_snake(lambda: DropoutStack(depth=4, p=p), token_loader(2 * MICRO * MICRO_SIZE, MICRO * MICRO_SIZE),
+                  steps=2, schedule={"num_micro_batches": MICRO}, record=None)
+    MASKS.clear()
+    said = [r.getMessage() for r in caplog.records if "draw random numbers (dropout)" in r.getMessage()]
+    assert len(said) == (1 if p else 0), said
+    if p:
+        assert said[0].startswith("the blocks of unit 0 draw") and "only with dropout off" in said[0]

@@ -13,6 +13,7 @@ whose blocks draw random numbers is then refused at its first step, before any u
 from __future__ import annotations
 
 import contextlib
+import logging
 import functools
 import time
 from dataclasses import dataclass, field
@@ -35,6 +36,8 @@ from snake_strategy.engine.trace import TASK, TaskTrace
 from snake_strategy.engine.stream.streamer import WeightStreamer
 from snake_strategy.progress import StepProgress
 from snake_strategy.schedule import BACKWARD, FORWARD, WEIGHT_GRAD, Task
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -93,6 +96,7 @@ class StepRunner:
         self.unverified_batching = unverified_batching
         self.block_outputs = reads_block_outputs(module)
         self._check = functools.partial(check_block_output, with_output=self.block_outputs)
+        self._said_random = False  # the dropout-order warning, once per run
 
     def find_backward_floor(self, micro_batch: Any) -> None:
         """Find the lowest unit whose backward is needed: 0 when pre_stage trains (its gradient flows down
@@ -231,6 +235,7 @@ class StepRunner:
                 y = self.unit_forward(u, w, x, self._side(state, order), outs)
             if not _same_rng(before, _rng_state(self.device)):
                 state.random_units.add(u)
+                self._say_random(u)
             for j, out in enumerate(outs or ()):
                 block = self.units[u].layout.first_block + j
                 for m, piece in zip(order, out.detach().split([state.sizes[m] for m in order])):
@@ -353,6 +358,17 @@ class StepRunner:
             y = self.unit_forward(u, w, x, self._side(state, order), outs)
         roots, seeds = self._roots(state, task, y, outs, g)
         return _grad(roots, xs + wt, seeds)
+
+    def _say_random(self, u: int) -> None:
+        """The first unit seen drawing random numbers: the masks are the run's own, not plain Lightning's."""
+        if not self._said_random:
+            self._said_random = True
+            log.warning(
+                "the blocks of unit %d draw random numbers (dropout): the recompute replays each forward's masks "
+                "exactly, but the schedule draws them unit by unit over the micro-batches, where plain Lightning "
+                "draws them micro-batch by micro-batch through every block, so this run's masks are other samples "
+                "of the same distribution and its parameters equal plain Lightning's only with dropout off (p=0). "
+                "Everything else is exact", u)
 
     def _replay(self, state: StepState, u: int, order: tuple[int, ...]):
         """The RNG stream the forward of (u, order) saw, or nothing to replay when it drew no numbers."""
