@@ -15,6 +15,7 @@ from snake_strategy.checkpoint.format import is_checkpoint_dir
 from snake_strategy.checkpoint.store import wrong_strategy_error
 from snake_strategy.contract import check_block_output, unpack_pre_stage
 from snake_strategy.engine.view import running_engine
+from snake_strategy.units import reset_own_parameters
 
 
 class LayeredModule(pl.LightningModule):
@@ -54,11 +55,10 @@ class LayeredModule(pl.LightningModule):
 
         The strategy materializes the model one unit at a time from the meta device and calls this on
         every sub-module in the same order as ``self.apply(self.init_module_weights)`` would, so a
-        seeded run initialises the same numbers either way. The default defers to ``reset_parameters``.
+        seeded run initialises the same numbers either way. The default is the module's own
+        ``reset_parameters`` (``units.reset_own_parameters``).
         """
-        reset = getattr(module, "reset_parameters", None)
-        if callable(reset):
-            reset()
+        reset_own_parameters(module)
 
     @classmethod
     def load_from_checkpoint(cls, checkpoint_path: Any, *args: Any, base: Any = None, **kwargs: Any) -> Any:

@@ -230,6 +230,18 @@ def materialize_unit_blocks(
     return flat
 
 
+def reset_own_parameters(module: nn.Module) -> None:
+    """``module``'s own initialisation as its constructor runs it: ``reset_parameters()``, or where only that
+    exists torch's ``_reset_parameters()`` (``nn.MultiheadAttention`` and ``nn.Transformer`` initialise through
+    it), so torch's transformer layers built on the meta device get the values they get in memory. Called in
+    ``nn.Module.apply`` order, children first, as their constructors run: the same random numbers."""
+    reset = getattr(module, "reset_parameters", None)
+    if not callable(reset):
+        reset = getattr(module, "_reset_parameters", None)
+    if callable(reset):
+        reset()
+
+
 def check_initialised(name: str, value: Tensor) -> None:
     """Refuse a parameter built on the meta device that no initialiser wrote (still the NaN it was filled
     with): its value from configure_model is gone, and plain Lightning would have trained from it."""

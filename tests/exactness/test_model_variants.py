@@ -7,8 +7,10 @@ import pytest
 import torch
 from torch import nn
 
+import snake_strategy
 from snake_strategy.gpt import GPTModule
-from tests.helpers import SMALL_GPT, StackModule, assert_steps_close, fit_snake, run_reference, run_snake, token_loader
+from tests.helpers import (SMALL_GPT, StackModule, assert_steps_close, fit_lightning, fit_snake, run_reference,
+                           run_snake, token_loader)
 
 STEPS, MICRO, MICRO_SIZE, LR = 3, 4, 2, 1e-2
 
@@ -47,6 +49,33 @@ def test_variant_matches_plain_lightning(tmp_path, variant):
         assert "lm_head.weight" in names and "wte.weight" in names
     if variant == "no_bias":
         assert not any(n.endswith(".bias") for n in names), sorted(names)
+
+
+class TorchEncoderStack(StackModule):
+    """torch's own ``nn.TransformerEncoderLayer`` as the blocks, built in ``configure_model`` (on the meta device
+    under greedysnake, in memory under plain Lightning): its ``nn.MultiheadAttention`` initialises through
+    ``_reset_parameters``, not ``reset_parameters``."""
+
+    def __init__(self, width: int = 32, depth: int = 3, vocab: int = 64) -> None:
+        snake_strategy.LayeredModule.__init__(self)
+        self.width, self.depth, self.vocab, self.lr = width, depth, vocab, LR
+
+    def configure_model(self) -> None:
+        if hasattr(self, "blocks"):
+            return
+        self.embed = nn.Embedding(self.vocab, self.width)
+        self.blocks = nn.ModuleList(
+            nn.TransformerEncoderLayer(self.width, 4, 2 * self.width, dropout=0.0, batch_first=True, norm_first=True)
+            for _ in range(self.depth))
+        self.head = nn.Linear(self.width, self.vocab)
+
+
+def test_torch_transformer_layers_built_on_meta_initialise_and_train_as_in_memory(tmp_path):
+    loader = token_loader(STEPS * MICRO * MICRO_SIZE, MICRO_SIZE)
+    ref = fit_lightning(TorchEncoderStack, loader, steps=STEPS, precision="64-true", accumulate=MICRO, record="step")
+    got = fit_snake(TorchEncoderStack, token_loader(STEPS * MICRO * MICRO_SIZE, MICRO * MICRO_SIZE), steps=STEPS,
+                    precision="64-true", storage={"ssd_dir": str(tmp_path)}, schedule={"num_micro_batches": MICRO})
+    assert_steps_close(got.states, ref.states, "64-true", steps=STEPS)
 
 
 # ------------------------------------------------------------------------------------------ dropout

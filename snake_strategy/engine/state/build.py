@@ -23,7 +23,8 @@ from snake_strategy.progress import or_quiet
 from snake_strategy.sources.lora_init import adapter_initializer, nonlayer_adapter_values
 from snake_strategy.sources.pretrained import PretrainedSource
 from snake_strategy.storage.tiered import Tiers
-from snake_strategy.units import UnitLayout, WeightFormat, check_initialised, materialize_unit_blocks
+from snake_strategy.units import (UnitLayout, WeightFormat, check_initialised, materialize_unit_blocks,
+                                  reset_own_parameters)
 
 
 @dataclass
@@ -121,7 +122,7 @@ def build_model(module: nn.Module, optimizer: torch.optim.Optimizer, plan: RunPl
 def materialize(module: nn.Module, layouts: list[UnitLayout], named: list[tuple[str, nn.Parameter]],
                  device: torch.device, source: PretrainedSource | None, dtypes: DtypePolicy, blocks_prefix: str,
                  blocks_per_unit: int, store_unit: Callable[[UnitLayout, torch.Tensor], UnitStore]) -> list[UnitStore]:
-    init_fn = getattr(module, "init_module_weights", None) or _reset_parameters
+    init_fn = getattr(module, "init_module_weights", None) or reset_own_parameters
     adapter_init = adapter_initializer(module)  # peft adapters of a meta-built model: initialised as peft does
     if adapter_init is not None:
         init_fn = _then(init_fn, adapter_init)
@@ -181,9 +182,3 @@ def _then(first: Callable[[nn.Module], None], second: Callable[[nn.Module], None
         second(module)
 
     return both
-
-
-def _reset_parameters(module: nn.Module) -> None:
-    reset = getattr(module, "reset_parameters", None)
-    if callable(reset):
-        reset()
