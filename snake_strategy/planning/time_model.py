@@ -229,7 +229,9 @@ class _Phase:
         self.read, self.write, self.host_bytes = self.read + read, self.write + write, self.host_bytes + host
 
     def seconds(self, hw: HardwareProfile) -> dict[str, float]:
-        """Each resource's busy time in this phase (the CPU's: what shares the cores, as in ``predict``)."""
+        """Each resource's busy time in this phase; on a CPU machine also ``cpu``: the compute, the optimizer,
+        the copies and the SSD's processor time, which share the cores (not added again to rates measured in a
+        step, where they already shared them)."""
         busy = {"compute": self.compute_s,
                 "ssd": self.read / (hw.ssd_read_gb_per_s * 1e9) + self.write / (hw.ssd_write_gb_per_s * 1e9),
                 "host_copy": self.host_bytes / (hw.host_copy_gb_per_s * 1e9),
@@ -321,16 +323,10 @@ def predict(shape: ModelShape, hw: HardwareProfile, storage: StorageConfig, kind
     fwd.compute_s = min(compute_s, M * fwd_unit * max(0, L - 1) / hw.flops_per_s)
     bwd.compute_s = compute_s - fwd.compute_s
     bwd.optimizer_params += shape.nonlayer_params
-    read, write = fwd.read + bwd.read, fwd.write + bwd.write
-    ssd_s = read / (hw.ssd_read_gb_per_s * 1e9) + write / (hw.ssd_write_gb_per_s * 1e9)
-    host_copy_s = (fwd.host_bytes + bwd.host_bytes) / (hw.host_copy_gb_per_s * 1e9)
-    optimizer_s = (sum(shape.trainable) + shape.nonlayer_params) / hw.optimizer_params_per_s
-    bounds = {"compute": compute_s, "ssd": ssd_s, "host_copy": host_copy_s, "optimizer": optimizer_s}
-    if hw.device_is_cpu and not hw.measured_in_step:
-        bounds["cpu"] = compute_s + optimizer_s + host_copy_s + (read + write) / 1e9 * hw.ssd_cpu_s_per_gb
+    phases = [phase.seconds(hw) for phase in (fwd, bwd)]
+    bounds = {resource: phases[0][resource] + phases[1][resource] for resource in phases[0]}  # the whole step's
     bound = max(bounds, key=bounds.get)
     roofline_s = bounds[bound]
-    phases = [phase.seconds(hw) for phase in (fwd, bwd)]
     phased_s = sum(max(busy.values()) for busy in phases)
     if phased_s > roofline_s * (1 + 1e-9):
         # the resource a phase waits on beyond its compute: the phase that waits longest names it
@@ -341,7 +337,9 @@ def predict(shape: ModelShape, hw: HardwareProfile, storage: StorageConfig, kind
 
         _, bound = max(waiting(busy) for busy in phases)
         roofline_s = phased_s
-    return StepPrediction(compute_s, ssd_s, host_copy_s, optimizer_s, roofline_s, bound, round(read), round(write))
+    read, write = fwd.read + bwd.read, fwd.write + bwd.write
+    return StepPrediction(bounds["compute"], bounds["ssd"], bounds["host_copy"], bounds["optimizer"], roofline_s, bound,
+                          round(read), round(write))
 
 
 # The knee is searched up to this many micro-batches per step.
