@@ -196,19 +196,16 @@ class FastAdamW8bit(torch.optim.Optimizer):
         weights = p.detach().contiguous().view(-1)
         grad = p.grad.reshape(-1)
         whole_rows = p.numel() // BLOCK
-        states = (state["exp_avg_codes"], state["exp_avg_absmax"].view(rows, 1), state["exp_avg_sq_codes"],
-                  state["exp_avg_sq_root_max"].view(rows, 1))
+        states = tuple(state[key].view(rows, -1) for key in _8BIT_KEYS)  # codes [rows, BLOCK], maxima [rows, 1]
         if whole_rows == rows <= CHUNK_ROWS:
             # One kernel call: the state takes its new tensors instead of a copy of them (the copy was ~7% of a
             # 768 x 768 step); the old ones go back to malloc, which hands them to the next step's outputs.
             new = KERNEL(*(_plain(t) for t in (weights.view(rows, BLOCK), grad.view(rows, BLOCK), *states)), hp)
             for key, value in zip(_8BIT_KEYS, new):
                 state[key] = value.view(state[key].shape)
-            if not p.is_contiguous():
-                p.copy_(weights.view_as(p))
-            return
-        _step_blocks(weights[:whole_rows * BLOCK].view(whole_rows, BLOCK),
-                     grad[:whole_rows * BLOCK].view(whole_rows, BLOCK), [s[:whole_rows] for s in states], hp)
+        else:
+            _step_blocks(weights[:whole_rows * BLOCK].view(whole_rows, BLOCK),
+                         grad[:whole_rows * BLOCK].view(whole_rows, BLOCK), [s[:whole_rows] for s in states], hp)
         if whole_rows < rows:
             # Two rows, the second all zeros: a one-row call would compile a second kernel (torch specializes
             # a dimension of size 1).

@@ -127,7 +127,6 @@ class RunPredictor:
         log.info("planner: the last %d steps %s: predicted %.3f s/step (%s-bound) for such steps",
                  len(self.recent_modes), "deferred their whole updates (clipped norms)" if deferring else
                  "speculated (norms within max_norm)", prediction.roofline_s, prediction.bound)
-        self.prediction = prediction
         return with_prediction(plan, self.model_shape, plan.hardware, prediction, alpha, plan.kept_units)
 
 

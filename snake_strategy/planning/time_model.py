@@ -174,6 +174,11 @@ def weight_fetches_per_step(kind: str, num_units: int, num_micro: int, backward_
     return num_micro * passes - (num_micro - 1 if backward_from == 0 else 0)
 
 
+def unit_forward_flops(shape: ModelShape) -> float:
+    """FLOPs of one unit's forward over one micro-batch: 2 per parameter per token, and its attention."""
+    return (2 * shape.params_per_unit + shape.attention_flops_per_token_per_unit) * shape.tokens_per_micro
+
+
 def step_flops_split(shape: ModelShape) -> tuple[float, float]:
     """(forward FLOPs, backward FLOPs) of one optimizer step: 2 per parameter per token forward (recompute
     included), 4 backward.
@@ -181,7 +186,7 @@ def step_flops_split(shape: ModelShape) -> tuple[float, float]:
     A unit's backward is its input gradient (one forward's worth) plus its weight gradient (one forward's
     worth times its trainable share); units below ``backward_from`` only run forward, and the lowest
     unit with a backward needs no input gradient when it is above unit 0."""
-    fwd_unit = (2 * shape.params_per_unit + shape.attention_flops_per_token_per_unit) * shape.tokens_per_micro
+    fwd_unit = unit_forward_flops(shape)
     b0, last = shape.backward_from, shape.num_units - 1
     first_kept = last - shape.kept_units  # units [first_kept, last) keep their graph: no recompute
     forward = backward = 0.0
@@ -285,11 +290,10 @@ def predict(shape: ModelShape, hw: HardwareProfile, storage: StorageConfig, kind
         # The optimizer reads and writes the master and its state once; bf16-true refreshes the compute copy.
         state_ssd = master["ssd"] + states * moments["ssd"]
         state_host = 2 * master["host"] + 2 * states * moments["host"]
-        refresh = tier_bytes(shape.weight_elems_per_unit or u, storage.weights, e_w, 0, t) if separate_master else None
-        if refresh is not None:
+        refresh_ssd = refresh_host = 0
+        if separate_master:
+            refresh = tier_bytes(shape.weight_elems_per_unit or u, storage.weights, e_w, 0, t)
             refresh_ssd, refresh_host = refresh["ssd"], refresh["host"] + tail
-        else:
-            refresh_ssd = refresh_host = 0
         # The update's share that runs in the next forward: the forward part, or all of a deferring step.
         in_forward = 1.0 if deferring or t == 0 else forward_end / t
         for phase, share in ((fwd, in_forward), (bwd, 1 - in_forward)):
@@ -298,16 +302,15 @@ def predict(shape: ModelShape, hw: HardwareProfile, storage: StorageConfig, kind
         # the parked forward part: written by the backward, read back by the next forward's update
         fwd.add_moved(grad_part["ssd"], 0, 0)
         bwd.add_moved(partials * grad_full["ssd"], grad_part["ssd"] + partials * grad_full["ssd"], 0)
-        if speculative:
+        if speculative and deferring:  # the backward part's raw gradient, saved by the backward, read by the forward
+            saved = tier_bytes(t - forward_end, rollback_split, e_m)
+            bwd.add_moved(0, saved["ssd"], saved["host"])
+            fwd.add_moved(saved["ssd"], 0, saved["host"])
+        elif speculative:  # the rollback copies (gradient + in-memory states); the states' SSD part is held
             _, copied, _ = unit_rollback_elems(t, u, alpha, storage, separate_master, shape.optimizer_shards, 0,
                                                states)
-            if deferring:  # the backward part's raw gradient, saved by the backward and read by the next forward
-                saved = tier_bytes(t - forward_end, rollback_split, e_m)
-                bwd.add_moved(0, saved["ssd"], saved["host"])
-                fwd.add_moved(saved["ssd"], 0, saved["host"])
-            else:  # the rollback copies (gradient + in-memory states); the states' SSD part is held
-                rollback = tier_bytes(copied, rollback_split, e_m)
-                bwd.add_moved(0, rollback["ssd"], rollback["host"])
+            rollback = tier_bytes(copied, rollback_split, e_m)
+            bwd.add_moved(0, rollback["ssd"], rollback["host"])
     if L > 1:
         # Each SSD checkpoint (a unit's input) is written once, by the forward, and read by the unit's forward
         # and by its recompute; the last unit's input only once (its backward is fused with its forward), and
@@ -319,8 +322,7 @@ def predict(shape: ModelShape, hw: HardwareProfile, storage: StorageConfig, kind
     compute_s = compute_seconds(shape, hw)
     # The forward pass of the units below the last, at the forward's rate (the turn, the head and the
     # non-layer work are counted with the backward).
-    fwd_unit = (2 * shape.params_per_unit + shape.attention_flops_per_token_per_unit) * shape.tokens_per_micro
-    fwd.compute_s = min(compute_s, M * fwd_unit * max(0, L - 1) / hw.flops_per_s)
+    fwd.compute_s = min(compute_s, M * unit_forward_flops(shape) * max(0, L - 1) / hw.flops_per_s)
     bwd.compute_s = compute_s - fwd.compute_s
     bwd.optimizer_params += shape.nonlayer_params
     phases = [phase.seconds(hw) for phase in (fwd, bwd)]

@@ -150,8 +150,9 @@ def dead_runs(near: str, lock_name: str, is_alive: Callable[[str, int], bool]) -
     for directory in sorted(candidates):
         if os.path.realpath(directory) == os.path.realpath(near) or not os.path.isdir(directory):
             continue
-        pid = lock_pid(os.path.join(directory, lock_name))
-        if pid is None or is_alive(os.path.join(directory, lock_name), pid):
+        lock_path = os.path.join(directory, lock_name)
+        pid = lock_pid(lock_path)
+        if pid is None or is_alive(lock_path, pid):
             continue
         try:
             if os.stat(directory).st_dev != device:
